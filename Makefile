@@ -1,0 +1,30 @@
+# pl_dp — two commands: `make demo` and `make test` (each sets up .venv first).
+VENV ?= .venv
+PYTHON ?= python3
+# CPU build from the local wheel cache; override for CUDA, e.g. TORCH_SPEC="torch==2.13.0" with your index.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/pl-dp fit --config configs/digits/dpzero.yaml
+
+test: $(STAMP)
+	WANDB_MODE=offline $(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pl_dp tests benchmarks examples
+
+bench: $(STAMP)
+	$(PY) benchmarks/step_cost.py

@@ -1,0 +1,5 @@
+"""Callbacks that talk to pl_dp methods through their documented privacy protocol."""
+
+from pl_dp.callbacks.budget import PrivacyBudget
+
+__all__ = ["PrivacyBudget"]

@@ -1,0 +1,7 @@
+"""One LightningModule per private method (manual optimization)."""
+
+from pl_dp.methods.base import PrivateModule
+from pl_dp.methods.dpzero import DPZero
+from pl_dp.methods.zeroth_order import ZerothOrderModule
+
+__all__ = ["DPZero", "PrivateModule", "ZerothOrderModule"]

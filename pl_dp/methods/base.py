@@ -1,0 +1,366 @@
+"""The base of every pl_dp method: privacy plan, accounting, logging and checkpointed state.
+
+A method subclasses :class:`PrivateModule` and implements two things:
+
+* :meth:`PrivateModule.mechanism` — its per-step release (sensitivity, number of sums); the
+  base adds σ, the sample rate and the expected batch size (invariant 7);
+* :meth:`PrivateModule.private_step` — its math for one step, which must add noise through
+  that mechanism and nothing else.
+
+The base owns everything the guarantee depends on: it reads n and q from the Poisson sampler
+actually used (invariant 1), calibrates σ for every planned step, steps the accountant exactly
+once per private step, refuses a step that would exceed ε (invariant 4), and saves/restores the
+accountant, noise generator, counters and sampler position (invariant 5).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+
+from pl_dp.privacy.accountants import Accountant, create_accountant
+from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
+from pl_dp.privacy.losses import (
+    LossSpec,
+    batch_size_of,
+    cross_entropy,
+    forward,
+    resolve_loss,
+    split_inputs_targets,
+)
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.noise import NoiseSource
+from pl_dp.privacy.sampling import PoissonBatchSampler, poisson_sampler_of
+from pl_dp.privacy.spec import PrivacySpec
+
+
+def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}.")
+
+
+class PrivateModule(L.LightningModule):
+    """Privacy protocol shared by all methods (see ARCHITECTURE.md "Public names").
+
+    Args:
+        net: the model (any ``nn.Module``, including a LightningModule).
+        loss: ``"cross_entropy"``, ``"mse"`` or a callable ``(net, batch) -> Tensor[B]`` giving one
+            loss per example.
+        lr: step size η.
+        privacy: the privacy request; ``None`` runs the same method without noise or accounting.
+        noise_seed: seed of the DP noise generator. Default ``None`` draws it from OS entropy.
+            Set it only for tests and reproduction: whoever knows it can remove the noise.
+        log_private_metrics: also log train loss/accuracy computed on the *private* batch under
+            ``diagnostics/`` (not differentially private; off by default, PAZO spec A29).
+    """
+
+    #: whether the method needs a public loader (PAZO, Coupling)
+    requires_public_data: bool = False
+
+    def __init__(
+        self,
+        net: nn.Module,
+        loss: LossSpec = "cross_entropy",
+        lr: float = 1e-3,
+        privacy: PrivacySpec | None = None,
+        noise_seed: int | None = None,
+        log_private_metrics: bool = False,
+    ) -> None:
+        super().__init__()
+        _positive("lr", lr)
+        if privacy is not None and not isinstance(privacy, PrivacySpec):
+            raise TypeError(f"privacy must be a PrivacySpec or None, got {type(privacy).__name__}.")
+        self.save_hyperparameters(ignore=["net"] + ([] if isinstance(loss, str) else ["loss"]))
+        self.automatic_optimization = False
+        self.net = net
+        self.loss_fn = resolve_loss(loss)
+        self._lr = float(lr)
+        self.privacy = privacy
+        self.noise = NoiseSource(noise_seed)
+        self.accountant: Accountant | None = create_accountant(privacy.accountant) if privacy else None
+        self.log_private_metrics = log_private_metrics
+        # privacy plan (set in setup_privacy, restored from checkpoints)
+        self.noise_multiplier: float = 0.0
+        self.sample_rate: float | None = None
+        self.delta: float | None = None
+        self.expected_batch_size: float | None = None
+        self.planned_steps: int | None = None
+        # counters
+        self.private_steps = 0
+        self.nonfinite_total = 0
+        self.privacy_exhausted = False
+        self._sampler: PoissonBatchSampler | None = None
+        self._sampler_start = 0
+        self._batches_consumed = 0
+        self._restored: dict[str, Any] | None = None
+        self._plan_ready = False
+        self._budget: StepBudget | None = None
+        self._tracker: EpsilonTracker | None = None
+        self._metrics: nn.ModuleDict = nn.ModuleDict()
+
+    # ---- the method's part -----------------------------------------------------------------
+    def mechanism(self, batch_size: int) -> SubsampledGaussian:
+        """This method's per-step mechanism (override via :meth:`_gaussian`)."""
+        raise NotImplementedError
+
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+        """One step of the method's math; returns privatized (safe to log) statistics."""
+        raise NotImplementedError
+
+    def _gaussian(self, batch_size: int, sensitivity: float | None, releases: int = 1) -> SubsampledGaussian:
+        expected = self.expected_batch_size if self.expected_batch_size is not None else max(batch_size, 1)
+        return SubsampledGaussian(
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=self.sample_rate or 1.0,
+            sensitivity=sensitivity if sensitivity is not None else math.inf,
+            expected_batch_size=expected,
+            releases=releases,
+        )
+
+    # ---- parameters and step size -----------------------------------------------------------
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+        return params
+
+    @property
+    def lr(self) -> float:
+        """Current step size; reads the optimizer's so LR schedulers and schedule callbacks agree."""
+        opt = self._optimizer_or_none()
+        return float(opt.param_groups[0]["lr"]) if opt is not None else self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        _positive("lr", value)
+        self._lr = float(value)
+        opt = self._optimizer_or_none()
+        if opt is not None:
+            for group in opt.param_groups:
+                group["lr"] = float(value)
+
+    def _optimizer_or_none(self) -> torch.optim.Optimizer | None:
+        trainer = self._trainer
+        if trainer is None or not trainer.optimizers:
+            return None
+        return trainer.optimizers[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # Holds the step size (for LR schedulers) and advances Lightning's global_step; the
+        # private update itself is written by the method, so no gradients reach it unless the
+        # method sets them on purpose.
+        return torch.optim.SGD(self.trainable_parameters(), lr=self._lr)
+
+    # ---- privacy plan ------------------------------------------------------------------------
+    def setup_privacy(self) -> None:
+        """Read the sampler, calibrate σ for every planned step, prepare the budget guard. Idempotent."""
+        if self._plan_ready:
+            return
+        trainer = self.trainer
+        loader = trainer.train_dataloader
+        sampler = poisson_sampler_of(loader) if self.privacy is not None else getattr(loader, "batch_sampler", None)
+        planned = trainer.estimated_stepping_batches
+        if not math.isfinite(planned):
+            raise ValueError("private training needs a finite plan: set trainer max_steps or max_epochs.")
+        if self.privacy is not None and trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "accumulate_grad_batches must be 1: each Poisson batch is one private step "
+                "(use a larger batch_size for a larger expected batch)."
+            )
+        self.planned_steps = int(planned)
+        self._plan_ready = True
+        if isinstance(sampler, PoissonBatchSampler):
+            self._sampler = sampler
+            self.sample_rate = sampler.sample_rate
+            self.expected_batch_size = sampler.expected_batch_size
+            if self._restored is not None and "sampler" in self._restored:
+                sampler.load_state_dict(self._restored["sampler"])
+            self._sampler_start = sampler.position
+            self._batches_consumed = 0
+        if self.privacy is None:
+            return
+        spec = self.privacy
+        n = sampler.num_samples
+        self.delta = spec.resolve_delta(n)
+        if self._restored is not None:
+            self._check_restored_plan()
+        elif spec.noise_multiplier is not None:
+            self.noise_multiplier = spec.noise_multiplier
+            eps = self.accountant.epsilon_after(self.delta, self.planned_steps, self.noise_multiplier, self.sample_rate)
+            if eps > spec.epsilon:
+                raise ValueError(
+                    f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} "
+                    f"(delta={self.delta:.3g}) for the {self.planned_steps} planned private steps at sample "
+                    f"rate {self.sample_rate:.4g}: it would spend epsilon={eps:.3f}. Raise the noise "
+                    "multiplier, plan fewer steps, or leave noise_multiplier=None to calibrate."
+                )
+        else:
+            self.noise_multiplier = calibrate_noise_multiplier(
+                spec.epsilon, self.delta, self.sample_rate, self.planned_steps, self.accountant
+            )
+        self._budget = StepBudget(self.accountant, spec.epsilon, self.delta, horizon=self.planned_steps)
+        self._tracker = EpsilonTracker(self.accountant, self.delta, self.planned_steps)
+
+    def _check_restored_plan(self) -> None:
+        saved = self._restored
+        if saved["privacy"] != self.privacy.to_dict():
+            raise ValueError(
+                f"the checkpoint was trained with privacy={saved['privacy']} but this run asks for "
+                f"{self.privacy.to_dict()}: resuming under a different privacy spec is refused."
+            )
+        if not math.isclose(saved["sample_rate"], self.sample_rate, rel_tol=1e-12):
+            raise ValueError(
+                f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's "
+                f"{self.sample_rate:g}: the accountant would no longer match the sampler."
+            )
+        self.noise_multiplier = saved["noise_multiplier"]
+
+    @property
+    def epsilon(self) -> float:
+        """Exact ε spent so far (0 for a non-private run)."""
+        if self.accountant is None or self.delta is None:
+            return 0.0
+        return self.accountant.get_epsilon(self.delta)
+
+    def on_train_start(self) -> None:
+        self.setup_privacy()
+        if self.requires_public_data:
+            self.public_batches()  # fail at fit start, not at the first step
+
+    # ---- the step ----------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        if self.privacy is not None:
+            if self.privacy_exhausted or not self._budget.allows(self.noise_multiplier, self.sample_rate):
+                self.privacy_exhausted = True
+                self.trainer.should_stop = True
+                return None
+        batch_size = batch_size_of(batch)
+        mechanism = self.mechanism(batch_size)
+        stats = self.private_step(batch, batch_size, mechanism)
+        mechanism.account(self.accountant)
+        self.private_steps += 1
+        self._batches_consumed += 1
+        opt = self.optimizers()
+        for p in self.trainable_parameters():
+            p.grad = None
+        opt.step()  # no gradients: advances global_step only
+        self._log_step(stats, batch_size)
+        if self.log_private_metrics:
+            self._log_private_metrics(batch)
+
+    def _log_step(self, stats: dict[str, torch.Tensor], batch_size: int) -> None:
+        nonfinite = stats.pop("nonfinite", None)
+        if nonfinite is not None:
+            self.nonfinite_total += int(nonfinite)
+        for name, value in stats.items():
+            self.log(name, value, on_step=True, on_epoch=False)
+        self.log("privacy/nonfinite_total", float(self.nonfinite_total), on_step=True, on_epoch=False)
+        self.log("privacy/private_steps", float(self.private_steps), on_step=True, on_epoch=False)
+        if self._tracker is not None:
+            self.log("privacy/epsilon", self._tracker.epsilon(), on_step=True, on_epoch=False, prog_bar=True)
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def _metric(self, name: str, num_classes: int) -> torchmetrics.Metric:
+        if name not in self._metrics:
+            metric = torchmetrics.classification.MulticlassAccuracy(num_classes=num_classes, average="micro")
+            self._metrics[name] = metric.to(self.device)
+        return self._metrics[name]
+
+    def _evaluate(self, batch: Any, stage: str) -> None:
+        if batch_size_of(batch) == 0:
+            return
+        logits = targets = None
+        try:
+            inputs, targets = split_inputs_targets(batch)
+            logits = forward(self.net, inputs)
+        except (KeyError, TypeError):
+            pass
+        if self.loss_fn is cross_entropy and logits is not None:
+            losses = F.cross_entropy(logits.float(), targets, reduction="none")
+        else:
+            losses = self.loss_fn(self.net, batch)
+        self.log(f"{stage}/loss", losses.float().mean(), on_epoch=True, prog_bar=stage == "val")
+        if logits is not None and logits.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
+            metric = self._metric(f"{stage}_acc".replace("/", "_"), logits.shape[-1])
+            metric(logits, targets)
+            self.log(f"{stage}/acc", metric, on_epoch=True, prog_bar=stage == "val")
+
+    def _log_private_metrics(self, batch: Any) -> None:
+        with torch.no_grad():
+            self._evaluate(batch, "diagnostics/train_not_private")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.net(*args, **kwargs)
+
+    # ---- public data -------------------------------------------------------------------------
+    def public_batches(self):
+        """An endless iterator of public batches from the datamodule (methods that need public data)."""
+        dm = getattr(self.trainer, "datamodule", None)
+        public = getattr(dm, "public_iterator", None)
+        if public is None:
+            raise ValueError(
+                f"{type(self).__name__} needs public data: use a PrivatePublicDataModule with a public dataset."
+            )
+        return public()
+
+    # ---- checkpointing -------------------------------------------------------------------------
+    def privacy_state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "method": type(self).__name__,
+            "privacy": self.privacy.to_dict() if self.privacy else None,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "delta": self.delta,
+            "planned_steps": self.planned_steps,
+            "private_steps": self.private_steps,
+            "nonfinite_total": self.nonfinite_total,
+            "noise": self.noise.state_dict(),
+            "accountant": self.accountant.state_dict() if self.accountant else None,
+        }
+        if self._sampler is not None:
+            state["sampler"] = {
+                "position": self._sampler_start + self._batches_consumed,
+                "seed": self._sampler.seed,
+            }
+        return state
+
+    def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("method") != type(self).__name__:
+            raise ValueError(
+                f"this checkpoint was written by {state.get('method')!r}, not {type(self).__name__!r}: "
+                "its privacy state cannot be resumed by another method."
+            )
+        if (state["privacy"] is None) != (self.privacy is None):
+            raise ValueError("cannot resume a private run as a non-private one or the reverse.")
+        self.private_steps = int(state["private_steps"])
+        self.nonfinite_total = int(state["nonfinite_total"])
+        self.noise.load_state_dict(state["noise"])
+        if self.accountant is not None:
+            self.accountant.load_state_dict(state["accountant"])
+        self._restored = state
+        self._plan_ready = False  # setup_privacy re-reads the loader and checks it against the checkpoint
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["pl_dp"] = self.privacy_state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "pl_dp" not in checkpoint:
+            raise ValueError(
+                "this checkpoint has no pl_dp privacy state (accountant history, noise state): resuming "
+                "would restart the accountant from zero and under-report epsilon."
+            )
+        self.load_privacy_state_dict(checkpoint["pl_dp"])

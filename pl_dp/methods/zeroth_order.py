@@ -1,0 +1,116 @@
+"""Shared plumbing of the zeroth-order methods: engine, estimator, direction seed, hyperparameters.
+
+The math of each method lives in its own module (``dpzero.py``, ``pazo.py``); this class only
+wires :mod:`pl_dp.zo` into :class:`~pl_dp.methods.base.PrivateModule`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_dp.methods.base import PrivateModule, _positive
+from pl_dp.privacy.losses import LossSpec
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.zo.engine import Direction, PerturbationEngine
+from pl_dp.zo.estimator import PrivateTwoPointEstimator, per_sample_evaluator
+
+_DIRECTION_TAG = 0xD1EC
+
+
+class ZerothOrderModule(PrivateModule):
+    """A private method that queries the private batch only through two-point loss differences.
+
+    Args (beyond :class:`PrivateModule`):
+        clip: C, the bound each example's scalar finite difference is clamped to. Required for
+            private runs; ``None`` (no clipping) only without privacy.
+        smoothing: λ, the finite-difference radius.
+        queries: q, directions per step (each a private release; noise std √q·σ·C per query).
+        direction: ``"gaussian"`` (default, as in the papers' experiments) or ``"sphere"``.
+        radius: sphere radius (or matching Gaussian second moment); ``None`` means the method's
+            default (√d for DPZero).
+
+    The directions are seeded from ``torch.initial_seed()`` (so ``seed_everything`` makes them
+    reproducible) and a step counter; they never share a generator with the DP noise.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        loss: LossSpec = "cross_entropy",
+        lr: float = 1e-3,
+        clip: float | None = 1.0,
+        smoothing: float = 1e-3,
+        queries: int = 1,
+        direction: str = "gaussian",
+        radius: float | None = None,
+        privacy: PrivacySpec | None = None,
+        noise_seed: int | None = None,
+        log_private_metrics: bool = False,
+    ) -> None:
+        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics)
+        _positive("clip", clip, allow_none=privacy is None)
+        _positive("smoothing", smoothing)
+        if isinstance(queries, bool) or int(queries) != queries or queries < 1:
+            raise ValueError(f"queries must be an integer >= 1, got {queries!r}.")
+        self.clip = None if clip is None else float(clip)
+        self.queries = int(queries)
+        self._smoothing = float(smoothing)
+        self._direction = Direction(direction, radius)
+        self.direction_seed = derive_seed(torch.initial_seed(), _DIRECTION_TAG)
+        self._estimator: PrivateTwoPointEstimator | None = None
+
+    @property
+    def smoothing(self) -> float:
+        """λ; settable (schedules change it between steps)."""
+        return self._smoothing
+
+    @smoothing.setter
+    def smoothing(self, value: float) -> None:
+        _positive("smoothing", value)
+        self._smoothing = float(value)
+        if self._estimator is not None:
+            self._estimator.smoothing = float(value)
+
+    def default_radius(self, dim: int) -> float | None:
+        """The method's direction radius when the user gives none (None: √d)."""
+        return None
+
+    @property
+    def estimator(self) -> PrivateTwoPointEstimator:
+        if self._estimator is None:
+            params = self.trainable_parameters()
+            direction = self._direction
+            if direction.radius is None:
+                dim = sum(p.numel() for p in params)
+                direction = Direction(direction.kind, self.default_radius(dim))
+            engine = PerturbationEngine(params, self.direction_seed, direction)
+            self._estimator = PrivateTwoPointEstimator(engine, self._smoothing, self.clip, self.queries)
+        return self._estimator
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._estimator = None  # rebuilt on the parameters as they are now (freezing, device moves)
+
+    def mechanism(self, batch_size: int) -> SubsampledGaussian:
+        """q scalar releases per step, each with per-example sensitivity C (PAZO spec §3)."""
+        return self._gaussian(batch_size, self.clip, releases=self.queries)
+
+    def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian):
+        """Privatized q-query two-point estimate at the current parameters (θ left at θ − λu_q)."""
+        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size)
+        return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise)
+
+    def privacy_state_dict(self) -> dict[str, Any]:
+        state = super().privacy_state_dict()
+        state["direction_seed"] = self.direction_seed
+        return state
+
+    def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_privacy_state_dict(state)
+        self.direction_seed = int(state["direction_seed"])
+        self._estimator = None

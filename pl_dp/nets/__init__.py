@@ -1,0 +1,5 @@
+"""Reference networks."""
+
+from pl_dp.nets.mlp import MLP
+
+__all__ = ["MLP"]

@@ -1,0 +1,36 @@
+"""Privacy core: spec, accountants, calibration, mechanisms, clipping, sampling, noise.
+
+Plain torch + Opacus; no Lightning imports.
+"""
+
+from pl_dp.privacy.accountants import GDP, PRV, RDP, Accountant, create_accountant, register_accountant
+from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
+from pl_dp.privacy.clipping import clip_scalars
+from pl_dp.privacy.losses import batch_size_of, check_per_sample, resolve_loss
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.noise import NoiseSource
+from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
+from pl_dp.privacy.spec import PrivacySpec
+
+__all__ = [
+    "GDP",
+    "PRV",
+    "RDP",
+    "Accountant",
+    "EmptySafeCollate",
+    "EpsilonTracker",
+    "NoiseSource",
+    "PoissonBatchSampler",
+    "PrivacySpec",
+    "StepBudget",
+    "SubsampledGaussian",
+    "batch_size_of",
+    "calibrate_noise_multiplier",
+    "check_per_sample",
+    "clip_scalars",
+    "create_accountant",
+    "poisson_loader",
+    "poisson_sampler_of",
+    "register_accountant",
+    "resolve_loss",
+]

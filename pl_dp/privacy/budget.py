@@ -1,0 +1,127 @@
+"""Noise calibration, budget guards and a cheap per-step ε for logging.
+
+All three sit on :class:`~pl_dp.privacy.accountants.Accountant` so that calibration, the stop
+rule and the logged number use the same accountant as the final report.
+"""
+
+from __future__ import annotations
+
+import math
+
+from opacus.accountants.utils import get_noise_multiplier
+
+from pl_dp.privacy.accountants import Accountant
+
+
+def calibrate_noise_multiplier(
+    epsilon: float, delta: float, sample_rate: float, steps: int, accountant: Accountant
+) -> float:
+    """Smallest σ (to 0.5 % of ε) with ε(σ, q, steps) ≤ ``epsilon`` under ``accountant``'s backend.
+
+    Opacus' ``get_noise_multiplier`` does the search; the result is then re-checked with the
+    accountant the run will use, so the plan can never overshoot the target.
+    """
+    if steps < 1:
+        raise ValueError(f"cannot calibrate noise for {steps} planned private steps.")
+    sigma = float(
+        get_noise_multiplier(
+            target_epsilon=epsilon,
+            target_delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=accountant.mechanism,
+            epsilon_tolerance=0.005 * epsilon,
+        )
+    )
+    fresh = type(accountant)()
+    while fresh.epsilon_after(delta, steps, sigma, sample_rate) > epsilon:  # defensive; Opacus bisects from above
+        sigma *= 1.001
+    return sigma
+
+
+class StepBudget:
+    """Answers "may one more private step run without ε exceeding the target?".
+
+    Each answer is exact for the accountant (a prospective ε on a copy of the history), but the
+    guard verifies whole ranges of future steps at once, so a run that stays on plan pays for one
+    accountant evaluation, not one per step. Any change of mechanism (σ or q) drops the cache.
+    """
+
+    def __init__(self, accountant: Accountant, target_epsilon: float, delta: float, horizon: int = 0) -> None:
+        if not target_epsilon > 0:
+            raise ValueError(f"target epsilon must be > 0, got {target_epsilon}.")
+        self.accountant = accountant
+        self.target_epsilon = float(target_epsilon)
+        self.delta = float(delta)
+        self.horizon = int(horizon)
+        self._key: tuple | None = None
+        self._ok_through = 0  # total step count known to satisfy the target
+        self._bad_from: int | None = None  # total step count known to exceed it
+
+    def _reset_if_changed(self, sigma: float, rate: float) -> None:
+        history = self.accountant.history
+        prefix = history[:-1] if history and history[-1][:2] == (sigma, rate) else history
+        key = (sigma, rate, tuple(prefix))
+        if key != self._key:
+            self._key = key
+            self._ok_through = self.accountant.steps
+            self._bad_from = None
+
+    def _fits(self, total: int, sigma: float, rate: float) -> bool:
+        extra = total - self.accountant.steps
+        return self.accountant.epsilon_after(self.delta, extra, sigma, rate) <= self.target_epsilon
+
+    def allows(self, noise_multiplier: float, sample_rate: float) -> bool:
+        """Whether the next step with (σ, q) keeps ε ≤ target."""
+        self._reset_if_changed(noise_multiplier, sample_rate)
+        nxt = self.accountant.steps + 1
+        if nxt <= self._ok_through:
+            return True
+        if self._bad_from is not None and nxt >= self._bad_from:
+            return False
+        far = max(nxt, self.horizon)
+        if self._fits(far, noise_multiplier, sample_rate):
+            self._ok_through = far
+            return True
+        if not self._fits(nxt, noise_multiplier, sample_rate):
+            self._bad_from = nxt
+            return False
+        lo, hi = nxt, far  # lo fits, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._fits(mid, noise_multiplier, sample_rate):
+                lo = mid
+            else:
+                hi = mid
+        self._ok_through, self._bad_from = lo, hi
+        return True
+
+
+class EpsilonTracker:
+    """A per-step ε for logging that costs (almost) nothing.
+
+    For cheap accountants (RDP with its cached curve, GDP) it is the exact ε. For PRV it is the
+    exact ε at the next multiple of ``stride`` steps — an upper bound on the ε spent so far
+    (ε grows with the step count), exact every ``stride`` steps and recomputed at most
+    ``planned / stride`` times per fit.
+    """
+
+    def __init__(self, accountant: Accountant, delta: float, planned_steps: int, evaluations: int = 32) -> None:
+        self.accountant = accountant
+        self.delta = float(delta)
+        self.stride = max(1, math.ceil(max(planned_steps, 1) / evaluations))
+        self._upto: tuple[tuple, int, float] | None = None
+
+    def epsilon(self) -> float:
+        acc = self.accountant
+        if acc.is_cheap or not acc.history:
+            return acc.get_epsilon(self.delta)
+        sigma, rate, _ = acc.history[-1]
+        prefix = tuple(acc.history[:-1])
+        steps = acc.steps
+        if self._upto is not None and self._upto[0] == (sigma, rate, prefix) and steps <= self._upto[1]:
+            return self._upto[2]
+        target = math.ceil(steps / self.stride) * self.stride
+        eps = acc.epsilon_after(self.delta, target - steps, sigma, rate)
+        self._upto = ((sigma, rate, prefix), target, eps)
+        return eps

@@ -1,0 +1,95 @@
+"""The per-sample loss contract (ANCHORS part 1 (b) item 4).
+
+A private method needs one loss value per example. ``loss`` is either a name
+(``"cross_entropy"``) or a callable ``(net, batch) -> Tensor[B]``; :func:`check_per_sample`
+enforces the contract on every call: a scalar (batch mean), a wrong length or an integer
+dtype raises, because clipping a batch mean silently breaks the sensitivity bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PerSampleLoss = Callable[[nn.Module, Any], torch.Tensor]
+LossSpec = Union[str, PerSampleLoss]
+
+
+def batch_size_of(batch: Any) -> int:
+    """Number of examples in ``batch``: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            if isinstance(value, torch.Tensor):
+                return batch_size_of(value)
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        for value in batch:
+            if isinstance(value, torch.Tensor) or isinstance(value, (Mapping, Sequence)):
+                try:
+                    return batch_size_of(value)
+                except TypeError:
+                    continue
+    raise TypeError(f"cannot find a tensor in the batch to size it (got {type(batch).__name__}).")
+
+
+def split_inputs_targets(batch: Any) -> tuple[Any, torch.Tensor]:
+    """``(x, y)`` from a tuple/list batch or a mapping with a ``labels`` key."""
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise KeyError("a dict batch needs a 'labels' entry for the built-in losses.")
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return inputs, batch["labels"]
+    if isinstance(batch, Sequence) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError("the built-in losses need a batch (inputs, targets) or a dict with 'labels'.")
+
+
+def forward(net: nn.Module, inputs: Any) -> torch.Tensor:
+    """Call ``net`` on inputs (a tensor or keyword mapping); unwrap Hugging Face outputs to logits."""
+    out = net(**inputs) if isinstance(inputs, Mapping) else net(inputs)
+    return getattr(out, "logits", out)
+
+
+def cross_entropy(net: nn.Module, batch: Any) -> torch.Tensor:
+    """Per-example cross-entropy, computed in fp32 whatever the model's dtype."""
+    inputs, targets = split_inputs_targets(batch)
+    return F.cross_entropy(forward(net, inputs).float(), targets, reduction="none")
+
+
+def mse(net: nn.Module, batch: Any) -> torch.Tensor:
+    """Per-example mean squared error (mean over all but the batch dimension), in fp32."""
+    inputs, targets = split_inputs_targets(batch)
+    err = (forward(net, inputs).float() - targets.float()) ** 2
+    return err.reshape(err.shape[0], -1).mean(dim=1)
+
+
+_LOSSES: dict[str, PerSampleLoss] = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def resolve_loss(loss: LossSpec) -> PerSampleLoss:
+    if callable(loss):
+        return loss
+    try:
+        return _LOSSES[loss]
+    except KeyError:
+        raise ValueError(f"unknown loss {loss!r}: use one of {sorted(_LOSSES)} or a callable (net, batch) -> Tensor[B].") from None
+
+
+def check_per_sample(losses: Any, batch_size: int) -> torch.Tensor:
+    """Enforce the per-sample contract and return the losses as an fp32 vector of length B."""
+    if not isinstance(losses, torch.Tensor):
+        raise TypeError(f"the per-sample loss must return a Tensor[B], got {type(losses).__name__}.")
+    if losses.dim() != 1 or losses.shape[0] != batch_size:
+        raise ValueError(
+            f"the per-sample loss must return one value per example, a Tensor of shape [{batch_size}]; "
+            f"got shape {tuple(losses.shape)}. A batch mean (reduction='mean') cannot be clipped per "
+            "example: use reduction='none'."
+        )
+    if not torch.is_floating_point(losses):
+        raise TypeError(f"the per-sample loss must be floating point, got dtype {losses.dtype}.")
+    return losses.float()

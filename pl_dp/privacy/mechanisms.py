@@ -1,0 +1,78 @@
+"""The per-step DP mechanism: one object that both adds the noise and feeds the accountant.
+
+Invariant 7 (ARCHITECTURE.md): each method declares its per-step mechanism in one place. A
+:class:`SubsampledGaussian` carries σ, the sample rate, the per-example sensitivity C, the number
+of sums released from the same batch and the expected batch size. The noise std of each
+release and the accountant step are both computed from it, so accounting cannot drift from
+the code that adds noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pl_dp.privacy.accountants import Accountant
+from pl_dp.privacy.noise import NoiseSource
+
+
+@dataclass(frozen=True)
+class SubsampledGaussian:
+    """A Poisson-subsampled Gaussian mechanism releasing ``releases`` noisy sums per step.
+
+    Each released sum Σ_i c_i has per-example contributions of L2 norm ≤ ``sensitivity`` (C)
+    under add/remove-one adjacency, so its sensitivity is C. Releasing m such sums from the same
+    batch with noise std √m·σ·C each is, by Gaussian composition (GDP: μ² = m·1/(mσ²)), exactly
+    one Gaussian mechanism with multiplier σ — what the accountant records (PAZO spec §3). The
+    released value is (sum + noise) / expected batch size (Poisson sampling: never divide by the
+    realized size, which would make the scale data-dependent).
+
+    ``noise_multiplier=0`` is the non-private run of the same method: no noise, no accounting.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    sensitivity: float
+    expected_batch_size: float
+    releases: int = 1
+
+    def __post_init__(self) -> None:
+        if self.noise_multiplier < 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}.")
+        if self.noise_multiplier > 0 and not self.sensitivity > 0:
+            raise ValueError(f"a private mechanism needs a finite sensitivity > 0, got {self.sensitivity}.")
+        if self.releases < 1:
+            raise ValueError(f"releases must be >= 1, got {self.releases}.")
+        if not self.expected_batch_size > 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {self.expected_batch_size}.")
+
+    @property
+    def is_private(self) -> bool:
+        return self.noise_multiplier > 0
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the Gaussian noise added to each released sum: √releases · σ · C."""
+        if not self.is_private:
+            return 0.0
+        return math.sqrt(self.releases) * self.noise_multiplier * self.sensitivity
+
+    def privatize(self, sums: torch.Tensor, noise: NoiseSource) -> torch.Tensor:
+        """(sums + N(0, noise_std²)) / expected batch size, for a tensor of released sums."""
+        noisy = sums + noise.normal(sums.shape, self.noise_std, sums.device, sums.dtype)
+        return noisy / self.expected_batch_size
+
+    def privatize_(self, sums: Sequence[torch.Tensor], noise: NoiseSource) -> None:
+        """In-place version for a vector release split into tensors (e.g. one gradient per parameter)."""
+        for t in sums:
+            if self.is_private:
+                t.add_(noise.normal(t.shape, self.noise_std, t.device, t.dtype))
+            t.div_(self.expected_batch_size)
+
+    def account(self, accountant: Accountant | None) -> None:
+        """Record one step of this mechanism (nothing for a non-private run)."""
+        if self.is_private and accountant is not None:
+            accountant.step(self.noise_multiplier, self.sample_rate)

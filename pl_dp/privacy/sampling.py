@@ -1,0 +1,133 @@
+"""Poisson sampling of the private set (invariant 1: the accountant matches the sampler).
+
+Each step includes every example independently with probability q = batch_size / n, so batches
+have variable size and may be empty; sums are normalized by the expected size q·n. Batch i is a
+pure function of (seed, i) — counter-based like the direction engine — so the sampler's whole
+state is its position, which the method saves and restores with its checkpoint.
+
+Under data parallelism every rank draws the same global Bernoulli mask and keeps the indices
+of its own shard (``index % num_replicas == rank``), so the union over ranks is exactly Poisson
+sampling of the whole private set at rate q.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from pl_dp.privacy.seeding import derive_seed
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Yields Poisson-sampled index lists: each example independently with probability ``sample_rate``."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps_per_epoch: int | None = None,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if num_samples < 1:
+            raise ValueError("the private dataset is empty: Poisson sampling needs at least one example.")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}.")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas}).")
+        self.num_samples = int(num_samples)
+        self.sample_rate = float(sample_rate)
+        self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
+        self.seed = int(seed)
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.position = 0  # index of the next batch to draw
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·n: the global expected batch size every rank normalizes by."""
+        return self.sample_rate * self.num_samples
+
+    def batch(self, index: int) -> list[int]:
+        """The indices of batch ``index`` (this rank's share)."""
+        g = torch.Generator().manual_seed(derive_seed(self.seed, index))
+        mask = torch.rand(self.num_samples, generator=g) < self.sample_rate
+        idx = mask.nonzero().flatten()
+        if self.num_replicas > 1:
+            idx = idx[idx % self.num_replicas == self.rank]
+        return idx.tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        end = (self.position // self.steps_per_epoch + 1) * self.steps_per_epoch
+        while self.position < end:
+            index = self.position
+            self.position += 1
+            yield self.batch(index)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.seed = int(state["seed"])
+
+
+class EmptySafeCollate:
+    """Collate that turns an empty Poisson batch into zero-length tensors of the right shapes."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any] = default_collate) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list) -> Any:
+        if items:
+            return self.collate_fn(items)
+        template = self.collate_fn([self.dataset[0]])
+        return _slice_empty(template)
+
+
+def _slice_empty(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj[:0]
+    if isinstance(obj, dict):
+        return {k: _slice_empty(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_slice_empty(v) for v in obj)
+    return obj
+
+
+def poisson_loader(
+    dataset: Dataset,
+    sample_rate: float,
+    seed: int = 0,
+    steps_per_epoch: int | None = None,
+    num_replicas: int = 1,
+    rank: int = 0,
+    collate_fn: Callable[[list], Any] = default_collate,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """A DataLoader over ``dataset`` with Poisson sampling at ``sample_rate`` (empty batches allowed)."""
+    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset, collate_fn), **loader_kwargs)
+
+
+def poisson_sampler_of(loader: Any) -> PoissonBatchSampler:
+    """The Poisson sampler behind a private loader, or a clear error (invariant 1)."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(sampler, PoissonBatchSampler):
+        return sampler
+    raise ValueError(
+        "the private training loader must Poisson-sample (pl_dp.privacy.PoissonBatchSampler, e.g. "
+        "via PrivatePublicDataModule or pl_dp.privacy.poisson_loader): the accountant assumes each "
+        f"example joins each batch independently with probability b/n. Got a loader with "
+        f"{type(sampler).__name__ if sampler is not None else type(loader).__name__}; a loader "
+        "that shuffles fixed-size batches would make the reported ε wrong."
+    )

@@ -1,0 +1,58 @@
+"""The user-facing privacy request: target (ε, δ), accountant, optional fixed noise multiplier."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ACCOUNTANTS = ("prv", "rdp", "gdp")
+
+
+@dataclass(frozen=True)
+class PrivacySpec:
+    """What privacy a run must provide.
+
+    Args:
+        epsilon: target ε of the whole fit (every private step of every stage).
+        delta: target δ; ``None`` means ``1 / n_private``, fixed once the private set size is
+            known at fit start.
+        accountant: ``"prv"`` (Opacus PRV, the default: tightest), ``"rdp"`` (conservative
+            cross-check) or ``"gdp"`` (Opacus marks it experimental).
+        noise_multiplier: σ. ``None`` means calibrated at fit start from (ε, δ, sample rate,
+            planned private steps). If given, fit refuses to start when σ cannot meet ε for
+            the planned steps.
+    """
+
+    epsilon: float
+    delta: float | None = None
+    accountant: str = "prv"
+    noise_multiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.epsilon, (int, float)) or math.isnan(self.epsilon) or self.epsilon <= 0:
+            raise ValueError(f"PrivacySpec.epsilon must be a positive number, got {self.epsilon!r}.")
+        if self.delta is not None and not (0 < self.delta < 1):
+            raise ValueError(f"PrivacySpec.delta must lie in (0, 1), got {self.delta!r}.")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"PrivacySpec.accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}.")
+        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
+            raise ValueError(f"PrivacySpec.noise_multiplier must be > 0, got {self.noise_multiplier!r}.")
+
+    def resolve_delta(self, n_private: int) -> float:
+        """δ for a private set of ``n_private`` examples (``1/n`` when unset; warns if δ > 1/n)."""
+        if n_private < 1:
+            raise ValueError("the private dataset is empty: there is nothing to train on privately.")
+        if self.delta is None:
+            return 1.0 / n_private
+        if self.delta > 1.0 / n_private:
+            warnings.warn(
+                f"delta={self.delta:g} exceeds 1/n_private={1.0 / n_private:g}: a mechanism that "
+                "publishes one random example outright would satisfy this guarantee.",
+                stacklevel=2,
+            )
+        return self.delta
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

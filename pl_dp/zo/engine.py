@@ -1,0 +1,149 @@
+"""Seeded, in-place parameter perturbation: the core of every zeroth-order method.
+
+Design (ARCHITECTURE "The ZO engine", ANCHORS part 1 (b) items 1–3):
+
+* A direction is never stored. The slice of direction ``key`` for parameter ``i`` is drawn
+  from a dedicated ``torch.Generator`` re-seeded with ``derive_seed(seed, *key, i)``, into one
+  reusable buffer the size of the largest parameter. Any slice can be regenerated in any order
+  (sharding, resume, replay), and the user's global RNG stream is untouched.
+* Perturbation is in place (``p.add_``) under ``no_grad``; a two-point query leaves θ at
+  θ − λu so that the caller can fuse the restore with the update in one sweep
+  (θ ← θ + (λ − η·s)·u): three sweeps per query instead of four.
+* Only parameters with ``requires_grad`` are perturbed; d counts only those.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pl_dp.privacy.seeding import derive_seed
+
+Key = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Direction:
+    """Distribution of the direction u ∈ ℝ^d.
+
+    ``kind="gaussian"``: u ~ N(0, (r²/d)·I_d), the Gaussian with the same second moment as the
+    sphere of radius r (PAZO spec A1); ``kind="sphere"``: u uniform on r·S^{d−1}. ``radius=None``
+    means r = √d, i.e. E[u uᵀ] = I_d (DPZero, MeZO); PAZO-M uses r = d^{1/4}.
+    """
+
+    kind: str = "gaussian"
+    radius: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gaussian", "sphere"):
+            raise ValueError(f"direction must be 'gaussian' or 'sphere', got {self.kind!r}.")
+        if self.radius is not None and not self.radius > 0:
+            raise ValueError(f"direction radius must be > 0, got {self.radius}.")
+
+    def resolved_radius(self, dim: int) -> float:
+        return math.sqrt(dim) if self.radius is None else float(self.radius)
+
+
+class PerturbationEngine:
+    """In-place perturbation of a set of parameters along seed-regenerated directions."""
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        seed: int,
+        direction: Direction | str = "gaussian",
+        radius: float | None = None,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+        self.seed = int(seed)
+        self.direction = Direction(direction, radius) if isinstance(direction, str) else direction
+        self.dim = sum(p.numel() for p in self.params)
+        self.radius = self.direction.resolved_radius(self.dim)
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._norm_cache: dict[Key, float] = {}
+
+    # ---- drawing ---------------------------------------------------------------------------
+    def _buffer(self, p: torch.Tensor) -> torch.Tensor:
+        k = (p.device, p.dtype)
+        buf = self._buffers.get(k)
+        if buf is None:
+            size = max(q.numel() for q in self.params if (q.device, q.dtype) == k)
+            buf = self._buffers[k] = torch.empty(size, device=p.device, dtype=p.dtype)
+        return buf
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        g = self._generators.get(device)
+        if g is None:
+            g = self._generators[device] = torch.Generator(device=device)
+        return g
+
+    def raw(self, key: Key, index: int) -> torch.Tensor:
+        """The standard-normal draw of direction ``key`` for parameter ``index`` (a view of a shared buffer)."""
+        p = self.params[index]
+        g = self._generator(p.device)
+        g.manual_seed(derive_seed(self.seed, *key, index))
+        return self._buffer(p)[: p.numel()].view_as(p).normal_(generator=g)
+
+    def scale(self, key: Key) -> float:
+        """Factor mapping the raw N(0, I) draw of ``key`` to the direction u."""
+        if self.direction.kind == "gaussian":
+            return self.radius / math.sqrt(self.dim)
+        norm = self._norm_cache.get(key)
+        if norm is None:
+            sq = sum(float(self.raw(key, i).double().square().sum()) for i in range(len(self.params)))
+            norm = math.sqrt(sq)
+            if len(self._norm_cache) > 64:
+                self._norm_cache.clear()
+            self._norm_cache[key] = norm
+        return self.radius / norm
+
+    def direction_tensors(self, key: Key) -> list[torch.Tensor]:
+        """Materialize u for ``key`` (one tensor per parameter). For tests and diagnostics only."""
+        s = self.scale(key)
+        return [self.raw(key, i).clone().mul_(s) for i in range(len(self.params))]
+
+    # ---- sweeps ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def perturb(self, key: Key, step_size: float) -> None:
+        """θ ← θ + step_size · u(key)."""
+        alpha = step_size * self.scale(key)
+        for i, p in enumerate(self.params):
+            p.add_(self.raw(key, i), alpha=alpha)
+
+    @torch.no_grad()
+    def combine(
+        self,
+        terms: Sequence[tuple[Key, float]],
+        extra: Sequence[tuple[Sequence[torch.Tensor | None], float]] = (),
+    ) -> None:
+        """θ ← θ + Σ_j c_j · u(key_j) + Σ_k a_k · t_k in one sweep over the parameters.
+
+        ``extra`` adds dense per-parameter tensors (e.g. a public gradient) in the same pass.
+        """
+        scaled = [(key, coeff * self.scale(key)) for key, coeff in terms if coeff != 0.0]
+        for i, p in enumerate(self.params):
+            for key, alpha in scaled:
+                p.add_(self.raw(key, i), alpha=alpha)
+            for tensors, alpha in extra:
+                t = tensors[i]
+                if t is not None and alpha != 0.0:
+                    p.add_(t, alpha=alpha)
+
+    def two_point(self, key: Key, smoothing: float, evaluate: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Per-example [f(θ + λu) − f(θ − λu)] / (2λ) for direction ``key`` (PAZO spec Eq. 1).
+
+        Leaves the parameters at θ − λu: the caller restores them, ideally fused with its
+        update via :meth:`combine` (adding +λ to the coefficient of ``key``).
+        """
+        self.perturb(key, smoothing)
+        f_plus = evaluate()
+        self.perturb(key, -2.0 * smoothing)
+        f_minus = evaluate()
+        return (f_plus - f_minus) / (2.0 * smoothing)
