@@ -111,11 +111,18 @@ class PerturbationEngine:
 
     # ---- sweeps ----------------------------------------------------------------------------
     @torch.no_grad()
-    def perturb(self, key: Key, step_size: float) -> None:
-        """θ ← θ + step_size · u(key)."""
+    def perturb(self, key: Key, step_size: float, times: int = 1) -> None:
+        """θ ← θ + step_size · u(key), applied ``times`` times from one draw.
+
+        Moving by −λu twice rather than by −2λu once keeps the later +λu restore (nearly) exact
+        in floating point: fl(fl(p − a) + a) = p whenever |a| ≪ |p|, while fl(fl(p + a) − 2a) + a
+        accumulates a rounding error every cycle.
+        """
         alpha = step_size * self.scale(key)
         for i, p in enumerate(self.params):
-            p.add_(self.raw(key, i), alpha=alpha)
+            z = self.raw(key, i)
+            for _ in range(times):
+                p.add_(z, alpha=alpha)
 
     @torch.no_grad()
     def combine(
@@ -144,6 +151,6 @@ class PerturbationEngine:
         """
         self.perturb(key, smoothing)
         f_plus = evaluate()
-        self.perturb(key, -2.0 * smoothing)
+        self.perturb(key, -smoothing, times=2)
         f_minus = evaluate()
         return (f_plus - f_minus) / (2.0 * smoothing)

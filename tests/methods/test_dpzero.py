@@ -1,0 +1,196 @@
+"""DPZero end to end: the step formula by hand, empty batches, bad inputs, logging."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from pl_dp import PrivacySpec
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import DPZero
+from pl_dp.privacy import NoiseSource, poisson_loader
+from pl_dp.zo import PerturbationEngine
+from tests.conftest import blobs, make_trainer
+
+
+def _linear_data(n=12):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(n, generator=g)
+    return TensorDataset(x, y.unsqueeze(1))
+
+
+def test_one_step_equals_the_spec_formula_by_hand():
+    data = _linear_data()
+    dm = PrivatePublicDataModule(data, batch_size=6)
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1, bias=False)
+    theta0 = net.weight.detach().clone().double()
+    lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
+    spec = PrivacySpec(epsilon=5.0, accountant="rdp")
+    model = DPZero(net, loss="mse", lr=lr, clip=clip, smoothing=lam, queries=q, privacy=spec, noise_seed=11)
+    make_trainer(max_steps=1).fit(model, dm)
+
+    # --- the spec (PAZO §1.3), by hand, in float64 ---
+    sigma = model.noise_multiplier
+    b = dm.sample_rate * len(data)
+    batch = dm.train_dataloader().batch_sampler.batch(0)
+    x = data.tensors[0][batch].double()
+    y = data.tensors[1][batch].double()
+    probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed)
+    noise = NoiseSource(seed=11)
+    update = torch.zeros_like(theta0)
+    for j in range(q):
+        u = probe.direction_tensors((0, j))[0].double()
+        f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
+        delta = (f(theta0 + lam * u) - f(theta0 - lam * u)) / (2 * lam)
+        z = noise.normal((1,), math.sqrt(q) * sigma * clip).double()
+        s = (delta.clamp(-clip, clip).sum() + z) / b
+        update += s * u
+    expected = theta0 - lr / q * update
+    torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)
+    assert model.accountant.history == [(sigma, dm.sample_rate, 1)]
+
+
+def test_empty_batch_gives_a_noise_only_update_and_one_accountant_step():
+    data = blobs(50)
+    train = poisson_loader(data, sample_rate=1e-9, steps_per_epoch=1)  # always empty
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    before = [p.detach().clone() for p in net.parameters()]
+    model = DPZero(net, lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=50.0, delta=1e-5, accountant="rdp"), noise_seed=0)
+    make_trainer(max_steps=1).fit(model, train_dataloaders=train)
+    assert model.accountant.steps == 1
+    assert any(not torch.equal(p, b) for p, b in zip(net.parameters(), before))  # noise moved θ
+
+
+def test_non_private_run_spends_nothing_and_learns():
+    dm = PrivatePublicDataModule(blobs(600), val=blobs(200, seed=1), batch_size=60)
+    torch.manual_seed(0)
+    model = DPZero(nn.Linear(4, 3), lr=0.1, clip=None, smoothing=1e-3, queries=2)
+    trainer = make_trainer(max_epochs=20)
+    trainer.fit(model, dm)
+    assert model.accountant is None and model.epsilon == 0.0
+    assert trainer.callback_metrics["val/acc"] > 0.9
+
+
+def test_private_run_learns_and_stays_within_epsilon():
+    dm = PrivatePublicDataModule(blobs(600), val=blobs(200, seed=1), batch_size=60)
+    torch.manual_seed(0)
+    spec = PrivacySpec(epsilon=4.0, accountant="rdp")
+    model = DPZero(nn.Linear(4, 3), lr=0.1, clip=1.0, smoothing=1e-3, queries=2, privacy=spec)
+    trainer = make_trainer(max_epochs=20)
+    trainer.fit(model, dm)
+    assert model.private_steps == 200
+    assert model.epsilon <= 4.0
+    assert model.epsilon == pytest.approx(4.0, rel=0.02)  # calibrated for exactly the planned steps
+    assert trainer.callback_metrics["val/acc"] > 0.9
+
+
+class _ScalarLoss:
+    def __call__(self, net, batch):
+        x, y = batch
+        return F.cross_entropy(net(x), y)  # batch mean: forbidden
+
+
+class _ShortLoss:
+    def __call__(self, net, batch):
+        x, y = batch
+        return F.cross_entropy(net(x), y, reduction="none")[:-1]
+
+
+@pytest.mark.parametrize(("loss", "match"), [(_ScalarLoss(), "one value per example"), (_ShortLoss(), "shape")])
+def test_bad_losses_raise_naming_the_contract(loss, match):
+    dm = PrivatePublicDataModule(blobs(100), batch_size=20)
+    model = DPZero(nn.Linear(4, 3), loss=loss, lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=1.0, accountant="rdp"))
+    with pytest.raises(ValueError, match=match):
+        make_trainer(max_steps=1).fit(model, dm)
+
+
+class _NaNForFirstExample:
+    def __call__(self, net, batch):
+        x, y = batch
+        losses = F.cross_entropy(net(x), y, reduction="none")
+        return torch.where(torch.arange(len(y)) == 0, torch.full_like(losses, float("nan")), losses)
+
+
+def test_nonfinite_differences_contribute_zero_and_are_logged(tmp_path):
+    dm = PrivatePublicDataModule(blobs(100), batch_size=20)
+    model = DPZero(
+        nn.Linear(4, 3), loss=_NaNForFirstExample(), lr=0.1, clip=1.0,
+        privacy=PrivacySpec(epsilon=5.0, accountant="rdp"), noise_seed=0,
+    )
+    trainer = make_trainer(max_steps=3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    trainer.fit(model, dm)
+    assert all(torch.isfinite(p).all() for p in model.net.parameters())
+    assert model.nonfinite_total >= 2  # one NaN example per non-empty batch
+    assert trainer.callback_metrics["privacy/nonfinite_total"] == model.nonfinite_total
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"clip": 0.0}, "clip"),
+        ({"clip": -1.0}, "clip"),
+        ({"clip": None}, "clip"),
+        ({"smoothing": 0.0}, "smoothing"),
+        ({"queries": 0}, "queries"),
+        ({"queries": 1.5}, "queries"),
+        ({"lr": 0.0}, "lr"),
+    ],
+)
+def test_bad_hyperparameters_raise(kwargs, match):
+    args = dict(lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=1.0))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        DPZero(nn.Linear(2, 2), **args)
+
+
+def test_batch_size_larger_than_dataset_raises():
+    with pytest.raises(ValueError, match="batch_size"):
+        PrivatePublicDataModule(blobs(10), batch_size=11)
+
+
+def test_shuffling_private_loader_is_refused():
+    loader = DataLoader(blobs(40), batch_size=8, shuffle=True)
+    model = DPZero(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=1.0, accountant="rdp"))
+    with pytest.raises(ValueError, match="Poisson"):
+        make_trainer(max_steps=1).fit(model, train_dataloaders=loader)
+
+
+def test_model_without_trainable_parameters_raises():
+    dm = PrivatePublicDataModule(blobs(40), batch_size=8)
+    model = DPZero(nn.Linear(4, 3).requires_grad_(False), lr=0.1, clip=1.0)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        make_trainer(max_steps=1).fit(model, dm)
+
+
+def test_existing_lightning_module_as_net():
+    class UserModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.layer(x)
+
+    dm = PrivatePublicDataModule(blobs(100), batch_size=20)
+    user = UserModule()
+    before = user.layer.weight.detach().clone()
+    model = DPZero(user, lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=2.0, accountant="rdp"))
+    make_trainer(max_steps=2).fit(model, dm)
+    assert not torch.equal(user.layer.weight, before)
+
+
+def test_logged_epsilon_is_present_and_bounded(tmp_path):
+    dm = PrivatePublicDataModule(blobs(100), batch_size=20)
+    model = DPZero(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=2.0))  # PRV: tracker path
+    trainer = make_trainer(max_epochs=2, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    trainer.fit(model, dm)
+    logged = float(trainer.callback_metrics["privacy/epsilon"])
+    assert model.epsilon <= logged <= 2.0 + 1e-9

@@ -1,0 +1,107 @@
+"""Accountant values pinned to Opacus' known numbers (ANCHORS A3) and calibration round trips."""
+
+import math
+
+import pytest
+
+from pl_dp.privacy import PRV, RDP, StepBudget, calibrate_noise_multiplier, create_accountant
+from pl_dp.privacy.budget import EpsilonTracker
+
+
+def _eps(acc, sigma, q, steps, delta=1e-5):
+    acc.step(sigma, q, steps)
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize(
+    ("name", "sigma", "q", "steps", "expected"),
+    [
+        ("rdp", 1.5, 0.04, 2250, 7.3291),
+        ("rdp", 1.1, 256 / 60000, 14062, 2.5966),
+        ("prv", 1.5, 0.04, 2250, 6.7791),
+        ("prv", 1.5, 0.04, 2249, 6.777395712150674),
+        ("gdp", 1.5, 0.04, 2250, 6.6016),
+    ],
+)
+def test_accountant_matches_known_values(name, sigma, q, steps, expected):
+    assert _eps(create_accountant(name), sigma, q, steps) == pytest.approx(expected, abs=2e-4)
+
+
+def test_tf_privacy_value():
+    # TF-Privacy: n=60000, B=150, sigma=1.3, 15 epochs, delta=1e-5 -> 0.7242234 (RDP)
+    steps = 15 * 60000 // 150
+    assert _eps(RDP(), 1.3, 150 / 60000, steps) == pytest.approx(0.7242234, rel=2e-3)
+
+
+def test_step_by_step_equals_bulk():
+    a, b = RDP(), RDP()
+    for _ in range(50):
+        a.step(1.2, 0.01)
+    b.step(1.2, 0.01, 50)
+    assert a.history == b.history == [(1.2, 0.01, 50)]
+    assert a.get_epsilon(1e-5) == b.get_epsilon(1e-5)
+
+
+def test_heterogeneous_history_composes():
+    acc = RDP()
+    acc.step(1.0, 0.02, 100)
+    acc.step(2.0, 0.02, 100)
+    assert len(acc.history) == 2
+    one = RDP()
+    one.step(1.0, 0.02, 100)
+    assert acc.get_epsilon(1e-5) > one.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize(("name", "expected"), [("rdp", 1.416), ("prv", 1.34765625)])
+def test_calibration_matches_opacus_and_round_trips(name, expected):
+    steps = int(90 / 0.04)
+    acc = create_accountant(name)
+    sigma = calibrate_noise_multiplier(8.0, 1e-5, 0.04, steps, acc)
+    assert sigma == pytest.approx(expected, rel=0.01)
+    eps = acc.epsilon_after(1e-5, steps, sigma, 0.04)
+    assert eps <= 8.0
+    assert eps == pytest.approx(8.0, rel=0.01)
+
+
+def test_state_dict_round_trip_and_mechanism_check():
+    acc = RDP()
+    acc.step(1.1, 0.05, 7)
+    clone = RDP()
+    clone.load_state_dict(acc.state_dict())
+    assert clone.history == acc.history
+    assert clone.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
+    with pytest.raises(ValueError, match="rdp"):
+        PRV().load_state_dict(acc.state_dict())
+
+
+def test_step_budget_stops_exactly_at_the_limit():
+    acc = RDP()
+    budget = StepBudget(acc, target_epsilon=1.0, delta=1e-5, horizon=10)
+    steps = 0
+    while budget.allows(3.0, 0.05):
+        acc.step(3.0, 0.05)
+        steps += 1
+    assert acc.get_epsilon(1e-5) <= 1.0
+    assert acc.epsilon_after(1e-5, 1, 3.0, 0.05) > 1.0  # the refused step would have overshot
+    assert steps > 10
+
+
+def test_epsilon_tracker_is_an_upper_bound_exact_on_the_grid():
+    acc = PRV()
+    tracker = EpsilonTracker(acc, 1e-5, planned_steps=40, evaluations=4)
+    for t in range(1, 41):
+        acc.step(1.0, 0.05)
+        logged = tracker.epsilon()
+        exact = acc.get_epsilon(1e-5) if t % 10 == 0 else None
+        if exact is not None:
+            assert logged == pytest.approx(exact, rel=1e-9)
+    assert math.isfinite(logged)
+
+
+def test_epsilon_tracker_never_below_exact():
+    acc = PRV()
+    tracker = EpsilonTracker(acc, 1e-5, planned_steps=30, evaluations=3)
+    for t in range(1, 16):
+        acc.step(1.0, 0.05)
+        if t in (3, 11, 15):
+            assert tracker.epsilon() >= acc.get_epsilon(1e-5) - 1e-12

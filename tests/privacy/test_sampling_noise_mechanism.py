@@ -1,0 +1,146 @@
+"""Poisson sampling, the noise source, the mechanism declaration, clipping and the loss contract."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pl_dp.privacy import (
+    RDP,
+    NoiseSource,
+    PoissonBatchSampler,
+    PrivacySpec,
+    SubsampledGaussian,
+    check_per_sample,
+    clip_scalars,
+    poisson_loader,
+    poisson_sampler_of,
+)
+from pl_dp.privacy.seeding import derive_seed
+
+
+def test_poisson_inclusion_rate_and_variable_sizes():
+    n, q, batches = 1000, 0.05, 400
+    sampler = PoissonBatchSampler(n, q, steps_per_epoch=batches, seed=3)
+    counts = torch.zeros(n)
+    sizes = []
+    for idx in sampler:
+        counts[idx] += 1
+        sizes.append(len(idx))
+    rate = counts.sum() / (n * batches)
+    assert rate == pytest.approx(q, rel=0.02)  # 20k Bernoulli(0.05) draws: std of rate ≈ 0.7 %
+    assert len(set(sizes)) > 5  # variable batch sizes, not fixed
+    # each example's inclusion is independent of the others: per-example rates spread binomially
+    assert counts.std() == pytest.approx(math.sqrt(batches * q * (1 - q)), rel=0.15)
+
+
+def test_poisson_batches_are_counter_based_and_resumable():
+    a = PoissonBatchSampler(100, 0.1, steps_per_epoch=5, seed=1)
+    first = list(a)
+    assert len(first) == 5 and a.position == 5
+    b = PoissonBatchSampler(100, 0.1, steps_per_epoch=5, seed=1)
+    b.load_state_dict({"position": 3, "seed": 1})
+    assert next(iter(b)) == first[3]
+    assert first[0] != list(a)[0]  # the next epoch draws fresh batches
+
+
+def test_distributed_shards_union_is_the_global_poisson_batch():
+    full = PoissonBatchSampler(500, 0.1, seed=7).batch(4)
+    shards = [PoissonBatchSampler(500, 0.1, seed=7, num_replicas=3, rank=r).batch(4) for r in range(3)]
+    assert sorted(sum(shards, [])) == full
+    assert all(i % 3 == r for r, s in enumerate(shards) for i in s)
+
+
+def test_empty_poisson_batch_collates_to_zero_length_tensors():
+    ds = TensorDataset(torch.randn(5, 3), torch.arange(5))
+    loader = poisson_loader(ds, 1e-9, steps_per_epoch=2)
+    x, y = next(iter(loader))
+    assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.long
+
+
+def test_shuffling_loader_is_refused():
+    ds = TensorDataset(torch.randn(10, 2), torch.zeros(10, dtype=torch.long))
+    with pytest.raises(ValueError, match="Poisson"):
+        poisson_sampler_of(torch.utils.data.DataLoader(ds, batch_size=2, shuffle=True))
+
+
+def test_noise_is_independent_of_direction_and_global_seeds():
+    # T11: re-seeding every other generator with the same value does not reproduce the noise
+    seed = 1234
+    torch.manual_seed(seed)
+    global_draw = torch.randn(1000)
+    g = torch.Generator().manual_seed(seed)
+    direction_draw = torch.randn(1000, generator=g)
+    g.manual_seed(derive_seed(seed, 0, 0, 0))
+    subseed_draw = torch.randn(1000, generator=g)
+    a = NoiseSource().normal((1000,), 1.0)
+    b = NoiseSource().normal((1000,), 1.0)
+    for other in (global_draw, direction_draw, subseed_draw, b):
+        assert not torch.allclose(a, other)
+        assert abs(torch.corrcoef(torch.stack([a, other]))[0, 1]) < 0.15
+
+
+def test_seeded_noise_reproduces_and_state_round_trips():
+    a, b = NoiseSource(seed=5), NoiseSource(seed=5)
+    assert torch.equal(a.normal((4,), 2.0), b.normal((4,), 2.0))
+    state = a.state_dict()
+    nxt = a.normal((4,), 1.0)
+    c = NoiseSource()
+    c.load_state_dict(state)
+    assert torch.equal(c.normal((4,), 1.0), nxt)
+
+
+def test_mechanism_noise_std_and_accounting_come_from_one_declaration():
+    mech = SubsampledGaussian(noise_multiplier=1.5, sample_rate=0.1, sensitivity=2.0, expected_batch_size=10, releases=4)
+    assert mech.noise_std == pytest.approx(math.sqrt(4) * 1.5 * 2.0)
+    out = mech.privatize(torch.zeros(20000), NoiseSource(seed=0))
+    assert out.std().item() == pytest.approx(mech.noise_std / 10, rel=0.03)
+    acc = RDP()
+    mech.account(acc)
+    assert acc.history == [(1.5, 0.1, 1)]  # sigma, never sqrt(q)*sigma
+    nonprivate = SubsampledGaussian(0.0, 0.1, math.inf, 10)
+    nonprivate.account(acc)
+    assert acc.steps == 1
+
+
+def test_clip_scalars_bounds_and_counts_nonfinite():
+    vals = torch.tensor([0.5, -3.0, 7.0, float("nan"), float("inf"), -float("inf")])
+    clipped, bad = clip_scalars(vals, 1.0)
+    assert torch.equal(clipped, torch.tensor([0.5, -1.0, 1.0, 0.0, 0.0, 0.0]))
+    assert int(bad) == 3
+
+
+def test_per_sample_contract():
+    assert check_per_sample(torch.ones(3, dtype=torch.float64), 3).dtype == torch.float32
+    with pytest.raises(ValueError, match="one value per example"):
+        check_per_sample(torch.tensor(1.0), 3)
+    with pytest.raises(ValueError, match="one value per example"):
+        check_per_sample(torch.ones(4), 3)
+    with pytest.raises(TypeError, match="floating point"):
+        check_per_sample(torch.ones(3, dtype=torch.long), 3)
+    with pytest.raises(TypeError):
+        check_per_sample(nn.Linear(1, 1), 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epsilon": 0}, "epsilon"),
+        ({"epsilon": -1}, "epsilon"),
+        ({"epsilon": float("nan")}, "epsilon"),
+        ({"epsilon": 1, "delta": 1.5}, "delta"),
+        ({"epsilon": 1, "accountant": "moments"}, "accountant"),
+        ({"epsilon": 1, "noise_multiplier": 0}, "noise_multiplier"),
+    ],
+)
+def test_privacy_spec_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrivacySpec(**kwargs)
+
+
+def test_delta_defaults_to_one_over_n_and_warns_when_large():
+    assert PrivacySpec(1.0).resolve_delta(200) == 1 / 200
+    with pytest.warns(UserWarning, match="1/n_private"):
+        PrivacySpec(1.0, delta=0.1).resolve_delta(200)
