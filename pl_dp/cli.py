@@ -13,7 +13,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 class PlDpCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--test_after_fit", type=bool, default=True, help="test the model after fit and print a report")
+        parser.add_argument(
+            "--test_after_fit", type=bool, default=True, help="test the model after fit and print a report"
+        )
 
     def after_fit(self) -> None:
         if not self.config[self.subcommand].get("test_after_fit", True) or self.trainer.interrupted:

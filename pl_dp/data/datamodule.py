@@ -95,5 +95,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
     def _cycle_public(self) -> Iterator[Any]:
         g = torch.Generator().manual_seed(self.seed + 1)
         while True:
-            loader = DataLoader(self.public, batch_size=self.public_batch_size, shuffle=True, generator=g, drop_last=True)
+            loader = DataLoader(
+                self.public, batch_size=self.public_batch_size, shuffle=True, generator=g, drop_last=True
+            )
             yield from loader

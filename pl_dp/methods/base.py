@@ -237,11 +237,12 @@ class PrivateModule(L.LightningModule):
 
     # ---- the step ----------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        if self.privacy is not None:
-            if self.privacy_exhausted or not self._budget.allows(self.noise_multiplier, self.sample_rate):
-                self.privacy_exhausted = True
-                self.trainer.should_stop = True
-                return None
+        if self.privacy is not None and (
+            self.privacy_exhausted or not self._budget.allows(self.noise_multiplier, self.sample_rate)
+        ):
+            self.privacy_exhausted = True
+            self.trainer.should_stop = True
+            return None
         batch_size = batch_size_of(batch)
         mechanism = self.mechanism(batch_size)
         stats = self.private_step(batch, batch_size, mechanism)

@@ -29,7 +29,7 @@ def batch_size_of(batch: Any) -> int:
                 return batch_size_of(value)
     if isinstance(batch, Sequence) and not isinstance(batch, str):
         for value in batch:
-            if isinstance(value, torch.Tensor) or isinstance(value, (Mapping, Sequence)):
+            if isinstance(value, (torch.Tensor, Mapping, Sequence)):
                 try:
                     return batch_size_of(value)
                 except TypeError:
@@ -77,7 +77,9 @@ def resolve_loss(loss: LossSpec) -> PerSampleLoss:
     try:
         return _LOSSES[loss]
     except KeyError:
-        raise ValueError(f"unknown loss {loss!r}: use one of {sorted(_LOSSES)} or a callable (net, batch) -> Tensor[B].") from None
+        raise ValueError(
+            f"unknown loss {loss!r}: use one of {sorted(_LOSSES)} or a callable (net, batch) -> Tensor[B]."
+        ) from None
 
 
 def check_per_sample(losses: Any, batch_size: int) -> torch.Tensor:

@@ -39,7 +39,9 @@ def eval_mode(net: nn.Module):
         net.train(was_training)
 
 
-def per_sample_evaluator(net: nn.Module, loss_fn: PerSampleLoss, batch: Any, batch_size: int) -> Callable[[], torch.Tensor]:
+def per_sample_evaluator(
+    net: nn.Module, loss_fn: PerSampleLoss, batch: Any, batch_size: int
+) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode."""
 
     def evaluate() -> torch.Tensor:

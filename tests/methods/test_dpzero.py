@@ -122,8 +122,12 @@ class _NaNForFirstExample:
 def test_nonfinite_differences_contribute_zero_and_are_logged(tmp_path):
     dm = PrivatePublicDataModule(blobs(100), batch_size=20)
     model = DPZero(
-        nn.Linear(4, 3), loss=_NaNForFirstExample(), lr=0.1, clip=1.0,
-        privacy=PrivacySpec(epsilon=5.0, accountant="rdp"), noise_seed=0,
+        nn.Linear(4, 3),
+        loss=_NaNForFirstExample(),
+        lr=0.1,
+        clip=1.0,
+        privacy=PrivacySpec(epsilon=5.0, accountant="rdp"),
+        noise_seed=0,
     )
     trainer = make_trainer(max_steps=3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
     trainer.fit(model, dm)

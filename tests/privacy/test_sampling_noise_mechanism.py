@@ -93,7 +93,9 @@ def test_seeded_noise_reproduces_and_state_round_trips():
 
 
 def test_mechanism_noise_std_and_accounting_come_from_one_declaration():
-    mech = SubsampledGaussian(noise_multiplier=1.5, sample_rate=0.1, sensitivity=2.0, expected_batch_size=10, releases=4)
+    mech = SubsampledGaussian(
+        noise_multiplier=1.5, sample_rate=0.1, sensitivity=2.0, expected_batch_size=10, releases=4
+    )
     assert mech.noise_std == pytest.approx(math.sqrt(4) * 1.5 * 2.0)
     out = mech.privatize(torch.zeros(20000), NoiseSource(seed=0))
     assert out.std().item() == pytest.approx(mech.noise_std / 10, rel=0.03)
