@@ -8,35 +8,51 @@ from __future__ import annotations
 
 import math
 
-from opacus.accountants.utils import get_noise_multiplier
-
 from pl_dp.privacy.accountants import Accountant
 
 
 def calibrate_noise_multiplier(
-    epsilon: float, delta: float, sample_rate: float, steps: int, accountant: Accountant
+    epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: Accountant,
+    tolerance: float = 0.005,
 ) -> float:
-    """Smallest σ (to 0.5 % of ε) with ε(σ, q, steps) ≤ ``epsilon`` under ``accountant``'s backend.
+    """Smallest σ (to ``tolerance``·ε) with ε ≤ ``epsilon`` after ``steps`` more steps at rate q.
 
-    Opacus' ``get_noise_multiplier`` does the search; the result is then re-checked with the
-    accountant the run will use, so the plan can never overshoot the target.
+    The search is Opacus' ``get_noise_multiplier`` (double σ until ε fits, then bisect), run on
+    pl_dp's accountant interface so that it works for every backend — including ones Opacus
+    does not have (the O2NC tree accountant) — and always against the history already spent
+    (so a resumed or staged plan is calibrated for what is left).
     """
     if steps < 1:
         raise ValueError(f"cannot calibrate noise for {steps} planned private steps.")
-    sigma = float(
-        get_noise_multiplier(
-            target_epsilon=epsilon,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=accountant.mechanism,
-            epsilon_tolerance=0.005 * epsilon,
-        )
-    )
-    fresh = type(accountant)()
-    while fresh.epsilon_after(delta, steps, sigma, sample_rate) > epsilon:  # defensive; Opacus bisects from above
-        sigma *= 1.001
-    return sigma
+
+    def eps(sigma: float) -> float:
+        return accountant.epsilon_after(delta, steps, sigma, sample_rate)
+
+    sigma_low, sigma_high = 0.0, 10.0
+    eps_high = eps(sigma_high)
+    while eps_high > epsilon:
+        sigma_low, sigma_high = sigma_high, 2 * sigma_high
+        if sigma_high > _MAX_SIGMA:
+            raise ValueError(
+                f"epsilon={epsilon:g} is out of reach for {steps} steps at sample rate {sample_rate:g}: "
+                f"even noise multiplier {_MAX_SIGMA:g} spends more."
+            )
+        eps_high = eps(sigma_high)
+    while epsilon - eps_high > tolerance * epsilon:
+        sigma = (sigma_low + sigma_high) / 2
+        e = eps(sigma)
+        if e <= epsilon:
+            sigma_high, eps_high = sigma, e
+        else:
+            sigma_low = sigma
+    return sigma_high
+
+
+_MAX_SIGMA = 1e6
 
 
 class StepBudget:

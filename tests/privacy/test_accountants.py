@@ -105,3 +105,11 @@ def test_epsilon_tracker_never_below_exact():
         acc.step(1.0, 0.05)
         if t in (3, 11, 15):
             assert tracker.epsilon() >= acc.get_epsilon(1e-5) - 1e-12
+
+
+def test_gdp_handles_the_ends_of_opacus_root_bracket():
+    # Opacus' eps_from_mu raises when epsilon is 0 (huge sigma) — found by the budget property test
+    acc = create_accountant("gdp")
+    assert acc.epsilon_after(1e-3, 1, 1000.0, 0.5) == 0.0  # delta(eps=0) = 2e-4 < 1e-3
+    sigma = calibrate_noise_multiplier(1.0, 1e-3, 0.4, 1, acc)
+    assert 0 < acc.epsilon_after(1e-3, 1, sigma, 0.4) <= 1.0

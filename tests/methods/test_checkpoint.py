@@ -1,0 +1,111 @@
+"""Invariant 5: privacy state survives checkpoints (kill-and-resume = uninterrupted run)."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from pl_dp import PrivacySpec
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import DPZero
+from tests.conftest import blobs, make_trainer
+
+
+class Crash(L.Callback):
+    """Kills the run (an exception) after ``step`` private steps."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.private_steps == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def _model(spec=None, **kw):
+    L.seed_everything(0)
+    args = dict(lr=0.1, clip=1.0, smoothing=1e-3, queries=2, privacy=spec, noise_seed=123)
+    args.update(kw)
+    return DPZero(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), **args)
+
+
+def _dm():
+    return PrivatePublicDataModule(blobs(120), batch_size=20)  # 6 steps per epoch
+
+
+@pytest.mark.parametrize("crash_at", [12, 9])  # an epoch boundary, and mid-epoch
+def test_kill_and_resume_gives_the_same_epsilon_and_parameters(tmp_path, crash_at):
+    spec = PrivacySpec(epsilon=3.0, accountant="rdp")
+    reference = _model(spec)
+    make_trainer(max_epochs=4).fit(reference, _dm())
+
+    killed = _model(spec)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_epochs=4, callbacks=[ckpt, Crash(crash_at + 1)], enable_checkpointing=True).fit(killed, _dm())
+
+    resumed = _model(spec, noise_seed=999)  # the noise state must come from the checkpoint
+    path = tmp_path / f"step={crash_at}.ckpt"
+    make_trainer(max_epochs=4).fit(resumed, _dm(), ckpt_path=str(path))
+
+    assert resumed.private_steps == reference.private_steps == 24
+    assert resumed.accountant.history == reference.accountant.history
+    assert resumed.epsilon == reference.epsilon
+    for a, b in zip(resumed.net.parameters(), reference.net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_resume_past_the_plan_is_stopped_by_the_module_itself(tmp_path):
+    spec = PrivacySpec(epsilon=1.0, accountant="rdp")
+    first = _model(spec)
+    trainer = make_trainer(max_epochs=2)
+    trainer.fit(first, _dm())
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    resumed = _model(spec)
+    make_trainer(max_epochs=6).fit(resumed, _dm(), ckpt_path=str(tmp_path / "end.ckpt"))
+    assert resumed.noise_multiplier == first.noise_multiplier  # not re-calibrated
+    assert resumed.epsilon <= 1.0
+    assert resumed.privacy_exhausted
+
+
+def test_checkpoint_without_privacy_state_is_refused(tmp_path):
+    trainer = make_trainer(max_steps=2)
+    model = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+    trainer.fit(model, _dm())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    ckpt = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    del ckpt["pl_dp"]
+    torch.save(ckpt, tmp_path / "stripped.ckpt")
+    with pytest.raises(ValueError, match="no pl_dp privacy state"):
+        make_trainer(max_steps=4).fit(
+            _model(PrivacySpec(epsilon=2.0, accountant="rdp")), _dm(), ckpt_path=str(tmp_path / "stripped.ckpt")
+        )
+
+
+def test_resume_with_another_privacy_spec_is_refused(tmp_path):
+    trainer = make_trainer(max_steps=2)
+    trainer.fit(_model(PrivacySpec(epsilon=2.0, accountant="rdp")), _dm())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    with pytest.raises(ValueError, match="different privacy spec"):
+        make_trainer(max_steps=4).fit(
+            _model(PrivacySpec(epsilon=5.0, accountant="rdp")), _dm(), ckpt_path=str(tmp_path / "a.ckpt")
+        )
+
+
+def test_checkpoint_from_another_method_is_refused(tmp_path):
+    class OtherMethod(DPZero):
+        pass
+
+    trainer = make_trainer(max_steps=2)
+    trainer.fit(_model(PrivacySpec(epsilon=2.0, accountant="rdp")), _dm())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    L.seed_everything(0)
+    other = OtherMethod(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)),
+        lr=0.1,
+        clip=1.0,
+        privacy=PrivacySpec(epsilon=2.0, accountant="rdp"),
+    )
+    with pytest.raises(ValueError, match="written by 'DPZero'"):
+        make_trainer(max_steps=4).fit(other, _dm(), ckpt_path=str(tmp_path / "a.ckpt"))

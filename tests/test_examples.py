@@ -1,0 +1,19 @@
+"""Examples run and do what they claim."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attach_to_existing_module_learns_privately():
+    result = _load("attach_to_existing_module").main(epochs=40)
+    assert result["epsilon"] <= 3.0
+    assert result["test_mse"] < 0.8 * result["predict_mean_mse"]
