@@ -1,0 +1,311 @@
+"""Per-step time and peak memory of pl_dp's zeroth-order step, against two forwards and Opacus.
+
+    python benchmarks/step_cost.py            # full run (~2-3 minutes on 2 CPU cores)
+    python benchmarks/step_cost.py --quick    # tiny models, smoke test
+
+For each case (digits MLP 64-2048-2048-10 at batch 256; a 3.7M-parameter transformer at batch
+64), measured side by side in one process with interleaved repeats and medians:
+
+* ``engine / 2 fwd``   — one DPZero step (q=1, clip + noise) on the bare engine, over two
+  inference forwards of the same batch;
+* ``lightning / 2 fwd`` — one DPZero ``training_step`` inside ``Trainer.fit`` (Poisson batches of
+  the same expected size), over two forwards;
+* ``dpzero / opacus``   — engine step over an Opacus DP-SGD step (GradSampleModule + DPOptimizer)
+  on the same model and batch;
+
+and, each in a fresh subprocess, the peak RSS growth of inference, a DPZero step and an Opacus
+step over the memory live after setup (parameters, batch, persistent buffers), to check ZO memory ≤ inference + largest tensor + 5 % of parameters, and DPZero's extra
+memory over inference ≤ 0.15 × Opacus'. Prints a table and JSON (``--json PATH`` to save).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pl_dp import PrivacySpec  # noqa: E402
+from pl_dp.data import PrivatePublicDataModule, digits_splits  # noqa: E402
+from pl_dp.methods import DPZero  # noqa: E402
+from pl_dp.nets import MLP, TinyTransformerClassifier  # noqa: E402
+from pl_dp.privacy import NoiseSource, SubsampledGaussian  # noqa: E402
+from pl_dp.privacy.losses import cross_entropy  # noqa: E402
+from pl_dp.zo import PerturbationEngine, PrivateTwoPointEstimator, per_sample_evaluator  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+# ---- cases -----------------------------------------------------------------------------------
+def make_case(name: str, quick: bool):
+    """(net, dataset, batch_size) for a case; the dataset holds a few batches worth of examples."""
+    torch.manual_seed(0)
+    if name == "digits-mlp":
+        hidden = (128, 128) if quick else (2048, 2048)
+        private, *_ = digits_splits()
+        return MLP(64, hidden, 10), private, 64 if quick else 256
+    if name == "transformer":
+        width, depth = (64, 1) if quick else (256, 4)
+        net = TinyTransformerClassifier(width=width, depth=depth)
+        n, batch = (128, 16) if quick else (640, 64)
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 2000, (n, 64), generator=g)
+        return net, TensorDataset(tokens, torch.randint(0, 2, (n,), generator=g)), batch
+    raise ValueError(name)
+
+
+def fixed_batch(dataset, size):
+    return tuple(t[:size] for t in dataset.tensors)
+
+
+# ---- one-op closures ----------------------------------------------------------------------------
+def forward_op(net, batch):
+    evaluate = per_sample_evaluator(net, cross_entropy, batch, len(batch[1]))
+    return evaluate
+
+
+def dpzero_engine_op(net, batch):
+    engine = PerturbationEngine(net.parameters(), seed=1)
+    estimator = PrivateTwoPointEstimator(engine, smoothing=1e-3, clip=1.0, queries=1)
+    mechanism = SubsampledGaussian(1.0, 0.1, 1.0, expected_batch_size=len(batch[1]))
+    noise = NoiseSource(seed=0)
+    evaluate = forward_op(net, batch)
+    step = [0]
+
+    def op():
+        est = estimator.estimate(step[0], evaluate, mechanism, noise)
+        estimator.apply(est, 1e-4)
+        step[0] += 1
+
+    return op
+
+
+def opacus_op(net, batch):
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    model = GradSampleModule(copy.deepcopy(net))
+    optimizer = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=len(batch[1]),
+    )
+    x, y = batch
+
+    def op():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return op
+
+
+def timed(op):
+    start = time.perf_counter()
+    op()
+    return time.perf_counter() - start
+
+
+class _StepTimer(L.Callback):
+    def __init__(self):
+        self.times = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._t)
+
+
+def lightning_step_times(net, dataset, batch_size, steps):
+    model = DPZero(copy.deepcopy(net), lr=1e-4, clip=1.0, smoothing=1e-3, privacy=PrivacySpec(8.0, accountant="rdp"))
+    timer = _StepTimer()
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(model, PrivatePublicDataModule(dataset, batch_size=batch_size))
+    return timer.times[2:]  # drop warm-up
+
+
+# ---- measurements -------------------------------------------------------------------------------
+def time_case(name, quick, repeats):
+    net, dataset, batch_size = make_case(name, quick)
+    batch = fixed_batch(dataset, batch_size)
+    fwd, zo, opacus = forward_op(net, batch), dpzero_engine_op(net, batch), opacus_op(net, batch)
+    for op in (fwd, zo, opacus):  # warm-up
+        op()
+    t_fwd, t_zo, t_opacus = [], [], []
+    for _ in range(repeats):  # interleaved to cancel drift
+        t_fwd.append(timed(fwd))
+        t_zo.append(timed(zo))
+        t_opacus.append(timed(opacus))
+    t_light = lightning_step_times(net, dataset, batch_size, steps=repeats + 2)
+    t_fwd += [timed(fwd) for _ in range(repeats)]
+    med = statistics.median
+    return {
+        "case": name,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "batch_size": batch_size,
+        "forward_ms": 1e3 * med(t_fwd),
+        "dpzero_engine_ms": 1e3 * med(t_zo),
+        "dpzero_lightning_ms": 1e3 * med(t_light),
+        "opacus_dpsgd_ms": 1e3 * med(t_opacus),
+        "engine_over_two_forwards": med(t_zo) / (2 * med(t_fwd)),
+        "lightning_over_two_forwards": med(t_light) / (2 * med(t_fwd)),
+        "dpzero_over_opacus": med(t_zo) / med(t_opacus),
+    }
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def memory_probe(name, mode, quick):
+    """Run in a fresh process: peak RSS growth (MB) of ``mode`` over the memory live after setup.
+
+    Linux-specific: free memory is returned to the OS (``malloc_trim``), then the peak-RSS mark is
+    reset (``/proc/self/clear_refs``), so neither import-time transients nor allocator caches hide
+    what the step itself allocates.
+    """
+    torch.set_num_threads(2)
+    net, dataset, batch_size = make_case(name, quick)
+    batch = fixed_batch(dataset, batch_size)
+    op = {"inference": forward_op, "dpzero": dpzero_engine_op, "opacus": opacus_op}[mode](net, batch)
+    op()  # warm-up: lazily created buffers count as the step's memory below only if re-created
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kb("VmRSS")
+    for _ in range(3):
+        op()
+    return (_status_kb("VmHWM") - base) / 1024
+
+
+def memory_case(name, quick, probes=3):
+    """Median over ``probes`` fresh processes per mode (single probes vary by ±6 MB here)."""
+    out = {}
+    for mode in ("inference", "dpzero", "opacus"):
+        args = [sys.executable, __file__, "--memory-probe", name, mode] + (["--quick"] if quick else [])
+        runs = [subprocess.run(args, capture_output=True, text=True, check=True) for _ in range(probes)]
+        out[f"{mode}_peak_mb"] = statistics.median(float(r.stdout.strip().splitlines()[-1]) for r in runs)
+    net, *_ = make_case(name, quick)
+    largest = max(p.numel() * p.element_size() for p in net.parameters()) / 2**20
+    total = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
+    out["zo_memory_budget_mb"] = out["inference_peak_mb"] + largest + 0.05 * total
+    extra_opacus = max(out["opacus_peak_mb"] - out["inference_peak_mb"], 1e-9)
+    out["dpzero_extra_over_opacus_extra"] = max(out["dpzero_peak_mb"] - out["inference_peak_mb"], 0) / extra_opacus
+    return out
+
+
+TARGETS = {
+    "engine_over_two_forwards": ("transformer", 1.15),
+    "lightning_over_two_forwards": ("digits-mlp", 1.25),
+    "dpzero_over_opacus": (None, 0.30),
+    "dpzero_extra_over_opacus_extra": (None, 0.15),
+}
+
+
+def table(rows):
+    lines = [
+        "| case | params | B | fwd ms | DPZero engine ms | DPZero in Lightning ms | Opacus DP-SGD ms "
+        "| engine/2fwd | Lightning/2fwd | DPZero/Opacus | peak MB inf / DPZero / Opacus (ZO budget) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['parameters'] / 1e6:.2f}M | {r['batch_size']} | {r['forward_ms']:.1f} "
+            f"| {r['dpzero_engine_ms']:.1f} | {r['dpzero_lightning_ms']:.1f} | {r['opacus_dpsgd_ms']:.1f} "
+            f"| {r['engine_over_two_forwards']:.2f} | {r['lightning_over_two_forwards']:.2f} "
+            f"| {r['dpzero_over_opacus']:.2f} | {r['inference_peak_mb']:.1f} / {r['dpzero_peak_mb']:.1f} / "
+            f"{r['opacus_peak_mb']:.1f} ({r['zo_memory_budget_mb']:.1f}) |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny models and few repeats (smoke test)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--memory-probe", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_probe:
+        print(memory_probe(*args.memory_probe, args.quick))
+        return
+    torch.set_num_threads(2)
+    repeats = args.repeats or (3 if args.quick else 9)
+    rows = []
+    for name in ("digits-mlp", "transformer"):
+        row = time_case(name, args.quick, repeats)
+        row.update(memory_case(name, args.quick, probes=1 if args.quick else 3))
+        rows.append(row)
+    checks = []
+    for metric, (case, bound) in TARGETS.items():
+        for r in rows:
+            if case in (None, r["case"]):
+                checks.append(
+                    {
+                        "case": r["case"],
+                        "metric": metric,
+                        "value": r[metric],
+                        "target": bound,
+                        "met": r[metric] <= bound,
+                    }
+                )
+    checks += [
+        {
+            "case": r["case"],
+            "metric": "dpzero_peak_mb",
+            "value": r["dpzero_peak_mb"],
+            "target": r["zo_memory_budget_mb"],
+            "met": r["dpzero_peak_mb"] <= r["zo_memory_budget_mb"],
+        }
+        for r in rows
+    ]
+    result = {
+        "torch_threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "repeats": repeats,
+        "rows": rows,
+        "targets": checks,
+    }
+    print(table(rows))
+    print()
+    for c in checks:
+        print(
+            f"{'MET ' if c['met'] else 'MISS'} {c['case']:<12} {c['metric']:<32} {c['value']:.3f} <= {c['target']:.3f}"
+        )
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
