@@ -14,8 +14,9 @@ For each case (digits MLP 64-2048-2048-10 at batch 256; a 3.7M-parameter transfo
   on the same model and batch;
 
 and, each in a fresh subprocess, the peak RSS growth of inference, a DPZero step and an Opacus
-step over the memory live after setup (parameters, batch, persistent buffers), to check ZO memory ≤ inference + largest tensor + 5 % of parameters, and DPZero's extra
-memory over inference ≤ 0.15 × Opacus'. Prints a table and JSON (``--json PATH`` to save).
+step over the memory live after setup (parameters, batch, persistent buffers), to check ZO
+memory ≤ inference + largest tensor + 5 % of parameters, and DPZero's extra memory over
+inference ≤ 0.15 × Opacus'. Prints a table and JSON (``--json PATH`` to save).
 """
 
 from __future__ import annotations
