@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/pl-dp fit --config configs/digits/dpzero.yaml
+	$(VENV)/bin/pl-dp fit --config configs/digits/pazo_m.yaml
 
 test: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q tests

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.privacy.sampling import poisson_loader
 
@@ -18,8 +18,8 @@ class PrivatePublicDataModule(L.LightningDataModule):
     * ``train_dataloader`` Poisson-samples ``private`` at rate ``batch_size / len(private)``
       (variable, possibly empty batches; one epoch = ``len(private) // batch_size`` steps, at
       least 1) — the only sampling the accountant's numbers hold for.
-    * ``public_iterator()`` cycles ``public`` forever, reshuffled each pass; public batches
-      never consume privacy.
+    * ``public_batches(k)`` draws k disjoint public batches per call, without end; public
+      batches never consume privacy.
     * ``val``/``test`` are ordinary loaders.
 
     Args:
@@ -49,6 +49,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         self.public_batch_size = public_batch_size or batch_size
         self.seed = seed
         self.eval_batch_size = eval_batch_size
+        self._public_generator = torch.Generator().manual_seed(seed + 1)
         if private is not None:
             self._validate()
 
@@ -86,16 +87,32 @@ class PrivatePublicDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader | list:
         return DataLoader(self.test, batch_size=self.eval_batch_size) if self.test is not None else []
 
-    def public_iterator(self) -> Iterator[Any]:
-        """Public batches of size ``public_batch_size``, forever, reshuffled each pass (seeded)."""
+    def public_batches(self, k: int = 1) -> list[Any]:
+        """``k`` disjoint public batches of ``public_batch_size`` (PAZO spec A7).
+
+        Each call draws k·b′ distinct public examples without replacement and splits them; the
+        generator's state is part of :meth:`state_dict`, so a resumed run sees the same batches.
+        """
+        need = self.check_public(k)
+        order = torch.randperm(len(self.public), generator=self._public_generator)[:need].tolist()
+        chunks = [order[c * self.public_batch_size : (c + 1) * self.public_batch_size] for c in range(k)]
+        return [default_collate([self.public[i] for i in chunk]) for chunk in chunks]
+
+    def check_public(self, k: int = 1) -> int:
+        """Raise a clear error unless ``k`` disjoint public batches can be drawn; returns k·b′."""
         if self.public is None:
             raise ValueError("this method needs public data, but the datamodule has public=None.")
-        return self._cycle_public()
-
-    def _cycle_public(self) -> Iterator[Any]:
-        g = torch.Generator().manual_seed(self.seed + 1)
-        while True:
-            loader = DataLoader(
-                self.public, batch_size=self.public_batch_size, shuffle=True, generator=g, drop_last=True
+        need = k * self.public_batch_size
+        if need > len(self.public):
+            raise ValueError(
+                f"{k} disjoint public batches of {self.public_batch_size} need {need} public examples; "
+                f"the public set has {len(self.public)}. Lower public_batch_size or k."
             )
-            yield from loader
+        return need
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"public_generator": self._public_generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "public_generator" in state_dict:
+            self._public_generator.set_state(state_dict["public_generator"])

@@ -2,6 +2,7 @@
 
 from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.dpzero import DPZero
+from pl_dp.methods.pazo import PAZOM, PAZOP, PAZOS
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 
-__all__ = ["DPZero", "PrivateModule", "ZerothOrderModule"]
+__all__ = ["PAZOM", "PAZOP", "PAZOS", "DPZero", "PrivateModule", "ZerothOrderModule"]

@@ -29,6 +29,7 @@ from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_mul
 from pl_dp.privacy.losses import (
     LossSpec,
     batch_size_of,
+    check_per_sample,
     cross_entropy,
     forward,
     resolve_loss,
@@ -37,7 +38,10 @@ from pl_dp.privacy.losses import (
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.sampling import PoissonBatchSampler, poisson_sampler_of
+from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
+
+_DIRECTION_TAG = 0xD1EC
 
 
 def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
@@ -65,6 +69,14 @@ class PrivateModule(L.LightningModule):
     #: whether the method needs a public loader (PAZO, Coupling)
     requires_public_data: bool = False
 
+    @property
+    def touches_private_data(self) -> bool:
+        """Whether a step reads the private batch (False e.g. for a public-only mixing weight).
+
+        Steps that do not are neither budget-checked nor accounted nor counted in ``private_steps``.
+        """
+        return True
+
     def __init__(
         self,
         net: nn.Module,
@@ -85,6 +97,9 @@ class PrivateModule(L.LightningModule):
         self._lr = float(lr)
         self.privacy = privacy
         self.noise = NoiseSource(noise_seed)
+        # data-independent randomness (ZO directions, exploration noise): reproducible under
+        # seed_everything, never shared with the DP noise
+        self.direction_seed = derive_seed(torch.initial_seed(), _DIRECTION_TAG)
         self.accountant: Accountant | None = create_accountant(privacy.accountant) if privacy else None
         self.log_private_metrics = log_private_metrics
         # privacy plan (set in setup_privacy, restored from checkpoints)
@@ -233,21 +248,21 @@ class PrivateModule(L.LightningModule):
     def on_train_start(self) -> None:
         self.setup_privacy()
         if self.requires_public_data:
-            self.public_batches()  # fail at fit start, not at the first step
+            self._public_source().check_public(self.public_batches_per_step)  # fail now, not at step 1
 
     # ---- the step ----------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        if self.privacy is not None and (
-            self.privacy_exhausted or not self._budget.allows(self.noise_multiplier, self.sample_rate)
-        ):
+        guarded = self.privacy is not None and self.touches_private_data
+        if guarded and (self.privacy_exhausted or not self._budget.allows(self.noise_multiplier, self.sample_rate)):
             self.privacy_exhausted = True
             self.trainer.should_stop = True
             return None
         batch_size = batch_size_of(batch)
         mechanism = self.mechanism(batch_size)
         stats = self.private_step(batch, batch_size, mechanism)
-        mechanism.account(self.accountant)
-        self.private_steps += 1
+        if self.touches_private_data:
+            mechanism.account(self.accountant)
+            self.private_steps += 1
         self._batches_consumed += 1
         opt = self.optimizers()
         for p in self.trainable_parameters():
@@ -308,15 +323,29 @@ class PrivateModule(L.LightningModule):
         return self.net(*args, **kwargs)
 
     # ---- public data -------------------------------------------------------------------------
-    def public_batches(self):
-        """An endless iterator of public batches from the datamodule (methods that need public data)."""
+    #: how many disjoint public batches one step draws (methods that need public data)
+    public_batches_per_step: int = 1
+
+    def _public_source(self):
         dm = getattr(self.trainer, "datamodule", None)
-        public = getattr(dm, "public_iterator", None)
-        if public is None:
+        if dm is None or not hasattr(dm, "public_batches"):
             raise ValueError(
-                f"{type(self).__name__} needs public data: use a PrivatePublicDataModule with a public dataset."
+                f"{type(self).__name__} needs public data: train with a PrivatePublicDataModule "
+                "(or a subclass) that has a public dataset."
             )
-        return public()
+        return dm
+
+    def public_batches(self, k: int = 1) -> list[Any]:
+        """``k`` disjoint public batches on this module's device. Public data costs no privacy."""
+        return [self.transfer_batch_to_device(b, self.device, 0) for b in self._public_source().public_batches(k)]
+
+    def public_gradient(self, batch: Any) -> list[torch.Tensor]:
+        """∇ of the mean loss over a public batch at the current parameters: no clipping, no noise."""
+        params = self.trainable_parameters()
+        with torch.enable_grad():
+            losses = check_per_sample(self.loss_fn(self.net, batch), batch_size_of(batch))
+            grads = torch.autograd.grad(losses.mean(), params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
     # ---- checkpointing -------------------------------------------------------------------------
     def privacy_state_dict(self) -> dict[str, Any]:
@@ -331,6 +360,7 @@ class PrivateModule(L.LightningModule):
             "nonfinite_total": self.nonfinite_total,
             "noise": self.noise.state_dict(),
             "accountant": self.accountant.state_dict() if self.accountant else None,
+            "direction_seed": self.direction_seed,
         }
         if self._sampler is not None:
             state["sampler"] = {
@@ -350,6 +380,7 @@ class PrivateModule(L.LightningModule):
         self.private_steps = int(state["private_steps"])
         self.nonfinite_total = int(state["nonfinite_total"])
         self.noise.load_state_dict(state["noise"])
+        self.direction_seed = int(state["direction_seed"])
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
         self._restored = state

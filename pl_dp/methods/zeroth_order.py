@@ -8,18 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from pl_dp.methods.base import PrivateModule, _positive
 from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import PrivateTwoPointEstimator, per_sample_evaluator
-
-_DIRECTION_TAG = 0xD1EC
 
 
 class ZerothOrderModule(PrivateModule):
@@ -61,7 +57,6 @@ class ZerothOrderModule(PrivateModule):
         self.queries = int(queries)
         self._smoothing = float(smoothing)
         self._direction = Direction(direction, radius)
-        self.direction_seed = derive_seed(torch.initial_seed(), _DIRECTION_TAG)
         self._estimator: PrivateTwoPointEstimator | None = None
 
     @property
@@ -80,15 +75,17 @@ class ZerothOrderModule(PrivateModule):
         """The method's direction radius when the user gives none (None: √d)."""
         return None
 
+    def build_engine(self, params: list[nn.Parameter]) -> PerturbationEngine:
+        """The perturbation engine of this method (PAZO-P overrides it with a subspace engine)."""
+        direction = self._direction
+        if direction.radius is None:
+            direction = Direction(direction.kind, self.default_radius(sum(p.numel() for p in params)))
+        return PerturbationEngine(params, self.direction_seed, direction)
+
     @property
     def estimator(self) -> PrivateTwoPointEstimator:
         if self._estimator is None:
-            params = self.trainable_parameters()
-            direction = self._direction
-            if direction.radius is None:
-                dim = sum(p.numel() for p in params)
-                direction = Direction(direction.kind, self.default_radius(dim))
-            engine = PerturbationEngine(params, self.direction_seed, direction)
+            engine = self.build_engine(self.trainable_parameters())
             self._estimator = PrivateTwoPointEstimator(engine, self._smoothing, self.clip, self.queries)
         return self._estimator
 
@@ -105,12 +102,6 @@ class ZerothOrderModule(PrivateModule):
         evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size)
         return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise)
 
-    def privacy_state_dict(self) -> dict[str, Any]:
-        state = super().privacy_state_dict()
-        state["direction_seed"] = self.direction_seed
-        return state
-
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_privacy_state_dict(state)
-        self.direction_seed = int(state["direction_seed"])
         self._estimator = None

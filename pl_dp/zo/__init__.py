@@ -9,13 +9,18 @@ from pl_dp.zo.estimator import (
     ZerothOrderEstimate,
     eval_mode,
     per_sample_evaluator,
+    privatize_sum,
 )
+from pl_dp.zo.subspace import SubspaceEngine, flat_basis
 
 __all__ = [
     "Direction",
     "PerturbationEngine",
     "PrivateTwoPointEstimator",
+    "SubspaceEngine",
     "ZerothOrderEstimate",
     "eval_mode",
+    "flat_basis",
     "per_sample_evaluator",
+    "privatize_sum",
 ]

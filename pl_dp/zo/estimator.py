@@ -53,6 +53,26 @@ def per_sample_evaluator(
     return evaluate
 
 
+def privatize_sum(
+    values: torch.Tensor,
+    clip: float | None,
+    mechanism: SubsampledGaussian,
+    noise: NoiseSource,
+    reduce: Reduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One private scalar release: (Σ_i clip_C(values_i) + N(0, noise_std²)) / expected batch size.
+
+    Non-finite values contribute 0 and are counted. ``reduce`` sums the clipped sum and the
+    count across data-parallel ranks before the noise is added (once). Returns the privatized
+    scalar (shape [1]) and the non-finite count.
+    """
+    clipped, bad = clip_scalars(values, clip)
+    packed = torch.stack([clipped.sum(), bad.float()]).cpu()
+    if reduce is not None:
+        packed = reduce(packed)
+    return mechanism.privatize(packed[:1], noise), packed[1]
+
+
 @dataclass
 class ZerothOrderEstimate:
     """The privatized scalars of one step, their directions, and what the caller still owes."""
@@ -97,12 +117,9 @@ class PrivateTwoPointEstimator:
         for j in range(self.queries):
             key = (step, j)
             diffs = self.engine.two_point(key, self.smoothing, evaluate)
-            clipped, bad = clip_scalars(diffs, self.clip)
-            packed = torch.stack([clipped.sum(), bad.float()]).cpu()
-            if reduce is not None:
-                packed = reduce(packed)
-            scalars.append(mechanism.privatize(packed[:1], noise))
-            nonfinite = nonfinite + packed[1]
+            scalar, bad = privatize_sum(diffs, self.clip, mechanism, noise, reduce)
+            scalars.append(scalar)
+            nonfinite = nonfinite + bad
             keys.append(key)
             if j < self.queries - 1:
                 self.engine.perturb(key, self.smoothing)  # restore before the next direction

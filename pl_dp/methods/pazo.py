@@ -1,0 +1,270 @@
+"""PAZO: private zeroth-order optimization with public data (Gong & Li, NeurIPS 2025).
+
+Three ways of using public mini-batch gradients (ordinary backward on public data only: no
+clipping, no noise, no privacy cost) with private zeroth-order queries (PAZO spec §2):
+
+* :class:`PAZOM` mixes the public gradient with the private two-point estimate (Algorithm 1);
+* :class:`PAZOP` searches inside the span of k public gradients (Algorithm 2);
+* :class:`PAZOS` picks the best of k public gradients (+ a noisy one) by private loss queries
+  (Algorithm 3).
+
+Privacy (spec §3): each step is one Poisson-subsampled Gaussian mechanism with multiplier σ,
+whatever q or k: the q (or k+1) scalar releases each carry noise √q·σ·C on their clipped sum.
+
+The public batch size b′ is set on the datamodule (``public_batch_size``), like the private b,
+so that one object owns how batches are drawn.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_dp.methods.base import PrivateModule, _positive
+from pl_dp.methods.zeroth_order import ZerothOrderModule
+from pl_dp.privacy.losses import LossSpec
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.zo.engine import Direction, PerturbationEngine
+from pl_dp.zo.estimator import per_sample_evaluator, privatize_sum
+from pl_dp.zo.subspace import SubspaceEngine
+
+
+def _integer_at_least_one(name: str, value: Any) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
+@torch.no_grad()
+def _move(params: list[nn.Parameter], direction: list[torch.Tensor], alpha: float) -> None:
+    for p, d in zip(params, direction):
+        p.add_(d, alpha=alpha)
+
+
+class PAZOM(ZerothOrderModule):
+    """PAZO-M (Algorithm 1): θ ← θ − η(α·g_pub + (1−α)·g̃/q).
+
+    g_pub is the mean-loss gradient of one public batch at θ_t (before any perturbation, spec
+    A28); g̃ = Σ_j s_j u_j is DPZero's privatized q-query estimate with directions of radius
+    d^{1/4} (sphere, or the Gaussian N(0, d^{−1/2} I) with the same second moment — spec A1),
+    which aligns E‖g̃‖ with ‖∇f‖ so that α is easy to tune. Do not renormalize: E[g̃] = ∇f/√d.
+
+    ``alpha=1`` is public-only SGD: the private batch is never read and no ε is spent;
+    ``alpha=0`` with ``radius=√d`` is DPZero (spec A27). The theory asks α < 2/3; any α ∈ [0, 1]
+    is accepted.
+
+    Cost per step: 2q private forwards, one public forward+backward; memory: inference + one
+    public gradient + one parameter tensor.
+    """
+
+    requires_public_data = True
+
+    def __init__(
+        self,
+        net: nn.Module,
+        loss: LossSpec = "cross_entropy",
+        lr: float = 1e-3,
+        clip: float | None = 1.0,
+        smoothing: float = 1e-2,
+        alpha: float = 0.5,
+        queries: int = 1,
+        direction: str = "gaussian",
+        radius: float | None = None,
+        privacy: PrivacySpec | None = None,
+        noise_seed: int | None = None,
+        log_private_metrics: bool = False,
+    ) -> None:
+        super().__init__(
+            net, loss, lr, clip, smoothing, queries, direction, radius, privacy, noise_seed, log_private_metrics
+        )
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
+        self.alpha = float(alpha)
+
+    @property
+    def touches_private_data(self) -> bool:
+        return self.alpha < 1.0
+
+    def default_radius(self, dim: int) -> float:
+        return dim**0.25
+
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+        public_grad = self.public_gradient(self.public_batches(1)[0])
+        if not self.touches_private_data:  # alpha == 1: public SGD
+            _move(self.trainable_parameters(), public_grad, -self.lr)
+            return {}
+        estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
+        self.estimator.apply(
+            estimate, self.lr * (1.0 - self.alpha) / self.queries, extra=[(public_grad, -self.lr * self.alpha)]
+        )
+        return {"train/noisy_directional_derivative": estimate.scalars.abs().mean(), "nonfinite": estimate.nonfinite}
+
+
+class PAZOP(ZerothOrderModule):
+    """PAZO-P (Algorithm 2): zeroth-order search in the span of k public gradients.
+
+    Per step: k disjoint public batches give g_1..g_k, turned into G (``orthonormalize=True``: an
+    orthonormal basis of their span; ``False``: unit-norm columns — the paper's two variants);
+    each query perturbs along v_j = G·u_j with u_j ∈ ℝ^k (``direction="gaussian"``: N(0, I_k), as in
+    the experiments; ``"sphere"``: √k·S^{k−1}, the theory), and θ ← θ − (η/q)·Σ_j s_j v_j. With
+    orthonormal G, E[g̃] → G Gᵀ ∇f: the projected gradient.
+
+    A rank-deficient G (e.g. identical or zero public gradients) shrinks to its rank; the rank is
+    logged as ``train/public_basis_rank`` (public information). Memory: k parameter-sized buffers
+    for G (reused) plus one; cost: 2q private forwards and k public forward+backward passes. η is
+    on another scale than DPZero's (‖v‖ ≈ √k, not √d; spec A9).
+    """
+
+    requires_public_data = True
+
+    def __init__(
+        self,
+        net: nn.Module,
+        loss: LossSpec = "cross_entropy",
+        lr: float = 0.5,
+        clip: float | None = 1.0,
+        smoothing: float = 1e-2,
+        k: int = 3,
+        queries: int = 1,
+        orthonormalize: bool = True,
+        direction: str = "gaussian",
+        privacy: PrivacySpec | None = None,
+        noise_seed: int | None = None,
+        log_private_metrics: bool = False,
+    ) -> None:
+        super().__init__(
+            net, loss, lr, clip, smoothing, queries, direction, None, privacy, noise_seed, log_private_metrics
+        )
+        self.k = _integer_at_least_one("k", k)
+        self.orthonormalize = bool(orthonormalize)
+
+    @property
+    def public_batches_per_step(self) -> int:
+        return self.k
+
+    def build_engine(self, params: list[nn.Parameter]) -> SubspaceEngine:
+        return SubspaceEngine(params, self.direction_seed, self.k, coefficients=self._direction.kind)
+
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+        engine = self.estimator.engine
+        for c, public in enumerate(self.public_batches(self.k)):
+            for slot, grad in zip(engine.basis_slot(c), self.public_gradient(public)):
+                slot.copy_(grad)
+        engine.finalize_basis(self.orthonormalize)
+        estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
+        self.estimator.apply(estimate, self.lr / self.queries)
+        return {
+            "train/noisy_directional_derivative": estimate.scalars.abs().mean(),
+            "train/public_basis_rank": torch.tensor(float(engine.rank)),
+            "nonfinite": estimate.nonfinite,
+        }
+
+
+class PAZOS(PrivateModule):
+    """PAZO-S (Algorithm 3): choose among k public gradients by private loss queries.
+
+    Per step, with k disjoint public batches and their raw gradients g_1..g_k (at θ_t)::
+
+        f_j = ( Σ_i clip_C(f(θ − η g_j; ξ_i)) + N(0, (k+1)·C²σ²) ) / b        j = 1..k
+        ĵ = argmin_j f_j;   g_{k+1} = g_ĵ + z′,  z′ ~ N(0, perturb_scale²·I_d)
+        f_{k+1} likewise at θ − η g_{k+1};   θ ← θ − η g_{j*},  j* = argmin over all k+1
+
+    The clipped quantity is the per-example *loss itself* (spec A4): C must sit on the loss scale.
+    ``perturb_scale`` is the std of the exploration noise z′ (not privacy noise; regenerated from a
+    seed, never stored). ``perturb_scale=0`` forms no (k+1)-th candidate and makes k releases with
+    noise √k·σ·C each (a pl_dp extension, spec A10: same privacy, less noise). Ties go to the lowest
+    index; the step always moves (the paper has no "stay" option).
+
+    Candidates are evaluated in place one at a time, keeping only the best gradient so far:
+    memory inference + 2 parameter copies. Cost: k+1 private forwards, k public forward+backward.
+    """
+
+    requires_public_data = True
+
+    def __init__(
+        self,
+        net: nn.Module,
+        loss: LossSpec = "cross_entropy",
+        lr: float = 0.1,
+        clip: float | None = 2.0,
+        k: int = 3,
+        perturb_scale: float = 1e-3,
+        privacy: PrivacySpec | None = None,
+        noise_seed: int | None = None,
+        log_private_metrics: bool = False,
+    ) -> None:
+        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics)
+        _positive("clip", clip, allow_none=privacy is None)
+        if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
+            raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")
+        self.clip = None if clip is None else float(clip)
+        self.k = _integer_at_least_one("k", k)
+        self.perturb_scale = float(perturb_scale)
+        self._explorer: PerturbationEngine | None = None
+
+    @property
+    def public_batches_per_step(self) -> int:
+        return self.k
+
+    @property
+    def candidates(self) -> int:
+        """Private loss queries per step: k, plus one for the noisy candidate."""
+        return self.k + (1 if self.perturb_scale > 0 else 0)
+
+    def mechanism(self, batch_size: int) -> SubsampledGaussian:
+        """k(+1) scalar releases per step, each with per-example sensitivity C."""
+        return self._gaussian(batch_size, self.clip, releases=self.candidates)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._explorer = None
+
+    def _exploration(self) -> PerturbationEngine:
+        if self._explorer is None:  # z′ ~ N(0, I_d) per unit of step size
+            params = self.trainable_parameters()
+            dim = sum(p.numel() for p in params)
+            self._explorer = PerturbationEngine(params, self.direction_seed, Direction("gaussian", math.sqrt(dim)))
+        return self._explorer
+
+    def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_privacy_state_dict(state)
+        self._explorer = None
+
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+        params = self.trainable_parameters()
+        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size)
+        nonfinite = torch.zeros(())
+
+        def query() -> float:
+            nonlocal nonfinite
+            value, bad = privatize_sum(evaluate(), self.clip, mechanism, self.noise)
+            nonfinite = nonfinite + bad
+            return float(value)
+
+        best_grad, best_value, best_index = None, math.inf, 0
+        for j, public in enumerate(self.public_batches(self.k)):
+            grad = self.public_gradient(public)  # at θ_t: the parameters are restored after each query
+            _move(params, grad, -self.lr)
+            value = query()
+            _move(params, grad, self.lr)
+            if value < best_value:
+                best_grad, best_value, best_index = grad, value, j
+            del grad
+        _move(params, best_grad, -self.lr)
+        chosen = best_index
+        if self.perturb_scale > 0:
+            key, step = (self.private_steps, self.k), self.lr * self.perturb_scale
+            self._exploration().perturb(key, -step)
+            if query() < best_value:
+                chosen = self.k
+            else:
+                self._exploration().perturb(key, step)
+        return {
+            "train/chosen_candidate": torch.tensor(float(chosen)),
+            "train/best_noisy_loss": torch.tensor(best_value),
+            "nonfinite": nonfinite,
+        }

@@ -1,0 +1,113 @@
+"""Directions inside the span of k public gradients (PAZO-P, PAZO spec §2.2).
+
+v = G·u with G = [g_1 … g_k] ∈ ℝ^{d×k} and u ∈ ℝ^k drawn from the step's seed. Only G is stored
+(k parameter-sized buffers, reused every step); u is k numbers, regenerated from the key; v is
+formed per parameter tensor inside the engine's buffer and never stored whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pl_dp.privacy.seeding import derive_seed
+from pl_dp.zo.engine import Direction, Key, PerturbationEngine
+
+_COEFF_TAG = 0xC0EF
+
+
+class SubspaceEngine(PerturbationEngine):
+    """A :class:`PerturbationEngine` whose directions are G·u for a per-step basis G.
+
+    Args:
+        params: the perturbed parameters (d numbers in total).
+        seed: base seed of the coefficients u.
+        k: number of basis vectors (public gradients).
+        coefficients: distribution of u ∈ ℝ^r (r = effective rank): ``"gaussian"`` N(0, I_r) (default,
+            as in the experiments, PAZO spec A1) or ``"sphere"``, uniform on √r·S^{r−1} (the theory).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], seed: int, k: int, coefficients: str = "gaussian") -> None:
+        super().__init__(params, seed, Direction("gaussian"))
+        if isinstance(k, bool) or int(k) != k or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}.")
+        self.k = int(k)
+        self.coefficients_kind = Direction(coefficients).kind
+        self.basis = [torch.zeros((self.k, *p.shape), dtype=p.dtype, device=p.device) for p in self.params]
+        self.rank = 0
+        self._coeff_cache: dict[Key, torch.Tensor] = {}
+
+    # ---- the basis ----------------------------------------------------------------------------
+    def basis_slot(self, c: int) -> list[torch.Tensor]:
+        """Views of column ``c`` of G, one per parameter, to write a gradient into."""
+        return [b[c] for b in self.basis]
+
+    @torch.no_grad()
+    def finalize_basis(self, orthonormalize: bool = True, tolerance: float = 1e-10) -> None:
+        """Turn the k raw columns into G (PAZO spec A8), in place.
+
+        ``orthonormalize=True``: an orthonormal basis of span{g_1..g_k}. From the float64 Gram
+        matrix M = GᵀG = VΛVᵀ, Q = G·V_r·Λ_r^{−1/2}, keeping eigenvalues above
+        ``tolerance``·λ_max — rank-deficient or zero gradients shrink the basis instead of
+        producing NaNs (``rank`` says how many columns remain). Memory: the k buffers plus one
+        parameter tensor's k-column slice in float64, never a d×k float64 matrix.
+
+        ``orthonormalize=False``: columns scaled to unit norm, g_j / max(‖g_j‖, tiny).
+        """
+        gram = torch.zeros(self.k, self.k, dtype=torch.float64)
+        for b in self.basis:
+            flat = b.reshape(self.k, -1).double()
+            gram += (flat @ flat.T).cpu()
+        if orthonormalize:
+            evals, evecs = torch.linalg.eigh(gram)
+            top = float(evals.max()) if evals.numel() else 0.0
+            keep = evals > tolerance * top if top > 0 else torch.zeros_like(evals, dtype=torch.bool)
+            transform = evecs[:, keep] / evals[keep].sqrt()  # k × r
+            self.rank = int(keep.sum())
+        else:
+            norms = gram.diagonal().sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+            transform = torch.diag(1.0 / norms)
+            self.rank = self.k
+        for b in self.basis:
+            flat = b.reshape(self.k, -1)
+            mixed = (transform.T.to(flat.device) @ flat.double()).to(flat.dtype)
+            flat[: self.rank].copy_(mixed)
+            flat[self.rank :].zero_()
+        self._coeff_cache.clear()
+        self._norm_cache.clear()
+
+    # ---- directions ---------------------------------------------------------------------------
+    def coefficients(self, key: Key) -> torch.Tensor:
+        """u ∈ ℝ^rank for direction ``key`` (float64, CPU)."""
+        u = self._coeff_cache.get(key)
+        if u is None:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, *key, _COEFF_TAG))
+            u = torch.randn(self.rank, generator=g, dtype=torch.float64)
+            if self.coefficients_kind == "sphere" and self.rank > 0:
+                u = u * (math.sqrt(self.rank) / u.norm())
+            if len(self._coeff_cache) > 64:
+                self._coeff_cache.clear()
+            self._coeff_cache[key] = u
+        return u
+
+    def raw(self, key: Key, index: int) -> torch.Tensor:
+        p = self.params[index]
+        out = self._buffer(p)[: p.numel()].view_as(p).zero_()
+        for c, weight in enumerate(self.coefficients(key).tolist()):
+            out.add_(self.basis[index][c], alpha=weight)
+        return out
+
+    def scale(self, key: Key) -> float:
+        return 1.0
+
+    def direction_tensors(self, key: Key) -> list[torch.Tensor]:
+        return [self.raw(key, i).clone() for i in range(len(self.params))]
+
+
+def flat_basis(engine: SubspaceEngine) -> torch.Tensor:
+    """G as a dense d × rank matrix (tests and diagnostics only)."""
+    return torch.cat([b[: engine.rank].reshape(engine.rank, -1) for b in engine.basis], dim=1).T
+
