@@ -62,8 +62,10 @@ class PrivateModule(L.LightningModule):
         privacy: the privacy request; ``None`` runs the same method without noise or accounting.
         noise_seed: seed of the DP noise generator. Default ``None`` draws it from OS entropy.
             Set it only for tests and reproduction: whoever knows it can remove the noise.
-        log_private_metrics: also log train loss/accuracy computed on the *private* batch under
-            ``diagnostics/`` (not differentially private; off by default, PAZO spec A29).
+        log_private_metrics: also log statistics computed on the *private* batch without noise —
+            train loss/accuracy and, for public-data methods, γ-similarity to the public gradient —
+            under ``diagnostics/not_private/``. Not differentially private; off by default (PAZO
+            spec A29, §7).
     """
 
     #: whether the method needs a public loader (PAZO, Coupling)
@@ -311,7 +313,28 @@ class PrivateModule(L.LightningModule):
 
     def _log_private_metrics(self, batch: Any) -> None:
         with torch.no_grad():
-            self._evaluate(batch, "diagnostics/train_not_private")
+            self._evaluate(batch, "diagnostics/not_private/train")
+
+    def log_gradient_similarity(self, batch: Any, public_grad: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Log γ = ‖g_pub − ∇f(θ; B_private)‖ and their cosine (PAZO spec §7.1, mini-batch version).
+
+        Only with ``log_private_metrics``: this backpropagates through the private batch without
+        clipping or noise. Returns the private batch gradient (or None when disabled or empty).
+        """
+        if not self.log_private_metrics or batch_size_of(batch) == 0:
+            return None
+        private_grad = self.public_gradient(batch)  # same computation; the data is private here
+        diff = sum(float((a - b).square().sum()) for a, b in zip(public_grad, private_grad))
+        dot = sum(float((a * b).sum()) for a, b in zip(public_grad, private_grad))
+        norms = [math.sqrt(sum(float(t.square().sum()) for t in g)) for g in (public_grad, private_grad)]
+        self.log("diagnostics/not_private/gamma", math.sqrt(diff), on_step=True, on_epoch=False)
+        self.log(
+            "diagnostics/not_private/cos_public_private",
+            dot / max(norms[0] * norms[1], 1e-30),
+            on_step=True,
+            on_epoch=False,
+        )
+        return private_grad
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate(batch, "val")

@@ -77,9 +77,21 @@ class PAZOM(ZerothOrderModule):
         privacy: PrivacySpec | None = None,
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
+        joint_clip: bool = False,
     ) -> None:
         super().__init__(
-            net, loss, lr, clip, smoothing, queries, direction, radius, privacy, noise_seed, log_private_metrics
+            net,
+            loss,
+            lr,
+            clip,
+            smoothing,
+            queries,
+            direction,
+            radius,
+            privacy,
+            noise_seed,
+            log_private_metrics,
+            joint_clip,
         )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
@@ -97,11 +109,20 @@ class PAZOM(ZerothOrderModule):
         if not self.touches_private_data:  # alpha == 1: public SGD
             _move(self.trainable_parameters(), public_grad, -self.lr)
             return {}
+        self.log_gradient_similarity(batch, public_grad)
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
+        stats = {"train/noisy_directional_derivative": estimate.scalars.abs().mean(), "nonfinite": estimate.nonfinite}
+        if self.log_private_metrics:
+            # ‖g̃/q‖ / ‖g_pub‖ and their cosine: post-processing of privatized and public values (safe,
+            # spec §7.2), but one more parameter sweep, so only with the diagnostics
+            dot, sq = self.estimator.inner_products(estimate, public_grad)
+            pub = math.sqrt(sum(float(g.square().sum()) for g in public_grad))
+            stats["diagnostics/zo_to_public_norm_ratio"] = torch.tensor(math.sqrt(sq) / self.queries / max(pub, 1e-30))
+            stats["diagnostics/cos_zo_public"] = torch.tensor(dot / max(math.sqrt(sq) * pub, 1e-30))
         self.estimator.apply(
             estimate, self.lr * (1.0 - self.alpha) / self.queries, extra=[(public_grad, -self.lr * self.alpha)]
         )
-        return {"train/noisy_directional_derivative": estimate.scalars.abs().mean(), "nonfinite": estimate.nonfinite}
+        return stats
 
 
 class PAZOP(ZerothOrderModule):
@@ -135,9 +156,21 @@ class PAZOP(ZerothOrderModule):
         privacy: PrivacySpec | None = None,
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
+        joint_clip: bool = False,
     ) -> None:
         super().__init__(
-            net, loss, lr, clip, smoothing, queries, direction, None, privacy, noise_seed, log_private_metrics
+            net,
+            loss,
+            lr,
+            clip,
+            smoothing,
+            queries,
+            direction,
+            None,
+            privacy,
+            noise_seed,
+            log_private_metrics,
+            joint_clip,
         )
         self.k = _integer_at_least_one("k", k)
         self.orthonormalize = bool(orthonormalize)
@@ -154,6 +187,8 @@ class PAZOP(ZerothOrderModule):
         for c, public in enumerate(self.public_batches(self.k)):
             for slot, grad in zip(engine.basis_slot(c), self.public_gradient(public)):
                 slot.copy_(grad)
+        if self.log_private_metrics:
+            self.log_gradient_similarity(batch, [b.mean(dim=0) for b in engine.basis])
         engine.finalize_basis(self.orthonormalize)
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
         self.estimator.apply(estimate, self.lr / self.queries)
@@ -254,6 +289,7 @@ class PAZOS(PrivateModule):
             if value < best_value:
                 best_grad, best_value, best_index = grad, value, j
             del grad
+        self.log_gradient_similarity(batch, best_grad)
         _move(params, best_grad, -self.lr)
         chosen = best_index
         if self.perturb_scale > 0:

@@ -73,6 +73,29 @@ def privatize_sum(
     return mechanism.privatize(packed[:1], noise), packed[1]
 
 
+def privatize_joint(
+    values: torch.Tensor,
+    clip: float | None,
+    mechanism: SubsampledGaussian,
+    noise: NoiseSource,
+    reduce: Reduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q-vector release: per-example rows of ``values`` [B, q] L2-clipped to ``clip``, summed, noised.
+
+    An example with any non-finite entry contributes a zero row and is counted.
+    """
+    values = values.float()
+    finite = torch.isfinite(values).all(dim=1, keepdim=True)
+    values = torch.where(finite, values, torch.zeros((), dtype=values.dtype))
+    if clip is not None:
+        norms = values.norm(dim=1, keepdim=True)
+        values = values * (clip / norms.clamp_min(clip))
+    packed = torch.cat([values.sum(dim=0), (~finite).sum().float().reshape(1)]).cpu()
+    if reduce is not None:
+        packed = reduce(packed)
+    return mechanism.privatize(packed[:-1], noise), packed[-1]
+
+
 @dataclass
 class ZerothOrderEstimate:
     """The privatized scalars of one step, their directions, and what the caller still owes."""
@@ -84,9 +107,24 @@ class ZerothOrderEstimate:
 
 
 class PrivateTwoPointEstimator:
-    """Runs the q queries of one step with a :class:`PerturbationEngine` and privatizes them."""
+    """Runs the q queries of one step with a :class:`PerturbationEngine` and privatizes them.
 
-    def __init__(self, engine: PerturbationEngine, smoothing: float, clip: float | None, queries: int = 1) -> None:
+    ``joint_clip=False`` (the papers): each query's per-example scalar is clamped to [−C, C] and
+    each of the q sums gets noise √q·σ·C. ``joint_clip=True`` (DP-AggZO, ANCHORS part 1 (b)
+    item 5): each example's q-vector of differences is L2-clipped to C and the q-vector of sums
+    gets one q-dimensional Gaussian with std σ·C per coordinate — the same privacy (sensitivity C,
+    one mechanism with multiplier σ) without the √q noise penalty when the q differences of an
+    example are small together.
+    """
+
+    def __init__(
+        self,
+        engine: PerturbationEngine,
+        smoothing: float,
+        clip: float | None,
+        queries: int = 1,
+        joint_clip: bool = False,
+    ) -> None:
         if not smoothing > 0:
             raise ValueError(f"smoothing must be > 0, got {smoothing}.")
         if clip is not None and not clip > 0:
@@ -97,6 +135,7 @@ class PrivateTwoPointEstimator:
         self.smoothing = float(smoothing)
         self.clip = clip
         self.queries = int(queries)
+        self.joint_clip = bool(joint_clip)
 
     def estimate(
         self,
@@ -112,18 +151,33 @@ class PrivateTwoPointEstimator:
         clipped sums and non-finite counts cross it — never per-example values.
         """
         keys: list[Key] = []
-        scalars = []
-        nonfinite = torch.zeros((), dtype=torch.float32)
+        results = []
         for j in range(self.queries):
             key = (step, j)
             diffs = self.engine.two_point(key, self.smoothing, evaluate)
-            scalar, bad = privatize_sum(diffs, self.clip, mechanism, noise, reduce)
-            scalars.append(scalar)
-            nonfinite = nonfinite + bad
+            results.append(diffs if self.joint_clip else privatize_sum(diffs, self.clip, mechanism, noise, reduce))
             keys.append(key)
             if j < self.queries - 1:
                 self.engine.perturb(key, self.smoothing)  # restore before the next direction
-        return ZerothOrderEstimate(keys, torch.cat(scalars), nonfinite, self.smoothing)
+        if self.joint_clip:
+            scalars, nonfinite = privatize_joint(torch.stack(results, dim=1), self.clip, mechanism, noise, reduce)
+        else:
+            scalars = torch.cat([r[0] for r in results])
+            nonfinite = sum((r[1] for r in results), torch.zeros(()))
+        return ZerothOrderEstimate(keys, scalars, nonfinite, self.smoothing)
+
+    @torch.no_grad()
+    def inner_products(self, estimate: ZerothOrderEstimate, tensors: Sequence[torch.Tensor]) -> tuple[float, float]:
+        """(⟨g̃, t⟩, ‖g̃‖²) for g̃ = Σ_j s_j u_j, one parameter at a time (diagnostics; one more sweep)."""
+        coeffs = [(key, s * self.engine.scale(key)) for key, s in zip(estimate.keys, estimate.scalars.tolist())]
+        dot = sq = 0.0
+        for i, t in enumerate(tensors):
+            g = torch.zeros_like(t)
+            for key, c in coeffs:
+                g.add_(self.engine.raw(key, i), alpha=c)
+            dot += float((g * t).sum())
+            sq += float(g.square().sum())
+        return dot, sq
 
     def apply(
         self,

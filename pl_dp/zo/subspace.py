@@ -110,4 +110,3 @@ class SubspaceEngine(PerturbationEngine):
 def flat_basis(engine: SubspaceEngine) -> torch.Tensor:
     """G as a dense d × rank matrix (tests and diagnostics only)."""
     return torch.cat([b[: engine.rank].reshape(engine.rank, -1) for b in engine.basis], dim=1).T
-

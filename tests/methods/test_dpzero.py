@@ -198,3 +198,31 @@ def test_logged_epsilon_is_present_and_bounded(tmp_path):
     trainer.fit(model, dm)
     logged = float(trainer.callback_metrics["privacy/epsilon"])
     assert model.epsilon <= logged <= 2.0 + 1e-9
+
+
+def test_joint_clip_step_equals_the_vector_mechanism_by_hand():
+    data = _linear_data()
+    dm = PrivatePublicDataModule(data, batch_size=6)
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1, bias=False)
+    theta0 = net.weight.detach().clone().double()
+    lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
+    spec = PrivacySpec(epsilon=5.0, accountant="rdp")
+    model = DPZero(
+        net, loss="mse", lr=lr, clip=clip, smoothing=lam, queries=q, privacy=spec, noise_seed=11, joint_clip=True
+    )
+    make_trainer(max_steps=1).fit(model, dm)
+    assert model.mechanism(6).releases == 1  # one q-dimensional Gaussian, std sigma*C per coordinate
+
+    b = dm.sample_rate * len(data)
+    batch = dm.train_dataloader().batch_sampler.batch(0)
+    x, y = data.tensors[0][batch].double(), data.tensors[1][batch].double()
+    probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed)
+    us = [probe.direction_tensors((0, j))[0].double() for j in range(q)]
+    f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
+    deltas = torch.stack([(f(theta0 + lam * u) - f(theta0 - lam * u)) / (2 * lam) for u in us], dim=1)
+    norms = deltas.norm(dim=1, keepdim=True)
+    clipped = deltas * torch.clamp(clip / norms, max=1.0)
+    s = (clipped.sum(0) + NoiseSource(seed=11).normal((q,), model.noise_multiplier * clip).double()) / b
+    expected = theta0 - lr / q * sum(sj * u for sj, u in zip(s, us))
+    torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)

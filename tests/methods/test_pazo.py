@@ -269,3 +269,21 @@ def test_pazo_learns_on_blobs_with_public_data(cls):
     trainer.fit(model, dm)
     assert model.epsilon <= 2.0
     assert trainer.callback_metrics["val/acc"] > 0.9
+
+
+def test_diagnostics_are_absent_unless_enabled_and_labelled_when_enabled():
+    for enabled in (False, True):
+        L.seed_everything(0)
+        model = PAZOM(nn.Linear(3, 1), loss="mse", privacy=SPEC, log_private_metrics=enabled)
+        trainer = make_trainer(max_steps=2)
+        trainer.fit(model, _dm())
+        keys = [k for k in trainer.callback_metrics if k.startswith("diagnostics/")]
+        if not enabled:
+            assert keys == []
+        else:
+            assert "diagnostics/not_private/gamma" in keys
+            assert "diagnostics/not_private/cos_public_private" in keys
+            assert "diagnostics/cos_zo_public" in keys
+            assert all(
+                k.startswith(("diagnostics/not_private/", "diagnostics/cos_zo", "diagnostics/zo_to")) for k in keys
+            )
