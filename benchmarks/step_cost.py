@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import PrivatePublicDataModule, digits_splits  # noqa: E402
-from pl_dp.methods import DPZero  # noqa: E402
+from pl_dp.methods import PAZOM, PAZOP, PAZOS, DPZero  # noqa: E402
 from pl_dp.nets import MLP, TinyTransformerClassifier  # noqa: E402
 from pl_dp.privacy import NoiseSource, SubsampledGaussian  # noqa: E402
 from pl_dp.privacy.losses import cross_entropy  # noqa: E402
@@ -54,20 +54,30 @@ warnings.filterwarnings("ignore")
 
 # ---- cases -----------------------------------------------------------------------------------
 def make_case(name: str, quick: bool):
-    """(net, dataset, batch_size) for a case; the dataset holds a few batches worth of examples."""
+    """(net, private set, public set, batch_size); the sets hold a few batches worth of examples."""
     torch.manual_seed(0)
     if name == "digits-mlp":
         hidden = (128, 128) if quick else (2048, 2048)
-        private, *_ = digits_splits()
-        return MLP(64, hidden, 10), private, 64 if quick else 256
+        private, public, *_ = digits_splits()
+        return MLP(64, hidden, 10), private, public, 64 if quick else 256
     if name == "transformer":
         width, depth = (64, 1) if quick else (256, 4)
         net = TinyTransformerClassifier(width=width, depth=depth)
         n, batch = (128, 16) if quick else (640, 64)
         g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, 2000, (n, 64), generator=g)
-        return net, TensorDataset(tokens, torch.randint(0, 2, (n,), generator=g)), batch
+        tokens = torch.randint(0, 2000, (n + 64, 64), generator=g)
+        labels = torch.randint(0, 2, (n + 64,), generator=g)
+        return net, TensorDataset(tokens[:n], labels[:n]), TensorDataset(tokens[n:], labels[n:]), batch
     raise ValueError(name)
+
+
+PUBLIC_BATCH = 16
+METHODS = {
+    "dpzero": lambda net: DPZero(net, lr=1e-4, clip=1.0, smoothing=1e-3, privacy=PrivacySpec(8.0, accountant="rdp")),
+    "pazo_m": lambda net: PAZOM(net, lr=1e-4, clip=1.0, smoothing=1e-3, privacy=PrivacySpec(8.0, accountant="rdp")),
+    "pazo_p": lambda net: PAZOP(net, lr=1e-4, clip=1.0, k=3, privacy=PrivacySpec(8.0, accountant="rdp")),
+    "pazo_s": lambda net: PAZOS(net, lr=1e-4, clip=1.0, k=3, privacy=PrivacySpec(8.0, accountant="rdp")),
+}
 
 
 def fixed_batch(dataset, size):
@@ -134,9 +144,8 @@ class _StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._t)
 
 
-def lightning_step_times(net, dataset, batch_size, steps):
-    model = DPZero(copy.deepcopy(net), lr=1e-4, clip=1.0, smoothing=1e-3, privacy=PrivacySpec(8.0, accountant="rdp"))
-    timer = _StepTimer()
+def fit_method(method, net, private, public, batch_size, steps, callback):
+    """``steps`` steps of ``method`` inside ``Trainer.fit`` with ``callback`` attached."""
     trainer = L.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -144,15 +153,21 @@ def lightning_step_times(net, dataset, batch_size, steps):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=[callback],
     )
-    trainer.fit(model, PrivatePublicDataModule(dataset, batch_size=batch_size))
+    data = PrivatePublicDataModule(private, public=public, batch_size=batch_size, public_batch_size=PUBLIC_BATCH)
+    trainer.fit(METHODS[method](copy.deepcopy(net)), data)
+
+
+def lightning_step_times(method, net, private, public, batch_size, steps):
+    timer = _StepTimer()
+    fit_method(method, net, private, public, batch_size, steps, timer)
     return timer.times[2:]  # drop warm-up
 
 
 # ---- measurements -------------------------------------------------------------------------------
 def time_case(name, quick, repeats):
-    net, dataset, batch_size = make_case(name, quick)
+    net, dataset, public, batch_size = make_case(name, quick)
     batch = fixed_batch(dataset, batch_size)
     fwd, zo, opacus = forward_op(net, batch), dpzero_engine_op(net, batch), opacus_op(net, batch)
     for op in (fwd, zo, opacus):  # warm-up
@@ -162,10 +177,14 @@ def time_case(name, quick, repeats):
         t_fwd.append(timed(fwd))
         t_zo.append(timed(zo))
         t_opacus.append(timed(opacus))
-    t_light = lightning_step_times(net, dataset, batch_size, steps=repeats + 2)
+    t_loop = {m: lightning_step_times(m, net, dataset, public, batch_size, steps=repeats + 2) for m in METHODS}
+    t_light = t_loop["dpzero"]
     t_fwd += [timed(fwd) for _ in range(repeats)]
     med = statistics.median
-    return {
+    methods = {f"{m}_lightning_ms": 1e3 * med(t) for m, t in t_loop.items()}
+    methods.update({f"{m}_over_dpzero": med(t) / med(t_light) for m, t in t_loop.items() if m != "dpzero"})
+    methods.update({f"{m}_over_opacus": med(t) / med(t_opacus) for m, t in t_loop.items() if m != "dpzero"})
+    return methods | {
         "case": name,
         "parameters": sum(p.numel() for p in net.parameters()),
         "batch_size": batch_size,
@@ -187,6 +206,25 @@ def _status_kb(field):
     raise RuntimeError(field)
 
 
+class _MemoryProbe(L.Callback):
+    """Resets the peak-RSS mark after two warm-up steps; ``peak_mb`` is the growth over what is live then."""
+
+    def __init__(self):
+        self.base = None
+        self.peak_mb = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.base = _status_kb("VmRSS")
+
+    def on_train_end(self, trainer, pl_module):
+        self.peak_mb = (_status_kb("VmHWM") - self.base) / 1024
+
+
 def memory_probe(name, mode, quick):
     """Run in a fresh process: peak RSS growth (MB) of ``mode`` over the memory live after setup.
 
@@ -195,7 +233,11 @@ def memory_probe(name, mode, quick):
     what the step itself allocates.
     """
     torch.set_num_threads(2)
-    net, dataset, batch_size = make_case(name, quick)
+    net, dataset, public, batch_size = make_case(name, quick)
+    if mode in METHODS:
+        probe = _MemoryProbe()
+        fit_method(mode, net, dataset, public, batch_size, steps=5, callback=probe)
+        return probe.peak_mb
     batch = fixed_batch(dataset, batch_size)
     op = {"inference": forward_op, "dpzero": dpzero_engine_op, "opacus": opacus_op}[mode](net, batch)
     op()  # warm-up: lazily created buffers count as the step's memory below only if re-created
@@ -212,7 +254,7 @@ def memory_probe(name, mode, quick):
 def memory_case(name, quick, probes=3):
     """Median over ``probes`` fresh processes per mode (single probes vary by ±6 MB here)."""
     out = {}
-    for mode in ("inference", "dpzero", "opacus"):
+    for mode in ("inference", "dpzero", "opacus", *[m for m in METHODS if m != "dpzero"]):
         args = [sys.executable, __file__, "--memory-probe", name, mode] + (["--quick"] if quick else [])
         runs = [subprocess.run(args, capture_output=True, text=True, check=True) for _ in range(probes)]
         out[f"{mode}_peak_mb"] = statistics.median(float(r.stdout.strip().splitlines()[-1]) for r in runs)
@@ -220,12 +262,16 @@ def memory_case(name, quick, probes=3):
     largest = max(p.numel() * p.element_size() for p in net.parameters()) / 2**20
     total = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
     out["zo_memory_budget_mb"] = out["inference_peak_mb"] + largest + 0.05 * total
+    # PAZO: inference + (k+1) parameter copies for PAZO-P (k = 3), + 2 copies for PAZO-M and PAZO-S
+    out["pazo_p_memory_budget_mb"] = out["inference_peak_mb"] + 4 * total
+    out["pazo_m_memory_budget_mb"] = out["pazo_s_memory_budget_mb"] = out["inference_peak_mb"] + 2 * total
     extra_opacus = max(out["opacus_peak_mb"] - out["inference_peak_mb"], 1e-9)
     out["dpzero_extra_over_opacus_extra"] = max(out["dpzero_peak_mb"] - out["inference_peak_mb"], 0) / extra_opacus
     return out
 
 
 TARGETS = {
+    "pazo_m_over_dpzero": (None, 1.3),
     "engine_over_two_forwards": ("transformer", 1.15),
     "lightning_over_two_forwards": ("digits-mlp", 1.25),
     "dpzero_over_opacus": (None, 0.30),
@@ -247,6 +293,20 @@ def table(rows):
             f"| {r['dpzero_over_opacus']:.2f} | {r['inference_peak_mb']:.1f} / {r['dpzero_peak_mb']:.1f} / "
             f"{r['opacus_peak_mb']:.1f} ({r['zo_memory_budget_mb']:.1f}) |"
         )
+    lines += [
+        "",
+        "| case | method | step ms (Lightning loop) | ÷ DPZero | ÷ Opacus DP-SGD | peak MB (budget) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for m in METHODS:
+            budget = r[f"{'zo' if m == 'dpzero' else m}_memory_budget_mb"]
+            ratio = 1.0 if m == "dpzero" else r[f"{m}_over_dpzero"]
+            versus = r["dpzero_lightning_ms"] / r["opacus_dpsgd_ms"] if m == "dpzero" else r[f"{m}_over_opacus"]
+            lines.append(
+                f"| {r['case']} | {m} | {r[f'{m}_lightning_ms']:.1f} | {ratio:.2f} | {versus:.2f} "
+                f"| {r[f'{m}_peak_mb']:.1f} ({budget:.1f}) |"
+            )
     return "\n".join(lines)
 
 
