@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.privacy.sampling import poisson_loader
@@ -30,6 +30,9 @@ class PrivatePublicDataModule(L.LightningDataModule):
         public_batch_size: public batch size b′ (defaults to ``batch_size``).
         seed: seed of the Poisson sampler and the public shuffling (not of the DP noise).
         eval_batch_size: batch size of the evaluation loaders.
+        merge_public: treat the public examples as private too (the "FullPriv" and "NonPriv"
+            baselines of the Coupling paper): ``private ∪ public`` is Poisson-sampled and there is
+            no public set.
     """
 
     def __init__(
@@ -42,8 +45,11 @@ class PrivatePublicDataModule(L.LightningDataModule):
         public_batch_size: int | None = None,
         seed: int = 0,
         eval_batch_size: int = 512,
+        merge_public: bool = False,
     ) -> None:
         super().__init__()
+        if merge_public and public is not None:
+            private, public = ConcatDataset([private, public]), None
         self.private, self.public, self.val, self.test = private, public, val, test
         self.batch_size = batch_size
         self.public_batch_size = public_batch_size or batch_size

@@ -54,6 +54,7 @@ class DigitsDataModule(PrivatePublicDataModule):
         public_fraction: float = 0.04,
         public_batch_size: int = 32,
         seed: int = 0,
+        merge_public: bool = False,
     ) -> None:
         private, public, val, test = digits_splits(public_fraction)
         super().__init__(
@@ -64,5 +65,6 @@ class DigitsDataModule(PrivatePublicDataModule):
             batch_size=batch_size,
             public_batch_size=min(public_batch_size, max(len(public), 1)),
             seed=seed,
+            merge_public=merge_public,
         )
         self.save_hyperparameters()

@@ -2,7 +2,18 @@
 
 from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.dpzero import DPZero
+from pl_dp.methods.first_order import DPSGD, Coupling, FirstOrderModule
 from pl_dp.methods.pazo import PAZOM, PAZOP, PAZOS
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 
-__all__ = ["PAZOM", "PAZOP", "PAZOS", "DPZero", "PrivateModule", "ZerothOrderModule"]
+__all__ = [
+    "DPSGD",
+    "Coupling",
+    "FirstOrderModule",
+    "PAZOM",
+    "PAZOP",
+    "PAZOS",
+    "DPZero",
+    "PrivateModule",
+    "ZerothOrderModule",
+]

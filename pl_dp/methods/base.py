@@ -171,9 +171,9 @@ class PrivateModule(L.LightningModule):
         return trainer.optimizers[0]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # Holds the step size (for LR schedulers) and advances Lightning's global_step; the
-        # private update itself is written by the method, so no gradients reach it unless the
-        # method sets them on purpose.
+        # Holds the step size (for LR schedulers) and advances Lightning's global_step. Zeroth-order
+        # methods write their update themselves and leave .grad empty; first-order methods put the
+        # privatized gradient in .grad for this optimizer.
         return torch.optim.SGD(self.trainable_parameters(), lr=self._lr)
 
     # ---- privacy plan ------------------------------------------------------------------------
@@ -261,15 +261,15 @@ class PrivateModule(L.LightningModule):
             return None
         batch_size = batch_size_of(batch)
         mechanism = self.mechanism(batch_size)
+        opt = self.optimizers()
+        opt.zero_grad(set_to_none=True)
         stats = self.private_step(batch, batch_size, mechanism)
         if self.touches_private_data:
             mechanism.account(self.accountant)
             self.private_steps += 1
         self._batches_consumed += 1
-        opt = self.optimizers()
-        for p in self.trainable_parameters():
-            p.grad = None
-        opt.step()  # no gradients: advances global_step only
+        opt.step()  # applies .grad where a first-order method set it; otherwise only advances global_step
+        opt.zero_grad(set_to_none=True)
         self._log_step(stats, batch_size)
         if self.log_private_metrics:
             self._log_private_metrics(batch)

@@ -53,14 +53,14 @@ class SubspaceEngine(PerturbationEngine):
         matrix M = GᵀG = VΛVᵀ, Q = G·V_r·Λ_r^{−1/2}, keeping eigenvalues above
         ``tolerance``·λ_max — rank-deficient or zero gradients shrink the basis instead of
         producing NaNs (``rank`` says how many columns remain). Memory: the k buffers plus one
-        parameter tensor's k-column slice in float64, never a d×k float64 matrix.
+        block of 2¹⁶ columns in float64, never a d×k float64 matrix.
 
         ``orthonormalize=False``: columns scaled to unit norm, g_j / max(‖g_j‖, tiny).
         """
         gram = torch.zeros(self.k, self.k, dtype=torch.float64)
-        for b in self.basis:
-            flat = b.reshape(self.k, -1).double()
-            gram += (flat @ flat.T).cpu()
+        for part in self._chunks():
+            part = part.double()
+            gram += (part @ part.T).cpu()
         if orthonormalize:
             evals, evecs = torch.linalg.eigh(gram)
             top = float(evals.max()) if evals.numel() else 0.0
@@ -71,13 +71,19 @@ class SubspaceEngine(PerturbationEngine):
             norms = gram.diagonal().sqrt().clamp_min(torch.finfo(torch.float64).tiny)
             transform = torch.diag(1.0 / norms)
             self.rank = self.k
-        for b in self.basis:
-            flat = b.reshape(self.k, -1)
-            mixed = (transform.T.to(flat.device) @ flat.double()).to(flat.dtype)
-            flat[: self.rank].copy_(mixed)
-            flat[self.rank :].zero_()
+        for part in self._chunks():
+            mixed = transform.T.to(part.device) @ part.double()
+            part[: self.rank].copy_(mixed)
+            part[self.rank :].zero_()
         self._coeff_cache.clear()
         self._norm_cache.clear()
+
+    def _chunks(self, size: int = 1 << 16):
+        """Column blocks [k, ≤size] of every basis tensor: float64 work stays O(k·size), not O(k·d)."""
+        for b in self.basis:
+            flat = b.reshape(self.k, -1)
+            for start in range(0, flat.shape[1], size):
+                yield flat[:, start : start + size]
 
     # ---- directions ---------------------------------------------------------------------------
     def coefficients(self, key: Key) -> torch.Tensor:

@@ -1,0 +1,246 @@
+"""First-order private methods: DP-SGD with constant, automatic or PSAC clipping, and Coupling.
+
+Shared mechanics (per-example gradients, weighted clipping, noise, optimizer) live in
+:class:`FirstOrderModule`; each method adds only its update rule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_dp.methods.base import PrivateModule
+from pl_dp.per_sample import PerSampleGradients, clipped_sum
+from pl_dp.privacy.clip_functions import ClipFunction
+from pl_dp.privacy.losses import LossSpec, check_per_sample
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.spec import PrivacySpec
+
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+class FirstOrderModule(PrivateModule):
+    """Per-example gradients → weighted clipping → one Gaussian noise draw → a torch optimizer.
+
+    Args (beyond :class:`~pl_dp.methods.base.PrivateModule`):
+        clip: C, the sensitivity bound (for ``"automatic"``/``"psac"``, the scale; spec Part C).
+            ``None`` only without privacy: plain mini-batch gradients, no per-example work.
+        clip_fn: ``"constant"`` min(1, C/s), ``"automatic"`` C/(s+r), ``"psac"`` C/(s + r/(s+r)).
+        r: the regularizer of automatic and PSAC clipping.
+        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` — post-processing of the privatized
+            gradient, so momentum and adaptive steps cost no privacy.
+        momentum, weight_decay: optimizer options.
+        per_sample: ``"hooks"`` (Opacus GradSampleModule) or ``"functorch"`` (``torch.func.vmap``).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        loss: LossSpec = "cross_entropy",
+        lr: float = 0.1,
+        clip: float | None = 1.0,
+        clip_fn: str = "constant",
+        r: float = 0.1,
+        optimizer: str = "sgd",
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        per_sample: str = "hooks",
+        privacy: PrivacySpec | None = None,
+        noise_seed: int | None = None,
+        log_private_metrics: bool = False,
+    ) -> None:
+        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics)
+        if clip is None and privacy is not None:
+            raise ValueError("clip must be a number > 0 for a private run, got None.")
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}.")
+        if per_sample not in ("hooks", "functorch"):
+            raise ValueError(f"per_sample must be 'hooks' or 'functorch', got {per_sample!r}.")
+        self.clip_function = None if clip is None else ClipFunction(clip_fn, clip, r)
+        self.optimizer_name = optimizer
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+        self.per_sample_mode = per_sample
+        self._per_sample: PerSampleGradients | None = None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        kwargs: dict[str, Any] = {"lr": self._lr, "weight_decay": self.weight_decay}
+        if self.optimizer_name == "sgd":
+            kwargs["momentum"] = self.momentum
+        return _OPTIMIZERS[self.optimizer_name](self.trainable_parameters(), **kwargs)
+
+    def mechanism(self, batch_size: int) -> SubsampledGaussian:
+        """One d-dimensional release per step: the weighted per-example sum, sensitivity C."""
+        sensitivity = None if self.clip_function is None else self.clip_function.sensitivity
+        return self._gaussian(batch_size, sensitivity)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.clip_function is not None and self._per_sample is None:
+            self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
+
+    def private_gradient(
+        self, batch: Any, batch_size: int, mechanism: SubsampledGaussian
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """(Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I)) / expected batch size, one tensor per parameter."""
+        params = self.trainable_parameters()
+        if self.clip_function is None:  # non-private baseline: the plain mean gradient
+            with torch.enable_grad():
+                losses = check_per_sample(self.loss_fn(self.net, batch), batch_size)
+                grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+            sums = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            mechanism.privatize_(sums, self.noise)
+            return sums, {}
+        if batch_size == 0:
+            sums, nonfinite = [torch.zeros_like(p) for p in params], torch.zeros(())
+        else:
+            per_example, _ = self._per_sample(batch)
+            sums, _, nonfinite = clipped_sum(per_example, self.clip_function)
+            del per_example
+        mechanism.privatize_(sums, self.noise)
+        return sums, {"nonfinite": nonfinite}
+
+    @staticmethod
+    def set_gradients(params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+class DPSGD(FirstOrderModule):
+    """DP-SGD (Abadi et al. 2016) with a choice of per-example weight (coupling_psac spec B.2–B.3).
+
+    Per step on a Poisson batch of expected size b::
+
+        ĝ = ( Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I_d) ) / b,    then the optimizer steps on ĝ
+
+    with c = min(1, C/s) (``clip_fn="constant"``), C/(s + r) (``"automatic"``, Auto-S/NSGD) or
+    C/(s + r/(s + r)) (``"psac"``, DP-PSAC, r = 0.1 by default). All three bound each example's
+    contribution by C, so the accounting is DP-SGD's. Normalized by the expected b, never the
+    realized batch size (spec E-21).
+    """
+
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+        grads, stats = self.private_gradient(batch, batch_size, mechanism)
+        self.set_gradients(self.trainable_parameters(), grads)
+        return stats
+
+
+class Coupling(FirstOrderModule):
+    """Coupling of public and private gradients (Liu, Bu, Wang, Zha & Karypis), coupling_psac spec A.4.
+
+        G = α · (1/b′) Σ_j ∇ℓ_j(θ)  +  (1 − α) · (Σ_i c(‖g_i‖) g_i + σR·Z) / b
+
+    written into ``.grad`` for the optimizer (spec A.4 recommendation; per-term means, E-1). The
+    paper's clipping is automatic with R = γ = 1: ``clip_fn="automatic", clip=1, r=1`` (defaults).
+
+    ``alpha``: a float in [0, 1], or ``"auto"`` for Eq. 5 in its per-term-mean form,
+    α = 1 / (1 + b·√(2κ/(b² + σ²d))), computed at fit start from σ, the expected b and d. κ = L·ℒ₀
+    (``kappa``) is not observable: tune α once on a reference setting and recover κ with
+    :meth:`kappa_from_alpha`, or estimate ℒ₀ as the initial mean loss on public data and L by a
+    curvature estimate on public data — never on private data (spec A.6). Eq. 5 assumes
+    automatic clipping with γ = R = 1.
+
+    Baselines as configurations: OnlyPub (α = 1: the private data is never read and no ε is
+    spent), OnlyPriv (α = 0: DP-SGD on private data, no public work), FullPriv (α = 0 with the
+    public examples moved into the private set), NonPriv (``privacy=None, clip=None``); DPMD is
+    Coupling + :class:`~pl_dp.callbacks.AlphaSchedule`.
+    """
+
+    requires_public_data = True
+
+    def __init__(
+        self,
+        net: nn.Module,
+        loss: LossSpec = "cross_entropy",
+        lr: float = 0.1,
+        clip: float | None = 1.0,
+        alpha: float | str = 0.5,
+        kappa: float | None = None,
+        clip_fn: str = "automatic",
+        r: float = 1.0,
+        optimizer: str = "sgd",
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        per_sample: str = "hooks",
+        privacy: PrivacySpec | None = None,
+        noise_seed: int | None = None,
+        log_private_metrics: bool = False,
+    ) -> None:
+        super().__init__(
+            net,
+            loss,
+            lr,
+            clip,
+            clip_fn,
+            r,
+            optimizer,
+            momentum,
+            weight_decay,
+            per_sample,
+            privacy,
+            noise_seed,
+            log_private_metrics,
+        )
+        if alpha == "auto":
+            if kappa is None or not kappa > 0:
+                raise ValueError("alpha='auto' needs kappa = L·L0 > 0 (see Coupling.kappa_from_alpha).")
+            self._alpha: float | None = None
+        else:
+            self._alpha = self._check_alpha(alpha)
+        self.alpha_policy = alpha
+        self.kappa = kappa
+
+    @staticmethod
+    def _check_alpha(alpha: Any) -> float:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be a number in [0, 1] or 'auto', got {alpha!r}.")
+        return float(alpha)
+
+    @property
+    def alpha(self) -> float:
+        """Current public weight α (settable, e.g. by :class:`~pl_dp.callbacks.AlphaSchedule`)."""
+        if self._alpha is None:
+            raise RuntimeError("alpha='auto' is resolved at fit start, once sigma is known.")
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        self._alpha = self._check_alpha(value)
+
+    @staticmethod
+    def alpha_from_kappa(kappa: float, batch_size: float, noise_multiplier: float, dim: int) -> float:
+        """Eq. 5 (per-term means): α = 1 / (1 + b·√(2κ / (b² + σ²d)))."""
+        return 1.0 / (1.0 + batch_size * math.sqrt(2.0 * kappa / (batch_size**2 + noise_multiplier**2 * dim)))
+
+    @staticmethod
+    def kappa_from_alpha(alpha: float, batch_size: float, noise_multiplier: float, dim: int) -> float:
+        """The inverse of Eq. 5: κ = (1/α − 1)²·(b² + σ²d) / (2b²), to reuse a tuned α elsewhere."""
+        return (1.0 / alpha - 1.0) ** 2 * (batch_size**2 + noise_multiplier**2 * dim) / (2.0 * batch_size**2)
+
+    @property
+    def touches_private_data(self) -> bool:
+        return self._alpha is None or self._alpha < 1.0
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.alpha_policy == "auto":
+            dim = sum(p.numel() for p in self.trainable_parameters())
+            self._alpha = self.alpha_from_kappa(self.kappa, self.expected_batch_size, self.noise_multiplier, dim)
+
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+        params, alpha = self.trainable_parameters(), self.alpha
+        combined = [torch.zeros_like(p) for p in params]
+        stats: dict[str, torch.Tensor] = {"train/alpha": torch.tensor(alpha)}
+        if alpha > 0.0:
+            for c, g in zip(combined, self.public_gradient(self.public_batches(1)[0])):
+                c.add_(g, alpha=alpha)
+        if alpha < 1.0:
+            private, extra = self.private_gradient(batch, batch_size, mechanism)
+            for c, g in zip(combined, private):
+                c.add_(g, alpha=1.0 - alpha)
+            stats.update(extra)
+        self.set_gradients(params, combined)
+        return stats

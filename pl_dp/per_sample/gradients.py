@@ -1,0 +1,120 @@
+"""Per-example gradients, through Opacus' hooks (default) or ``torch.func``.
+
+* ``mode="hooks"`` wraps the network in Opacus' ``GradSampleModule`` (the layers Opacus
+  supports: Linear, Conv, Embedding, LayerNorm, GroupNorm, RNNs, …) and reads ``grad_sample``
+  after one backward of the summed per-example losses.
+* ``mode="functorch"`` uses ``torch.func.vmap(grad(...))`` over single examples: any layer,
+  more memory for large batches.
+
+Either way the per-example loss is the user's contract ``(net, batch) -> Tensor[B]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from opacus import GradSampleModule
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from pl_dp.privacy.clip_functions import ClipFunction
+from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
+
+
+class _Functional(nn.Module):
+    """Presents ``net`` with substituted parameters as a module, for the user's loss callable."""
+
+    def __init__(self, net: nn.Module, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.net = net
+        self.params = params
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return functional_call(self.net, self.params, args, kwargs)
+
+
+def _unsqueeze(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.unsqueeze(0)
+    if isinstance(batch, Mapping):
+        return {k: _unsqueeze(v) for k, v in batch.items()}
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return type(batch)(_unsqueeze(v) for v in batch)
+    return batch
+
+
+class PerSampleGradients:
+    """Computes ∇ℓ_i(θ) for every example of a batch, for the trainable parameters of ``net``."""
+
+    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, mode: str = "hooks") -> None:
+        if mode not in ("hooks", "functorch"):
+            raise ValueError(f"per-sample gradient mode must be 'hooks' or 'functorch', got {mode!r}.")
+        self.net = net
+        self.loss_fn = loss_fn
+        self.mode = mode
+        self.names = [n for n, p in net.named_parameters() if p.requires_grad]
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+        self._gsm: GradSampleModule | None = None
+        if mode == "hooks":
+            self._gsm = GradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
+            self._gsm.disable_hooks()
+
+    def __call__(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per-example gradients (one ``[B, *p.shape]`` tensor per parameter) and the per-example losses."""
+        size = batch_size_of(batch)
+        if self.mode == "hooks":
+            return self._hooks(batch, size)
+        return self._functorch(batch, size)
+
+    def _hooks(self, batch: Any, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        gsm = self._gsm
+        gsm.enable_hooks()
+        try:
+            losses = check_per_sample(self.loss_fn(gsm, batch), size)
+            torch.autograd.grad(losses.sum(), self.params, allow_unused=True)  # the hooks fill grad_sample
+        finally:
+            gsm.disable_hooks()
+        out = []
+        for p in self.params:
+            gs = getattr(p, "grad_sample", None)
+            out.append(gs if gs is not None else torch.zeros((size, *p.shape), dtype=p.dtype, device=p.device))
+            p.grad_sample = None
+        return out, losses.detach()
+
+    def _functorch(self, batch: Any, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        frozen = {n: p.detach() for n, p in self.net.named_parameters() if not p.requires_grad}
+        buffers = dict(self.net.named_buffers())
+
+        def single_loss(trainable: dict[str, torch.Tensor], example: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            module = _Functional(self.net, {**trainable, **frozen, **buffers})
+            loss = check_per_sample(self.loss_fn(module, _unsqueeze(example)), 1).sum()
+            return loss, loss.detach()
+
+        trainable = {n: p.detach() for n, p in zip(self.names, self.params)}
+        grads, losses = vmap(grad(single_loss, has_aux=True), in_dims=(None, 0), randomness="different")(
+            trainable, batch
+        )
+        return [grads[n] for n in self.names], losses
+
+
+def clipped_sum(
+    per_sample: Sequence[torch.Tensor], clip_fn: ClipFunction
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Σ_i c(‖g_i‖)·g_i per parameter, with the flat per-example norm over all parameters (spec E-30).
+
+    A non-finite per-example gradient gets weight 0 (its contribution stays within the bound) and is
+    counted. Returns the sums, the per-example norms and the non-finite count.
+    """
+    sq = sum(g.reshape(g.shape[0], -1).float().square().sum(dim=1) for g in per_sample)
+    norms = sq.sqrt()
+    finite = torch.isfinite(norms)
+    weights = torch.where(finite, clip_fn.weights(torch.where(finite, norms, torch.zeros_like(norms))), 0.0)
+    sums = []
+    for g in per_sample:
+        g = torch.where(finite.view(-1, *[1] * (g.dim() - 1)), g, torch.zeros((), dtype=g.dtype, device=g.device))
+        sums.append(torch.einsum("b,b...->...", weights.to(g.dtype), g))
+    return sums, norms, (~finite).sum()

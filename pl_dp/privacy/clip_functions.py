@@ -1,0 +1,62 @@
+"""Per-example weight functions for first-order methods (coupling_psac spec Part C).
+
+Each rule gives a per-example factor c(s) for a gradient of norm s, so the clipped gradient is
+c(s)·g, and states its sensitivity S = sup_s s·c(s): the bound on one example's contribution
+that the Gaussian noise σ·S is calibrated to. All three bound s·c(s) by C.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ClipFunction:
+    """A per-example weight rule.
+
+    ``kind``:
+        * ``"constant"`` — min(1, C/s): DP-SGD (Abadi et al.);
+        * ``"automatic"`` — C/(s + r): Auto-S / NSGD (Bu et al.); r > 0;
+        * ``"psac"`` — C/(s + r/(s + r)): DP-PSAC (Xia et al., AAAI 2023); r ∈ (0, 1].
+    """
+
+    kind: str = "constant"
+    clip: float = 1.0
+    r: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("constant", "automatic", "psac"):
+            raise ValueError(f"clip_fn must be 'constant', 'automatic' or 'psac', got {self.kind!r}.")
+        if not (isinstance(self.clip, (int, float)) and self.clip > 0 and math.isfinite(self.clip)):
+            raise ValueError(f"clip must be a finite number > 0, got {self.clip!r}.")
+        if self.kind != "constant" and not self.r > 0:
+            raise ValueError(f"r must be > 0 for {self.kind} clipping, got {self.r!r}.")
+        if self.kind == "psac" and self.r > 1:
+            warnings.warn(f"PSAC's analysis assumes r in (0, 1]; r={self.r} makes w monotone.", stacklevel=2)
+
+    @property
+    def sensitivity(self) -> float:
+        """sup_s s·c(s) = C for all three rules (attained only by constant clipping)."""
+        return float(self.clip)
+
+    @property
+    def max_weight(self) -> float:
+        """sup_s c(s): 1 (constant), C/r (automatic), C/(2√r − r) (PSAC, r ≤ 1) — spec B.4."""
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "automatic":
+            return self.clip / self.r
+        return self.clip / (2 * math.sqrt(self.r) - self.r) if self.r <= 1 else self.clip
+
+    def weights(self, norms: torch.Tensor) -> torch.Tensor:
+        """c(s) for a vector of per-example gradient norms."""
+        s = norms.float()
+        if self.kind == "constant":
+            return (self.clip / s.clamp_min(1e-30)).clamp(max=1.0)
+        if self.kind == "automatic":
+            return self.clip / (s + self.r)
+        return self.clip / (s + self.r / (s + self.r))

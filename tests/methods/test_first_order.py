@@ -1,0 +1,180 @@
+"""DPSGD (constant / automatic / PSAC) and Coupling: formulas by hand, noise scale, baselines."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pl_dp import PrivacySpec
+from pl_dp.callbacks import AlphaSchedule
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import DPSGD, Coupling
+from pl_dp.privacy import ClipFunction, NoiseSource
+from tests.conftest import blobs, make_trainer
+
+SPEC = PrivacySpec(epsilon=5.0, accountant="rdp")
+
+
+def _dm(n=40, batch_size=10, public=True):
+    return PrivatePublicDataModule(
+        blobs(n), public=blobs(24, seed=5) if public else None, batch_size=batch_size, public_batch_size=8, seed=2
+    )
+
+
+@pytest.mark.parametrize("clip_fn", ["constant", "automatic", "psac"])
+@pytest.mark.parametrize("per_sample", ["hooks", "functorch"])
+def test_dpsgd_step_equals_the_formula_by_hand(clip_fn, per_sample):
+    L.seed_everything(0)
+    net = nn.Linear(4, 3)
+    theta0 = [p.detach().clone() for p in net.parameters()]
+    lr, clip = 0.5, 0.7
+    model = DPSGD(net, lr=lr, clip=clip, clip_fn=clip_fn, per_sample=per_sample, privacy=SPEC, noise_seed=9)
+    dm = _dm()
+    make_trainer(max_steps=1).fit(model, dm)
+
+    idx = dm.train_dataloader().batch_sampler.batch(0)
+    x, y = (t[idx] for t in dm.private.tensors)
+    reference = nn.Linear(4, 3)
+    with torch.no_grad():
+        for p, t in zip(reference.parameters(), theta0):
+            p.copy_(t)
+    fn = ClipFunction(clip_fn, clip, 0.1)
+    total = [torch.zeros_like(t) for t in theta0]
+    for i in range(len(idx)):
+        g = torch.autograd.grad(F.cross_entropy(reference(x[i : i + 1]), y[i : i + 1]), list(reference.parameters()))
+        norm = torch.sqrt(sum(t.square().sum() for t in g))
+        w = fn.weights(norm.reshape(1))[0]
+        total = [a + w * t for a, t in zip(total, g)]
+    noise = NoiseSource(seed=9)
+    b = dm.sample_rate * len(dm.private)
+    for p, t0, s in zip(net.parameters(), theta0, total):
+        expected = t0 - lr * (s + noise.normal(s.shape, model.noise_multiplier * clip)) / b
+        torch.testing.assert_close(p.detach(), expected, atol=1e-5, rtol=1e-5)
+
+
+class _ZeroGradientLoss:
+    def __call__(self, net, batch):
+        x, _ = batch
+        return 0.0 * net(x).sum(dim=1)
+
+
+def test_noise_std_of_the_update_with_zero_gradients():
+    L.seed_everything(0)
+    net = nn.Linear(100, 50)
+    before = [p.detach().clone() for p in net.parameters()]
+    spec = PrivacySpec(epsilon=50.0, accountant="rdp", noise_multiplier=1.3)
+    lr, clip = 0.1, 2.0
+    model = DPSGD(net, loss=_ZeroGradientLoss(), lr=lr, clip=clip, privacy=spec)
+    data = TensorDataset(torch.randn(200, 100), torch.zeros(200, dtype=torch.long))
+    dm = PrivatePublicDataModule(data, batch_size=20)
+    make_trainer(max_steps=1).fit(model, dm)
+    update = torch.cat([(p - b).flatten() for p, b in zip(net.parameters(), before)])
+    assert update.std().item() == pytest.approx(1.3 * clip * lr / 20, rel=0.15)
+    assert model.accountant.history == [(1.3, 0.1, 1)]  # exactly one sigma*C draw, one accounted step
+
+
+def test_coupling_with_alpha_zero_equals_dpsgd():
+    results = []
+    for cls, kwargs in [(DPSGD, {}), (Coupling, {"alpha": 0.0})]:
+        L.seed_everything(0)
+        model = cls(nn.Linear(4, 3), lr=0.3, clip=1.0, clip_fn="constant", privacy=SPEC, noise_seed=4, **kwargs)
+        make_trainer(max_steps=5).fit(model, _dm())
+        results.append(model)
+    for a, b in zip(results[0].net.parameters(), results[1].net.parameters()):
+        assert torch.equal(a, b)
+    assert results[0].epsilon == results[1].epsilon > 0
+
+
+def test_coupling_with_alpha_one_is_sgd_on_public_data_and_spends_nothing():
+    L.seed_everything(0)
+    net = nn.Linear(4, 3)
+    theta = [p.detach().clone() for p in net.parameters()]
+    model = Coupling(net, lr=0.3, alpha=1.0, privacy=SPEC)
+    make_trainer(max_steps=3).fit(model, _dm())
+    reference = nn.Linear(4, 3)
+    with torch.no_grad():
+        for p, t in zip(reference.parameters(), theta):
+            p.copy_(t)
+    dm = _dm()
+    for _ in range(3):
+        x, y = dm.public_batches(1)[0]
+        grads = torch.autograd.grad(F.cross_entropy(reference(x), y), list(reference.parameters()))
+        with torch.no_grad():
+            for p, g in zip(reference.parameters(), grads):
+                p.sub_(0.3 * g)
+    for a, b in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert model.epsilon == 0.0 and model.accountant.steps == 0 and model.private_steps == 0
+
+
+def test_coupling_auto_alpha_follows_eq5_and_inverts():
+    alpha = Coupling.alpha_from_kappa(kappa=2.0, batch_size=64, noise_multiplier=1.5, dim=1000)
+    assert alpha == pytest.approx(1 / (1 + 64 * math.sqrt(4.0 / (64**2 + 1.5**2 * 1000))))
+    assert Coupling.kappa_from_alpha(alpha, 64, 1.5, 1000) == pytest.approx(2.0)
+    L.seed_everything(0)
+    model = Coupling(nn.Linear(4, 3), alpha="auto", kappa=2.0, privacy=SPEC)
+    make_trainer(max_steps=1).fit(model, _dm())
+    assert model.alpha == pytest.approx(Coupling.alpha_from_kappa(2.0, 10, model.noise_multiplier, 15))
+    with pytest.raises(ValueError, match="kappa"):
+        Coupling(nn.Linear(4, 3), alpha="auto")
+
+
+def test_alpha_schedule_is_dpmd_cosine():
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(pl_module.alpha)
+
+    L.seed_everything(0)
+    model = Coupling(nn.Linear(4, 3), lr=0.1, alpha=0.5, privacy=SPEC)
+    make_trainer(max_steps=8, callbacks=[AlphaSchedule(anneal_factor=2.0), Record()]).fit(model, _dm())
+    expected = [1 - math.cos(math.pi * t / (8 * 2.0)) for t in range(8)]
+    assert seen == pytest.approx(expected)
+    assert seen[0] == 0.0
+    assert model.private_steps == 8  # alpha < 1 throughout: every step is private
+
+
+@pytest.mark.parametrize("clip_fn", ["constant", "automatic", "psac"])
+def test_dpsgd_learns_privately(clip_fn):
+    L.seed_everything(0)
+    dm = PrivatePublicDataModule(blobs(600), val=blobs(200, seed=1), batch_size=60)
+    lr = {"constant": 0.5, "automatic": 0.5, "psac": 0.5}[clip_fn]
+    model = DPSGD(nn.Linear(4, 3), lr=lr, clip=1.0, clip_fn=clip_fn, privacy=PrivacySpec(1.0, accountant="rdp"))
+    trainer = make_trainer(max_epochs=5)
+    trainer.fit(model, dm)
+    assert model.epsilon <= 1.0
+    assert trainer.callback_metrics["val/acc"] > 0.9
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"clip": None}, "clip"),
+        ({"optimizer": "lbfgs"}, "optimizer"),
+        ({"per_sample": "ghost"}, "per_sample"),
+        ({"clip_fn": "median"}, "clip_fn"),
+    ],
+)
+def test_bad_first_order_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DPSGD(nn.Linear(2, 2), privacy=SPEC, **kwargs)
+
+
+def test_non_private_baseline_needs_no_per_sample_work():
+    L.seed_everything(0)
+    dm = PrivatePublicDataModule(blobs(600), val=blobs(200, seed=1), batch_size=60)
+    model = DPSGD(nn.Linear(4, 3), lr=0.5, clip=None)
+    trainer = make_trainer(max_epochs=3)
+    trainer.fit(model, dm)
+    assert model._per_sample is None and model.epsilon == 0.0
+    assert trainer.callback_metrics["val/acc"] > 0.9
+
+
+def test_full_priv_merges_public_into_private():
+    dm = PrivatePublicDataModule(blobs(40), public=blobs(10, seed=3), batch_size=10, merge_public=True)
+    assert dm.n_private == 50 and dm.public is None

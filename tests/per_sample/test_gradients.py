@@ -1,0 +1,68 @@
+"""Per-example gradients equal a microbatch loop, for hooks (Opacus) and torch.func."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pl_dp.nets.transformer import _Block
+from pl_dp.per_sample import PerSampleGradients, clipped_sum
+from pl_dp.privacy import ClipFunction
+from pl_dp.privacy.losses import cross_entropy
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.block = _Block(8, 2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.block(self.embed(tokens)).mean(1))
+
+
+def _case(name):
+    torch.manual_seed(0)
+    if name == "linear":
+        return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), torch.randn(6, 5)
+    if name == "conv":
+        return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)), torch.randn(
+            6, 1, 6, 6
+        )
+    if name == "embedding":
+        return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 3)), torch.randint(0, 10, (6, 3))
+    if name == "layernorm":
+        return nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3)), torch.randn(6, 5)
+    if name == "attention":
+        return _Attention(), torch.randint(0, 20, (6, 5))
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+@pytest.mark.parametrize("name", ["linear", "conv", "embedding", "layernorm", "attention"])
+def test_per_sample_gradients_equal_a_microbatch_loop(name, mode):
+    net, x = _case(name)
+    y = torch.randint(0, 3, (x.shape[0],))
+    grads, losses = PerSampleGradients(net, cross_entropy, mode)((x, y))
+    params = [p for p in net.parameters() if p.requires_grad]
+    for i in range(x.shape[0]):
+        loss = F.cross_entropy(net(x[i : i + 1]), y[i : i + 1])
+        expected = torch.autograd.grad(loss, params)
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g[i], e, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(losses[i], loss.detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_frozen_parameters_get_no_per_sample_gradient():
+    net, x = _case("linear")
+    net[0].requires_grad_(False)
+    grads, _ = PerSampleGradients(net, cross_entropy, "functorch")((x, torch.zeros(6, dtype=torch.long)))
+    assert [g.shape[1:] for g in grads] == [p.shape for p in net.parameters() if p.requires_grad]
+
+
+def test_clipped_sum_weights_and_nonfinite_examples():
+    g = [torch.tensor([[3.0, 4.0], [0.3, 0.4], [float("nan"), 0.0]])]
+    sums, norms, bad = clipped_sum(g, ClipFunction("constant", clip=1.0))
+    torch.testing.assert_close(sums[0], torch.tensor([0.6 + 0.3, 0.8 + 0.4]))
+    assert int(bad) == 1 and norms[0].item() == pytest.approx(5.0)
