@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import PrivatePublicDataModule, digits_splits  # noqa: E402
-from pl_dp.methods import PAZOM, PAZOP, PAZOS, DPZero  # noqa: E402
+from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, Coupling, DPZero  # noqa: E402
 from pl_dp.nets import MLP, TinyTransformerClassifier  # noqa: E402
 from pl_dp.privacy import NoiseSource, SubsampledGaussian  # noqa: E402
 from pl_dp.privacy.losses import cross_entropy  # noqa: E402
@@ -77,6 +77,16 @@ METHODS = {
     "pazo_m": lambda net: PAZOM(net, lr=1e-4, clip=1.0, smoothing=1e-3, privacy=PrivacySpec(8.0, accountant="rdp")),
     "pazo_p": lambda net: PAZOP(net, lr=1e-4, clip=1.0, k=3, privacy=PrivacySpec(8.0, accountant="rdp")),
     "pazo_s": lambda net: PAZOS(net, lr=1e-4, clip=1.0, k=3, privacy=PrivacySpec(8.0, accountant="rdp")),
+}
+FIRST_ORDER = {
+    "dpsgd_constant": lambda net: DPSGD(
+        net, lr=1e-4, clip=1.0, clip_fn="constant", privacy=PrivacySpec(8.0, accountant="rdp")
+    ),
+    "dpsgd_automatic": lambda net: DPSGD(
+        net, lr=1e-4, clip=1.0, clip_fn="automatic", privacy=PrivacySpec(8.0, accountant="rdp")
+    ),
+    "dpsgd_psac": lambda net: DPSGD(net, lr=1e-4, clip=1.0, clip_fn="psac", privacy=PrivacySpec(8.0, accountant="rdp")),
+    "coupling": lambda net: Coupling(net, lr=1e-4, alpha=0.5, privacy=PrivacySpec(8.0, accountant="rdp")),
 }
 
 
@@ -156,7 +166,7 @@ def fit_method(method, net, private, public, batch_size, steps, callback):
         callbacks=[callback],
     )
     data = PrivatePublicDataModule(private, public=public, batch_size=batch_size, public_batch_size=PUBLIC_BATCH)
-    trainer.fit(METHODS[method](copy.deepcopy(net)), data)
+    trainer.fit({**METHODS, **FIRST_ORDER}[method](copy.deepcopy(net)), data)
 
 
 def lightning_step_times(method, net, private, public, batch_size, steps):
@@ -198,6 +208,49 @@ def time_case(name, quick, repeats):
     }
 
 
+def public_fwd_bwd_op(net, public):
+    """One forward+backward of the mean loss on a public batch: what Coupling adds to DP-SGD."""
+    model = copy.deepcopy(net)
+    x, y = fixed_batch(public, PUBLIC_BATCH)
+
+    def op():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+    return op
+
+
+def time_first_order(name, quick, repeats):
+    """DP-SGD variants and Coupling in the Lightning loop vs an Opacus DP-SGD step on the same batch.
+
+    Every first-order step is seconds on the wide MLP, so each loop runs ``repeats`` steps once; the
+    Opacus and public forward/backward references are timed before and after the loops.
+    """
+    net, dataset, public, batch_size = make_case(name, quick)
+    batch = fixed_batch(dataset, batch_size)
+    opacus, pub = opacus_op(net, batch), public_fwd_bwd_op(net, public)
+    opacus()
+    pub()
+    t_opacus = [timed(opacus) for _ in range(max(2, repeats // 3))]
+    t_pub = [timed(pub) for _ in range(repeats)]
+    steps = max(3, repeats // 2)
+    loops = {m: lightning_step_times(m, net, dataset, public, batch_size, steps=steps + 2) for m in FIRST_ORDER}
+    t_opacus += [timed(opacus) for _ in range(max(2, repeats // 3))]
+    med = statistics.median
+    row = {
+        "case": name,
+        "batch_size": batch_size,
+        "opacus_dpsgd_ms": 1e3 * med(t_opacus),
+        "public_fwd_bwd_ms": 1e3 * med(t_pub),
+    }
+    row.update({f"{m}_ms": 1e3 * med(t) for m, t in loops.items()})
+    row["dpsgd_constant_over_opacus"] = med(loops["dpsgd_constant"]) / med(t_opacus)
+    row["dpsgd_automatic_over_constant"] = med(loops["dpsgd_automatic"]) / med(loops["dpsgd_constant"])
+    row["dpsgd_psac_over_constant"] = med(loops["dpsgd_psac"]) / med(loops["dpsgd_constant"])
+    row["coupling_over_dpsgd_plus_public"] = med(loops["coupling"]) / (med(loops["dpsgd_automatic"]) + med(t_pub))
+    return row
+
+
 def _status_kb(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -234,7 +287,7 @@ def memory_probe(name, mode, quick):
     """
     torch.set_num_threads(2)
     net, dataset, public, batch_size = make_case(name, quick)
-    if mode in METHODS:
+    if mode in METHODS:  # the zeroth-order methods, inside Trainer.fit
         probe = _MemoryProbe()
         fit_method(mode, net, dataset, public, batch_size, steps=5, callback=probe)
         return probe.peak_mb
@@ -276,6 +329,10 @@ TARGETS = {
     "lightning_over_two_forwards": ("digits-mlp", 1.25),
     "dpzero_over_opacus": (None, 0.30),
     "dpzero_extra_over_opacus_extra": (None, 0.15),
+    "dpsgd_constant_over_opacus": (None, 1.05),
+    "dpsgd_automatic_over_constant": (None, 1.05),
+    "dpsgd_psac_over_constant": (None, 1.05),
+    "coupling_over_dpsgd_plus_public": (None, 1.0),
 }
 
 
@@ -310,10 +367,28 @@ def table(rows):
     return "\n".join(lines)
 
 
+def first_order_table(rows):
+    lines = [
+        "| case | B | Opacus DP-SGD ms | public fwd+bwd ms | DPSGD constant / automatic / PSAC ms | Coupling ms "
+        "| constant ÷ Opacus | automatic ÷ constant | PSAC ÷ constant | Coupling ÷ (DPSGD + public) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['batch_size']} | {r['opacus_dpsgd_ms']:.1f} | {r['public_fwd_bwd_ms']:.1f} "
+            f"| {r['dpsgd_constant_ms']:.1f} / {r['dpsgd_automatic_ms']:.1f} / {r['dpsgd_psac_ms']:.1f} "
+            f"| {r['coupling_ms']:.1f} | {r['dpsgd_constant_over_opacus']:.2f} "
+            f"| {r['dpsgd_automatic_over_constant']:.2f} | {r['dpsgd_psac_over_constant']:.2f} "
+            f"| {r['coupling_over_dpsgd_plus_public']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny models and few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--suite", choices=["all", "zo", "first_order"], default="all")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--memory-probe", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -322,14 +397,19 @@ def main():
         return
     torch.set_num_threads(2)
     repeats = args.repeats or (3 if args.quick else 9)
-    rows = []
+    rows, first_order = [], []
     for name in ("digits-mlp", "transformer"):
-        row = time_case(name, args.quick, repeats)
-        row.update(memory_case(name, args.quick, probes=1 if args.quick else 3))
-        rows.append(row)
+        if args.suite in ("all", "zo"):
+            row = time_case(name, args.quick, repeats)
+            row.update(memory_case(name, args.quick, probes=1 if args.quick else 3))
+            rows.append(row)
+        if args.suite in ("all", "first_order"):
+            first_order.append(time_first_order(name, args.quick, repeats))
     checks = []
     for metric, (case, bound) in TARGETS.items():
-        for r in rows:
+        for r in rows + first_order:
+            if metric not in r:
+                continue
             if case in (None, r["case"]):
                 checks.append(
                     {
