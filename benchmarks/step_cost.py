@@ -420,24 +420,31 @@ def main():
                         "met": r[metric] <= bound,
                     }
                 )
+    budgets = {"dpzero": "zo", "pazo_m": "pazo_m", "pazo_p": "pazo_p", "pazo_s": "pazo_s"}
     checks += [
         {
             "case": r["case"],
-            "metric": "dpzero_peak_mb",
-            "value": r["dpzero_peak_mb"],
-            "target": r["zo_memory_budget_mb"],
-            "met": r["dpzero_peak_mb"] <= r["zo_memory_budget_mb"],
+            "metric": f"{m}_peak_mb",
+            "value": r[f"{m}_peak_mb"],
+            "target": r[f"{b}_memory_budget_mb"],
+            "met": r[f"{m}_peak_mb"] <= r[f"{b}_memory_budget_mb"],
         }
         for r in rows
+        for m, b in budgets.items()
     ]
     result = {
         "torch_threads": torch.get_num_threads(),
         "quick": args.quick,
         "repeats": repeats,
         "rows": rows,
+        "first_order": first_order,
         "targets": checks,
     }
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if first_order:
+        print()
+        print(first_order_table(first_order))
     print()
     for c in checks:
         print(

@@ -132,7 +132,13 @@ class PrivateModule(L.LightningModule):
         """One step of the method's math; returns privatized (safe to log) statistics."""
         raise NotImplementedError
 
-    def _gaussian(self, batch_size: int, sensitivity: float | None, releases: int = 1) -> SubsampledGaussian:
+    def _gaussian(
+        self,
+        batch_size: int,
+        sensitivity: float | None,
+        releases: int = 1,
+        auxiliary_noise_multiplier: float | None = None,
+    ) -> SubsampledGaussian:
         expected = self.expected_batch_size if self.expected_batch_size is not None else max(batch_size, 1)
         return SubsampledGaussian(
             noise_multiplier=self.noise_multiplier,
@@ -140,6 +146,7 @@ class PrivateModule(L.LightningModule):
             sensitivity=sensitivity if sensitivity is not None else math.inf,
             expected_batch_size=expected,
             releases=releases,
+            auxiliary_noise_multiplier=auxiliary_noise_multiplier,
         )
 
     # ---- parameters and step size -----------------------------------------------------------

@@ -112,9 +112,12 @@ def clipped_sum(
     sq = sum(g.reshape(g.shape[0], -1).float().square().sum(dim=1) for g in per_sample)
     norms = sq.sqrt()
     finite = torch.isfinite(norms)
+    nonfinite = (~finite).sum()
     weights = torch.where(finite, clip_fn.weights(torch.where(finite, norms, torch.zeros_like(norms))), 0.0)
+    masked = bool(nonfinite)  # one host sync; a copy of the per-example tensors only when needed
     sums = []
     for g in per_sample:
-        g = torch.where(finite.view(-1, *[1] * (g.dim() - 1)), g, torch.zeros((), dtype=g.dtype, device=g.device))
+        if masked:
+            g = torch.where(finite.view(-1, *[1] * (g.dim() - 1)), g, torch.zeros((), dtype=g.dtype, device=g.device))
         sums.append(torch.einsum("b,b...->...", weights.to(g.dtype), g))
-    return sums, norms, (~finite).sum()
+    return sums, norms, nonfinite

@@ -6,7 +6,7 @@ Plain torch + Opacus; no Lightning imports.
 from pl_dp.privacy.accountants import GDP, PRV, RDP, Accountant, create_accountant, register_accountant
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.clipping import clip_scalars
+from pl_dp.privacy.clipping import clip_per_example
 from pl_dp.privacy.losses import batch_size_of, check_per_sample, resolve_loss
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
@@ -29,7 +29,7 @@ __all__ = [
     "batch_size_of",
     "calibrate_noise_multiplier",
     "check_per_sample",
-    "clip_scalars",
+    "clip_per_example",
     "create_accountant",
     "poisson_loader",
     "poisson_sampler_of",

@@ -1,8 +1,10 @@
-"""Per-example clipping of the quantities a method releases.
+"""Per-example clipping of the quantities a zeroth-order method releases.
 
-Scalar clipping (ZO methods) clamps each example's value to [−C, C], i.e. a·min(1, C/|a|)
-(PAZO spec A3), so each contribution to a released sum has magnitude ≤ C. A non-finite value
-contributes 0 (which keeps the bound) and is counted, never silently propagated (invariant 6).
+Each example's value — a scalar, or a row of m scalars — is scaled by min(1, C/‖v‖₂). For a
+scalar this is the clamp to [−C, C] (PAZO spec A3); for a row it is the joint L2 clip of
+DP-AggZO. Either way each contribution to a released sum has norm ≤ C. An example with a
+non-finite value contributes 0 (which keeps the bound) and is counted, never silently
+propagated (invariant 6).
 """
 
 from __future__ import annotations
@@ -10,16 +12,17 @@ from __future__ import annotations
 import torch
 
 
-def clip_scalars(values: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clamp per-example scalars to [−clip, clip] in fp32; non-finite entries become 0.
+def clip_per_example(values: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip ``values`` ([B] scalars or [B, m] rows) per example to L2 norm ``clip``, in fp32.
 
-    Returns the clipped values and the number of non-finite entries (a 0-dim tensor, no host
-    sync). ``clip=None`` (non-private runs only) skips the clamp but still zeroes non-finite values.
+    Returns the clipped values and the number of examples with a non-finite entry (a 0-dim
+    tensor, no host sync). ``clip=None`` (non-private runs only) skips the clip but still zeroes
+    non-finite examples.
     """
     values = values.float()
-    finite = torch.isfinite(values)
-    nonfinite = (~finite).sum()
-    values = torch.where(finite, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    rows = values.unsqueeze(1) if values.dim() == 1 else values
+    finite = torch.isfinite(rows).all(dim=1)
+    rows = torch.where(finite.unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
     if clip is not None:
-        values = values.clamp(-clip, clip)
-    return values, nonfinite
+        rows = rows * (clip / rows.norm(dim=1, keepdim=True).clamp_min(clip))
+    return rows.reshape(values.shape), (~finite).sum()

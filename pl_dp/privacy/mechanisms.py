@@ -31,6 +31,12 @@ class SubsampledGaussian:
     realized size, which would make the scale data-dependent).
 
     ``noise_multiplier=0`` is the non-private run of the same method: no noise, no accounting.
+
+    ``auxiliary_noise_multiplier`` σ_a declares one more release on the same batch with
+    per-example sensitivity 1 (e.g. AdaMix's count of examples under the clip threshold). The
+    two are one Gaussian mechanism with multiplier σ when 1/σ_main² + 1/σ_a² = 1/σ², so the main
+    release gets σ_main = (σ⁻² − σ_a⁻²)^{−1/2} > σ and the accountant records σ (Andrew et al.
+    2021; accounting σ_main instead under-reports ε, Opacus issue #807).
     """
 
     noise_multiplier: float
@@ -38,6 +44,7 @@ class SubsampledGaussian:
     sensitivity: float
     expected_batch_size: float
     releases: int = 1
+    auxiliary_noise_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         if self.noise_multiplier < 0:
@@ -48,17 +55,37 @@ class SubsampledGaussian:
             raise ValueError(f"releases must be >= 1, got {self.releases}.")
         if not self.expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be > 0, got {self.expected_batch_size}.")
+        aux = self.auxiliary_noise_multiplier
+        if self.is_private and aux is not None and not aux > self.noise_multiplier:
+            raise ValueError(
+                f"the auxiliary release's noise multiplier ({aux}) must exceed the step's noise multiplier "
+                f"({self.noise_multiplier}): together they may not spend more than one Gaussian with sigma."
+            )
 
     @property
     def is_private(self) -> bool:
         return self.noise_multiplier > 0
 
     @property
+    def main_noise_multiplier(self) -> float:
+        """σ_main: σ, or (σ⁻² − σ_a⁻²)^{−1/2} when an auxiliary release shares the budget."""
+        if not self.is_private or self.auxiliary_noise_multiplier is None:
+            return self.noise_multiplier
+        return (self.noise_multiplier**-2 - self.auxiliary_noise_multiplier**-2) ** -0.5
+
+    @property
     def noise_std(self) -> float:
-        """Std of the Gaussian noise added to each released sum: √releases · σ · C."""
+        """Std of the Gaussian noise added to each released sum: √releases · σ_main · C."""
         if not self.is_private:
             return 0.0
-        return math.sqrt(self.releases) * self.noise_multiplier * self.sensitivity
+        return math.sqrt(self.releases) * self.main_noise_multiplier * self.sensitivity
+
+    def privatize_auxiliary(self, count: torch.Tensor, noise: NoiseSource) -> torch.Tensor:
+        """(count + N(0, σ_a²)) / expected batch size, for the auxiliary sensitivity-1 release."""
+        if self.auxiliary_noise_multiplier is None:
+            raise ValueError("this mechanism declares no auxiliary release.")
+        std = self.auxiliary_noise_multiplier if self.is_private else 0.0
+        return (count + noise.normal(count.shape, std, count.device, count.dtype)) / self.expected_batch_size
 
     def privatize(self, sums: torch.Tensor, noise: NoiseSource) -> torch.Tensor:
         """(sums + N(0, noise_std²)) / expected batch size, for a tensor of released sums."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.privacy.clipping import clip_scalars
+from pl_dp.privacy.clipping import clip_per_example
 from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
@@ -60,37 +60,16 @@ def privatize_sum(
     noise: NoiseSource,
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One private scalar release: (Σ_i clip_C(values_i) + N(0, noise_std²)) / expected batch size.
+    """One private release: (Σ_i clip_C(v_i) + N(0, noise_std²·I)) / expected batch size.
 
-    Non-finite values contribute 0 and are counted. ``reduce`` sums the clipped sum and the
-    count across data-parallel ranks before the noise is added (once). Returns the privatized
-    scalar (shape [1]) and the non-finite count.
+    ``values`` is [B] (one scalar per example: a clamp to [−C, C], released as shape [1]) or
+    [B, m] (a row per example, L2-clipped jointly, released as shape [m]). Examples with a
+    non-finite value contribute 0 and are counted. ``reduce`` sums the clipped sums and the count
+    across data-parallel ranks before the noise is added (once). Returns the release and the count.
     """
-    clipped, bad = clip_scalars(values, clip)
-    packed = torch.stack([clipped.sum(), bad.float()]).cpu()
-    if reduce is not None:
-        packed = reduce(packed)
-    return mechanism.privatize(packed[:1], noise), packed[1]
-
-
-def privatize_joint(
-    values: torch.Tensor,
-    clip: float | None,
-    mechanism: SubsampledGaussian,
-    noise: NoiseSource,
-    reduce: Reduce | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A q-vector release: per-example rows of ``values`` [B, q] L2-clipped to ``clip``, summed, noised.
-
-    An example with any non-finite entry contributes a zero row and is counted.
-    """
-    values = values.float()
-    finite = torch.isfinite(values).all(dim=1, keepdim=True)
-    values = torch.where(finite, values, torch.zeros((), dtype=values.dtype))
-    if clip is not None:
-        norms = values.norm(dim=1, keepdim=True)
-        values = values * (clip / norms.clamp_min(clip))
-    packed = torch.cat([values.sum(dim=0), (~finite).sum().float().reshape(1)]).cpu()
+    clipped, bad = clip_per_example(values, clip)
+    sums = (clipped.unsqueeze(1) if clipped.dim() == 1 else clipped).sum(dim=0)
+    packed = torch.cat([sums, bad.float().reshape(1)]).cpu()
     if reduce is not None:
         packed = reduce(packed)
     return mechanism.privatize(packed[:-1], noise), packed[-1]
@@ -160,7 +139,7 @@ class PrivateTwoPointEstimator:
             if j < self.queries - 1:
                 self.engine.perturb(key, self.smoothing)  # restore before the next direction
         if self.joint_clip:
-            scalars, nonfinite = privatize_joint(torch.stack(results, dim=1), self.clip, mechanism, noise, reduce)
+            scalars, nonfinite = privatize_sum(torch.stack(results, dim=1), self.clip, mechanism, noise, reduce)
         else:
             scalars = torch.cat([r[0] for r in results])
             nonfinite = sum((r[1] for r in results), torch.zeros(()))

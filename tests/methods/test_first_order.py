@@ -178,3 +178,64 @@ def test_non_private_baseline_needs_no_per_sample_work():
 def test_full_priv_merges_public_into_private():
     dm = PrivatePublicDataModule(blobs(40), public=blobs(10, seed=3), batch_size=10, merge_public=True)
     assert dm.n_private == 50 and dm.public is None
+
+
+def test_adamix_quantile_release_is_paid_for_and_visible_in_the_accountant():
+    L.seed_everything(0)
+    spec = PrivacySpec(epsilon=3.0, accountant="rdp")
+    model = Coupling(
+        nn.Linear(4, 3),
+        lr=0.1,
+        clip=1.0,
+        alpha=0.5,
+        clip_fn="constant",
+        clip_quantile=0.9,
+        quantile_noise=4.0,
+        privacy=spec,
+    )
+    make_trainer(max_steps=6).fit(model, _dm())
+    sigma = model.noise_multiplier
+    mech = model.mechanism(10)
+    # the accountant records the composite sigma of (gradient, count) ...
+    assert model.accountant.history == [(sigma, model.sample_rate, 6)]
+    # ... and the gradient noise is raised so that the pair spends exactly that
+    main = mech.main_noise_multiplier
+    assert main > sigma
+    assert 1 / main**2 + 1 / 4.0**2 == pytest.approx(1 / sigma**2)
+    assert mech.noise_std == pytest.approx(main * model.clip_function.clip)
+    assert model.clip_function.clip != 1.0  # the threshold moved with the privatized count
+    assert model.epsilon <= 3.0
+
+
+def test_adamix_count_noise_must_exceed_sigma():
+    L.seed_everything(0)
+    model = Coupling(
+        nn.Linear(4, 3),
+        alpha=0.5,
+        clip_fn="constant",
+        clip_quantile=0.9,
+        quantile_noise=0.5,
+        privacy=PrivacySpec(epsilon=1.0, accountant="rdp"),
+    )
+    with pytest.raises(ValueError, match="auxiliary release"):
+        make_trainer(max_steps=1).fit(model, _dm())
+
+
+def test_adaptive_clip_tracks_the_target_quantile_of_per_example_norms():
+    L.seed_everything(0)
+    net = nn.Linear(4, 3)
+    model = DPSGD(net, lr=1e-9, clip=5.0, clip_fn="constant", clip_quantile=0.9, quantile_lr=0.2)  # non-private
+    data = blobs(400)
+    make_trainer(max_steps=300).fit(model, PrivatePublicDataModule(data, batch_size=40))
+    x, y = data.tensors
+    norms = []
+    for i in range(len(y)):
+        g = torch.autograd.grad(F.cross_entropy(net(x[i : i + 1]), y[i : i + 1]), list(net.parameters()))
+        norms.append(torch.sqrt(sum(t.square().sum() for t in g)))
+    fraction_below = (torch.stack(norms) <= model.clip_function.clip).float().mean().item()
+    assert fraction_below == pytest.approx(0.9, abs=0.06)
+
+
+def test_adaptive_clip_needs_constant_clipping():
+    with pytest.raises(ValueError, match="constant"):
+        DPSGD(nn.Linear(2, 2), clip_fn="automatic", clip_quantile=0.9, privacy=SPEC)

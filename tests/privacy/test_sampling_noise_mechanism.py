@@ -14,7 +14,7 @@ from pl_dp.privacy import (
     PrivacySpec,
     SubsampledGaussian,
     check_per_sample,
-    clip_scalars,
+    clip_per_example,
     poisson_loader,
     poisson_sampler_of,
 )
@@ -107,11 +107,14 @@ def test_mechanism_noise_std_and_accounting_come_from_one_declaration():
     assert acc.steps == 1
 
 
-def test_clip_scalars_bounds_and_counts_nonfinite():
+def test_clip_per_example_bounds_and_counts_nonfinite():
     vals = torch.tensor([0.5, -3.0, 7.0, float("nan"), float("inf"), -float("inf")])
-    clipped, bad = clip_scalars(vals, 1.0)
-    assert torch.equal(clipped, torch.tensor([0.5, -1.0, 1.0, 0.0, 0.0, 0.0]))
+    clipped, bad = clip_per_example(vals, 1.0)
+    assert torch.equal(clipped, torch.tensor([0.5, -1.0, 1.0, 0.0, 0.0, 0.0]))  # scalars: the clamp
     assert int(bad) == 3
+    rows, bad = clip_per_example(torch.tensor([[3.0, 4.0], [0.3, 0.4], [float("nan"), 1.0]]), 1.0)
+    torch.testing.assert_close(rows, torch.tensor([[0.6, 0.8], [0.3, 0.4], [0.0, 0.0]]))  # rows: joint L2
+    assert int(bad) == 1
 
 
 def test_per_sample_contract():
