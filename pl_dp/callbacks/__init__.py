@@ -2,5 +2,6 @@
 
 from pl_dp.callbacks.alpha import AlphaSchedule
 from pl_dp.callbacks.budget import PrivacyBudget
+from pl_dp.callbacks.wandb import WandbPrivacyLogger, privacy_config
 
-__all__ = ["AlphaSchedule", "PrivacyBudget"]
+__all__ = ["AlphaSchedule", "PrivacyBudget", "WandbPrivacyLogger", "privacy_config"]

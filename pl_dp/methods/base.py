@@ -16,6 +16,7 @@ accountant, noise generator, counters and sampler position (invariant 5).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -90,9 +91,13 @@ class PrivateModule(L.LightningModule):
     ) -> None:
         super().__init__()
         _positive("lr", lr)
+        if isinstance(privacy, Mapping):  # as stored in hparams and checkpoints
+            privacy = PrivacySpec(**privacy)
         if privacy is not None and not isinstance(privacy, PrivacySpec):
             raise TypeError(f"privacy must be a PrivacySpec or None, got {type(privacy).__name__}.")
         self.save_hyperparameters(ignore=["net"] + ([] if isinstance(loss, str) else ["loss"]))
+        if privacy is not None:  # plain data for YAML, loggers and checkpoints (Lightning logs the initial copy)
+            self.hparams["privacy"] = self._hparams_initial["privacy"] = privacy.to_dict()
         self.automatic_optimization = False
         self.net = net
         self.loss_fn = resolve_loss(loss)
@@ -290,7 +295,9 @@ class PrivateModule(L.LightningModule):
         self.log("privacy/nonfinite_total", float(self.nonfinite_total), on_step=True, on_epoch=False)
         self.log("privacy/private_steps", float(self.private_steps), on_step=True, on_epoch=False)
         if self._tracker is not None:
-            self.log("privacy/epsilon", self._tracker.epsilon(), on_step=True, on_epoch=False, prog_bar=True)
+            eps = self._tracker.epsilon()
+            self.log("privacy/epsilon", eps, on_step=True, on_epoch=False, prog_bar=True)
+            self.log("privacy/budget_left", self.privacy.epsilon - eps, on_step=True, on_epoch=False, prog_bar=True)
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _metric(self, name: str, num_classes: int) -> torchmetrics.Metric:
@@ -314,9 +321,12 @@ class PrivateModule(L.LightningModule):
             losses = self.loss_fn(self.net, batch)
         self.log(f"{stage}/loss", losses.float().mean(), on_epoch=True, prog_bar=stage == "val")
         if logits is not None and logits.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
-            metric = self._metric(f"{stage}_acc".replace("/", "_"), logits.shape[-1])
+            name = f"{stage}_acc".replace("/", "_")
+            metric = self._metric(name, logits.shape[-1])
             metric(logits, targets)
-            self.log(f"{stage}/acc", metric, on_epoch=True, prog_bar=stage == "val")
+            self.log(
+                f"{stage}/acc", metric, on_epoch=True, prog_bar=stage == "val", metric_attribute=f"_metrics.{name}"
+            )
 
     def _log_private_metrics(self, batch: Any) -> None:
         with torch.no_grad():

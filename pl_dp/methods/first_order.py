@@ -128,11 +128,30 @@ class FirstOrderModule(PrivateModule):
             per_example, _ = self._per_sample(batch)
             sums, norms, nonfinite = clipped_sum(per_example, self.clip_function)
             del per_example
-        mechanism.privatize_(sums, self.noise)
         stats = {"nonfinite": nonfinite}
+        if self.log_private_metrics and batch_size > 0:
+            stats.update(self._clip_diagnostics(sums, norms, mechanism))
+        mechanism.privatize_(sums, self.noise)
         if self.clip_quantile is not None:
             stats.update(self._adapt_clip(norms, mechanism))
         return sums, stats
+
+    def _clip_diagnostics(
+        self, sums: list[torch.Tensor], norms: torch.Tensor, mechanism: SubsampledGaussian
+    ) -> dict[str, torch.Tensor]:
+        """Not differentially private (un-noised per-example information; spec Part D)."""
+        prefix = "diagnostics/not_private/"
+        signal = math.sqrt(sum(float(s.square().sum()) for s in sums))
+        dim = sum(s.numel() for s in sums)
+        noise = mechanism.noise_std * math.sqrt(dim)  # E‖σC·Z‖ ≈ σC√d
+        fn = self.clip_function
+        if fn.kind == "constant":
+            affected = {"clip_fraction": (norms > fn.clip).float().mean()}
+        else:
+            affected = {"amplified_fraction": (fn.weights(norms) > 1).float().mean()}
+        out = {prefix + k: v for k, v in affected.items()}
+        out[prefix + "snr"] = torch.tensor(signal / noise if noise > 0 else math.inf)
+        return out
 
     def _adapt_clip(self, norms: torch.Tensor, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         """R ← R·exp(−η_C(b̃ − γ)) with b̃ the privatized fraction of norms ≤ R (the auxiliary release)."""

@@ -7,8 +7,6 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 
 
@@ -58,8 +56,3 @@ class PrivacySpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# Lightning stores hyperparameters (this spec among them) in checkpoints, which torch loads with
-# ``weights_only=True``: allow this plain, frozen dataclass of numbers and strings.
-torch.serialization.add_safe_globals([PrivacySpec])

@@ -1,0 +1,147 @@
+"""W&B (real client, offline) and CSV logging of a private run."""
+
+import csv
+import json
+import struct
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import wandb
+import yaml
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from torch import nn
+from wandb.proto import wandb_internal_pb2
+
+from pl_dp import PrivacySpec
+from pl_dp.callbacks import PrivacyBudget, WandbPrivacyLogger
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import PAZOM
+from tests.conftest import blobs, make_trainer
+
+
+def _fit(logger, log_private_metrics=False, test=True):
+    L.seed_everything(0)
+    dm = PrivatePublicDataModule(
+        blobs(120),
+        public=blobs(24, seed=4),
+        val=blobs(40, seed=1),
+        test=blobs(40, seed=2),
+        batch_size=20,
+        public_batch_size=8,
+    )
+    model = PAZOM(
+        nn.Linear(4, 3),
+        lr=0.1,
+        clip=1.0,
+        privacy=PrivacySpec(epsilon=2.0, accountant="rdp"),
+        log_private_metrics=log_private_metrics,
+    )
+    trainer = make_trainer(
+        max_epochs=2, logger=logger, log_every_n_steps=1, callbacks=[PrivacyBudget(), WandbPrivacyLogger()]
+    )
+    trainer.fit(model, dm)
+    if test:
+        trainer.test(model, dm, verbose=False)
+    return model
+
+
+def _records(run_dir: Path) -> list[wandb_internal_pb2.Record]:
+    """The protobuf records of an offline run's ``.wandb`` file (LevelDB log framing: 32 KiB blocks of
+    chunks with a 7-byte header crc32/length/type; type 1 = full record, 2/3/4 = first/middle/last)."""
+    data = next(run_dir.glob("*.wandb")).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        elif kind in (3, 4):
+            pending += chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def _items(record, field: str) -> dict:
+    part = getattr(record, field)
+    items = part.update if field in ("config", "summary") else part.item
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    yield tmp_path
+    wandb.finish()
+
+
+@pytest.mark.parametrize("diagnostics", [False, True])
+def test_offline_wandb_run_has_config_summary_and_one_epsilon_per_step(offline_wandb, diagnostics):
+    logger = WandbLogger(project="pl-dp-tests", save_dir=str(offline_wandb), offline=True)
+    model = _fit(logger, log_private_metrics=diagnostics)
+    run_dir = Path(logger.experiment.dir).parent
+    wandb.finish()
+
+    records = _records(run_dir)
+    config, summary, history = {}, {}, []
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "config":
+            config.update(_items(record, "config"))
+        elif kind == "run":  # wandb-core may fold (debounced) config updates into the run record
+            config.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.run.config.update})
+        elif kind == "summary":
+            summary.update(_items(record, "summary"))
+        elif kind == "history":
+            history.append(_items(record, "history"))
+    assert "privacy/clip" in config, (sorted(config), [r.WhichOneof("record_type") for r in records])
+    assert config["privacy/clip"] == 1.0
+    assert config["privacy/noise_multiplier"] == pytest.approx(model.noise_multiplier)
+    assert config["method"] == "PAZOM"
+    assert summary["summary/epsilon"] == pytest.approx(model.epsilon)
+    assert summary["summary/epsilon"] <= 2.0
+    assert "summary/test_acc" in summary and "summary/best_val_acc" in summary
+    eps_rows = [r for r in history if "privacy/epsilon" in r]
+    assert len(eps_rows) == model.private_steps
+    keys = set().union(*history)
+    diagnostic_keys = {k for k in keys if k.startswith("diagnostics/")}
+    if diagnostics:
+        assert "diagnostics/not_private/gamma" in diagnostic_keys
+        assert all(
+            k.startswith(("diagnostics/not_private/", "diagnostics/cos_zo", "diagnostics/zo_to"))
+            for k in diagnostic_keys
+        )
+    else:
+        assert diagnostic_keys == set()
+
+
+def test_csv_logger_records_the_same_keys(tmp_path):
+    model = _fit(CSVLogger(tmp_path, name="csv"))
+    metrics = next(Path(tmp_path).rglob("metrics.csv"))
+    with metrics.open() as f:
+        rows = list(csv.DictReader(f))
+    header = set(rows[0])
+    assert {"privacy/epsilon", "privacy/budget_left", "privacy/private_steps", "summary/epsilon"} <= header
+    eps = [float(r["privacy/epsilon"]) for r in rows if r.get("privacy/epsilon")]
+    assert len(eps) == model.private_steps and max(eps) <= 2.0
+    hparams = yaml.safe_load(next(Path(tmp_path).rglob("hparams.yaml")).read_text())
+    assert hparams["privacy/noise_multiplier"] == pytest.approx(model.noise_multiplier)
+
+
+def test_progress_bar_shows_epsilon_and_budget_left():
+    L.seed_everything(0)
+    model = _fit(False, test=False)
+    trainer_metrics = model.trainer.progress_bar_metrics
+    assert "privacy/epsilon" in trainer_metrics and "privacy/budget_left" in trainer_metrics
+    assert trainer_metrics["privacy/budget_left"] == pytest.approx(2.0 - trainer_metrics["privacy/epsilon"], abs=1e-5)
+    assert torch.isfinite(torch.tensor(trainer_metrics["privacy/epsilon"]))
