@@ -389,6 +389,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny models and few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--suite", choices=["all", "zo", "first_order"], default="all")
+    parser.add_argument(
+        "--cases", nargs="+", choices=["digits-mlp", "transformer"], default=["digits-mlp", "transformer"]
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--memory-probe", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -398,7 +401,7 @@ def main():
     torch.set_num_threads(2)
     repeats = args.repeats or (3 if args.quick else 9)
     rows, first_order = [], []
-    for name in ("digits-mlp", "transformer"):
+    for name in args.cases:
         if args.suite in ("all", "zo"):
             row = time_case(name, args.quick, repeats)
             row.update(memory_case(name, args.quick, probes=1 if args.quick else 3))

@@ -109,8 +109,9 @@ def clipped_sum(
     A non-finite per-example gradient gets weight 0 (its contribution stays within the bound) and is
     counted. Returns the sums, the per-example norms and the non-finite count.
     """
-    sq = sum(g.reshape(g.shape[0], -1).float().square().sum(dim=1) for g in per_sample)
-    norms = sq.sqrt()
+    # per-parameter norms first: no temporary the size of the per-example gradients
+    per_param = torch.stack([torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1) for g in per_sample], dim=1)
+    norms = torch.linalg.vector_norm(per_param.float(), dim=1)
     finite = torch.isfinite(norms)
     nonfinite = (~finite).sum()
     weights = torch.where(finite, clip_fn.weights(torch.where(finite, norms, torch.zeros_like(norms))), 0.0)
