@@ -194,6 +194,11 @@ class PrivateModule(L.LightningModule):
         if self._plan_ready:
             return
         trainer = self.trainer
+        if trainer.world_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} runs on one process for now: with {trainer.world_size} processes each "
+                "rank would draw its own DP noise and the replicas would diverge. Use devices=1, num_nodes=1."
+            )
         loader = trainer.train_dataloader
         sampler = poisson_sampler_of(loader) if self.privacy is not None else getattr(loader, "batch_sampler", None)
         planned = trainer.estimated_stepping_batches

@@ -25,16 +25,22 @@ def _linear_data(n=12):
     return TensorDataset(x, y.unsqueeze(1))
 
 
-def test_one_step_equals_the_spec_formula_by_hand():
+def _one_step(lr, clip, lam, q, **kwargs):
+    """One DPZero step on a tiny linear regression; returns what the by-hand checks need."""
     data = _linear_data()
     dm = PrivatePublicDataModule(data, batch_size=6)
     torch.manual_seed(0)
     net = nn.Linear(3, 1, bias=False)
     theta0 = net.weight.detach().clone().double()
-    lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
     spec = PrivacySpec(epsilon=5.0, accountant="rdp")
-    model = DPZero(net, loss="mse", lr=lr, clip=clip, smoothing=lam, queries=q, privacy=spec, noise_seed=11)
+    model = DPZero(net, loss="mse", lr=lr, clip=clip, smoothing=lam, queries=q, privacy=spec, noise_seed=11, **kwargs)
     make_trainer(max_steps=1).fit(model, dm)
+    return data, dm, net, theta0, model
+
+
+def test_one_step_equals_the_spec_formula_by_hand():
+    lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
+    data, dm, net, theta0, model = _one_step(lr, clip, lam, q)
 
     # --- the spec (PAZO §1.3), by hand, in float64 ---
     sigma = model.noise_multiplier
@@ -201,17 +207,8 @@ def test_logged_epsilon_is_present_and_bounded(tmp_path):
 
 
 def test_joint_clip_step_equals_the_vector_mechanism_by_hand():
-    data = _linear_data()
-    dm = PrivatePublicDataModule(data, batch_size=6)
-    torch.manual_seed(0)
-    net = nn.Linear(3, 1, bias=False)
-    theta0 = net.weight.detach().clone().double()
     lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
-    spec = PrivacySpec(epsilon=5.0, accountant="rdp")
-    model = DPZero(
-        net, loss="mse", lr=lr, clip=clip, smoothing=lam, queries=q, privacy=spec, noise_seed=11, joint_clip=True
-    )
-    make_trainer(max_steps=1).fit(model, dm)
+    data, dm, net, theta0, model = _one_step(lr, clip, lam, q, joint_clip=True)
     assert model.mechanism(6).releases == 1  # one q-dimensional Gaussian, std sigma*C per coordinate
 
     b = dm.sample_rate * len(data)
@@ -226,3 +223,4 @@ def test_joint_clip_step_equals_the_vector_mechanism_by_hand():
     s = (clipped.sum(0) + NoiseSource(seed=11).normal((q,), model.noise_multiplier * clip).double()) / b
     expected = theta0 - lr / q * sum(sj * u for sj, u in zip(s, us))
     torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)
+
