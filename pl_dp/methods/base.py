@@ -127,6 +127,8 @@ class PrivateModule(L.LightningModule):
         self._budget: StepBudget | None = None
         self._tracker: EpsilonTracker | None = None
         self._metrics: nn.ModuleDict = nn.ModuleDict()
+        self.proximal_anchor: list[torch.Tensor] | None = None
+        self.proximal_coefficient = 0.0
 
     # ---- the method's part -----------------------------------------------------------------
     def mechanism(self, batch_size: int) -> SubsampledGaussian:
@@ -366,6 +368,39 @@ class PrivateModule(L.LightningModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.net(*args, **kwargs)
+
+    # ---- proximal anchor (set by StagewiseSchedule) ---------------------------------------------
+    def set_proximal_anchor(self, coefficient: float) -> None:
+        """Snapshot θ as the anchor of the proximal term (1/λ)(θ − anchor), λ = 1/``coefficient``.
+
+        The anchor is a real copy (DPZOPO's released code aliases it to the live weights, which makes
+        the term vanish; dpzopo spec §8). ``coefficient=0`` removes it.
+        """
+        if coefficient < 0:
+            raise ValueError(f"the proximal coefficient 1/lambda must be >= 0, got {coefficient!r}.")
+        self.proximal_coefficient = float(coefficient)
+        params = self.trainable_parameters()
+        self.proximal_anchor = [p.detach().clone() for p in params] if coefficient > 0 else None
+
+    def proximal_terms(self) -> list[tuple[list[torch.Tensor], float]]:
+        """The proximal gradient step −η(1/λ)(θ − anchor) as dense ``extra`` terms for a fused sweep.
+
+        Data-independent: no clipping, no noise (dpzopo spec §1, line 11). It is applied in the same
+        sweep after the private update, i.e. evaluated at θ − ηĝ (semi-implicit; differs from the
+        explicit step of Alg. 2 by O(η²/λ), and the paper's proof uses the implicit prox).
+        """
+        anchor = self.proximal_anchor
+        if anchor is None:
+            return []
+        step = self.lr * self.proximal_coefficient
+        return [(self.trainable_parameters(), -step), (anchor, step)]
+
+    @torch.no_grad()
+    def apply_proximal_(self) -> None:
+        """The proximal step as its own sweep, for methods whose update is not a fused ZO sweep."""
+        for tensors, alpha in self.proximal_terms():
+            for p, t in zip(self.trainable_parameters(), tensors):
+                p.add_(t, alpha=alpha)
 
     # ---- public data -------------------------------------------------------------------------
     #: how many disjoint public batches one step draws (methods that need public data)

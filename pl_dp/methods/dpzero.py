@@ -28,5 +28,5 @@ class DPZero(ZerothOrderModule):
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
-        self.estimator.apply(estimate, self.lr / self.queries)
+        self.estimator.apply(estimate, self.lr / self.queries, extra=self.proximal_terms())
         return {"train/noisy_directional_derivative": estimate.scalars.abs().mean(), "nonfinite": estimate.nonfinite}

@@ -108,6 +108,7 @@ class PAZOM(ZerothOrderModule):
         public_grad = self.public_gradient(self.public_batches(1)[0])
         if not self.touches_private_data:  # alpha == 1: public SGD
             _move(self.trainable_parameters(), public_grad, -self.lr)
+            self.apply_proximal_()
             return {}
         self.log_gradient_similarity(batch, public_grad)
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
@@ -120,7 +121,9 @@ class PAZOM(ZerothOrderModule):
             stats["diagnostics/zo_to_public_norm_ratio"] = torch.tensor(math.sqrt(sq) / self.queries / max(pub, 1e-30))
             stats["diagnostics/cos_zo_public"] = torch.tensor(dot / max(math.sqrt(sq) * pub, 1e-30))
         self.estimator.apply(
-            estimate, self.lr * (1.0 - self.alpha) / self.queries, extra=[(public_grad, -self.lr * self.alpha)]
+            estimate,
+            self.lr * (1.0 - self.alpha) / self.queries,
+            extra=[(public_grad, -self.lr * self.alpha), *self.proximal_terms()],
         )
         return stats
 
@@ -191,7 +194,7 @@ class PAZOP(ZerothOrderModule):
             self.log_gradient_similarity(batch, [b.mean(dim=0) for b in engine.basis])
         engine.finalize_basis(self.orthonormalize)
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
-        self.estimator.apply(estimate, self.lr / self.queries)
+        self.estimator.apply(estimate, self.lr / self.queries, extra=self.proximal_terms())
         return {
             "train/noisy_directional_derivative": estimate.scalars.abs().mean(),
             "train/public_basis_rank": torch.tensor(float(engine.rank)),
@@ -299,6 +302,7 @@ class PAZOS(PrivateModule):
                 chosen = self.k
             else:
                 self._exploration().perturb(key, step)
+        self.apply_proximal_()
         return {
             "train/chosen_candidate": torch.tensor(float(chosen)),
             "train/best_noisy_loss": torch.tensor(best_value),

@@ -223,4 +223,3 @@ def test_joint_clip_step_equals_the_vector_mechanism_by_hand():
     s = (clipped.sum(0) + NoiseSource(seed=11).normal((q,), model.noise_multiplier * clip).double()) / b
     expected = theta0 - lr / q * sum(sj * u for sj, u in zip(s, us))
     torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)
-

@@ -1,0 +1,107 @@
+"""StagewiseSchedule (DP-ZOSO): per-stage values, full accounting, a real proximal anchor, exact resume."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from pl_dp import PrivacySpec
+from pl_dp.callbacks import StagewiseSchedule
+from pl_dp.callbacks.stagewise import stage_lengths
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import PAZOS, DPZero
+from tests.conftest import blobs, make_trainer
+from tests.methods.test_checkpoint import Crash
+
+SPEC = PrivacySpec(epsilon=3.0, accountant="rdp")
+
+
+class Record(L.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        anchor = pl_module.proximal_anchor
+        self.rows.append(
+            (
+                pl_module.lr,
+                pl_module.smoothing,
+                anchor[0].clone() if anchor else None,
+                next(pl_module.net.parameters()).detach().clone(),
+            )
+        )
+
+
+def _model(**kw):
+    L.seed_everything(0)
+    return DPZero(nn.Linear(4, 3), lr=0.08, clip=1.0, smoothing=1e-3, privacy=SPEC, noise_seed=5, **kw)
+
+
+def _dm():
+    return PrivatePublicDataModule(blobs(100), batch_size=10)  # 10 steps per epoch
+
+
+def test_stage_values_and_all_stages_accounted():
+    model, record = _model(), Record()
+    schedule = StagewiseSchedule(stages=3, smoothing_growth=10.0, lr_decay=0.5, steps_growth=2.0, proximal=1e-3)
+    make_trainer(max_steps=70, callbacks=[schedule, record]).fit(model, _dm())
+    assert schedule.lengths == [10, 20, 40]
+    for t, (lr, smoothing, _, _) in enumerate(record.rows):
+        s = 0 if t < 10 else (1 if t < 30 else 2)
+        assert lr == pytest.approx(0.08 * 0.5**s)
+        assert smoothing == pytest.approx(1e-3 * 10.0**s)
+    assert model.accountant.steps == sum(schedule.lengths) == model.planned_steps == 70
+    assert model.epsilon <= 3.0  # sigma was calibrated for all stages
+
+
+def test_stage_lengths_fill_the_plan_or_refuse():
+    assert stage_lengths(100, 3, 2.0, None) == [14, 28, 58]
+    assert sum(stage_lengths(1234, 5, 2.0, None)) == 1234
+    assert stage_lengths(70, 3, 2.0, 10) == [10, 20, 40]
+    with pytest.raises(ValueError, match="max_steps=70"):
+        stage_lengths(60, 3, 2.0, 10)
+
+
+def test_proximal_anchor_is_a_real_copy_and_pulls_towards_the_stage_start():
+    record = Record()
+    make_trainer(max_steps=30, callbacks=[StagewiseSchedule(stages=2, proximal=0.5), record]).fit(_model(), _dm())
+    anchor_at_stage_2, params_at_stage_2_end = record.rows[10][2], record.rows[-1][3]
+    assert torch.equal(record.rows[-1][2], anchor_at_stage_2)  # unchanged through the stage (no aliasing)
+    assert not torch.equal(params_at_stage_2_end, anchor_at_stage_2)  # the weights moved away from it
+    runs = {}
+    for proximal in (0.0, 0.5):
+        model = _model()
+        make_trainer(max_steps=30, callbacks=[StagewiseSchedule(stages=2, proximal=proximal)]).fit(model, _dm())
+        runs[proximal] = next(model.net.parameters()).detach()
+    assert not torch.equal(runs[0.0], runs[0.5])  # the proximal term is not a no-op in stage 2
+
+
+def test_resume_mid_stage_is_bit_identical(tmp_path):
+    def schedule():
+        return StagewiseSchedule(stages=3, proximal=0.2)
+
+    reference = _model()
+    make_trainer(max_steps=70, callbacks=[schedule()]).fit(reference, _dm())
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_steps=70, callbacks=[schedule(), ckpt, Crash(38)], enable_checkpointing=True).fit(
+            _model(), _dm()
+        )
+    resumed = _model()
+    make_trainer(max_steps=70, callbacks=[schedule()]).fit(resumed, _dm(), ckpt_path=str(tmp_path / "step=37.ckpt"))
+    assert resumed.epsilon == reference.epsilon
+    for a, b in zip(resumed.net.parameters(), reference.net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_works_with_pazo_s_without_smoothing():
+    L.seed_everything(0)
+    dm = PrivatePublicDataModule(blobs(100), public=blobs(30, seed=3), batch_size=10, public_batch_size=8)
+    model = PAZOS(nn.Linear(4, 3), lr=0.1, clip=2.0, k=3, privacy=SPEC)
+    schedule = StagewiseSchedule(stages=2, proximal=1e-3)
+    make_trainer(max_steps=12, callbacks=[schedule]).fit(model, dm)
+    assert model.lr == pytest.approx(0.05) and schedule.base_smoothing is None
+    assert math.isfinite(model.epsilon)
