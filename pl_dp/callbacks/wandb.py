@@ -12,17 +12,79 @@
 
 With a :class:`~lightning.pytorch.loggers.WandbLogger` the config goes to ``run.config`` and the
 summary to ``run.summary``; with any other logger both go through ``log_hyperparams`` /
-``log_metrics``, so the callback is harmless there. Runs that share a W&B ``group`` give the
-privacy–utility curve directly in the workspace: plot ``summary/test_acc`` against
-``summary/epsilon`` over the group.
+``log_metrics``, so the callback is harmless there. When the run belongs to a W&B ``group``, the
+test end also logs ``privacy_utility``: a line chart of test accuracy against ε over the group's
+runs found in the local W&B directory (every run, online or offline, keeps its ``.wandb`` log
+there) plus this one.
 """
 
 from __future__ import annotations
 
+import json
+import struct
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
+
+_BLOCK = 32768
+
+
+def read_run(run_dir: str | Path) -> dict[str, Any]:
+    """Config, summary, history and group of a local W&B run directory, read from its ``.wandb`` log.
+
+    The log is LevelDB-framed: a 7-byte header (``:W&B``, magic, version), then 32 KiB blocks of
+    chunks with a 7-byte header (crc32, length, type: 1 full, 2/3/4 first/middle/last), each record a
+    ``wandb_internal_pb2.Record``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = next(Path(run_dir).glob("*.wandb")).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{run_dir} holds no W&B run log.")
+    out: dict[str, Any] = {"config": {}, "summary": {}, "history": [], "group": ""}
+
+    def items(entries) -> dict[str, Any]:
+        return {e.key or "/".join(e.nested_key): json.loads(e.value_json) for e in entries}
+
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if _BLOCK - pos % _BLOCK < 7:
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind not in (1, 4):
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(pending)
+        field = record.WhichOneof("record_type")
+        if field == "run":  # wandb-core may fold (debounced) config updates into the run record
+            out["group"] = record.run.run_group or out["group"]
+            out["config"].update(items(record.run.config.update))
+        elif field == "config":
+            out["config"].update(items(record.config.update))
+        elif field == "summary":
+            out["summary"].update(items(record.summary.update))
+        elif field == "history":
+            out["history"].append(items(record.history.item))
+    return out
+
+
+def group_points(wandb_dir: str | Path, group: str) -> list[tuple[float, float]]:
+    """(ε, test accuracy) of every finished local run of ``group`` under ``wandb_dir``."""
+    points = []
+    for run_dir in sorted(Path(wandb_dir).glob("*run-*")):
+        try:
+            run = read_run(run_dir)
+        except (StopIteration, ValueError):
+            continue
+        summary = run["summary"]
+        if run["group"] == group and "summary/epsilon" in summary and "summary/test_acc" in summary:
+            points.append((float(summary["summary/epsilon"]), float(summary["summary/test_acc"])))
+    return points
 
 
 def privacy_config(pl_module: Any) -> dict[str, Any]:
@@ -96,6 +158,22 @@ class WandbPrivacyLogger(L.Callback):
 
     def on_test_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._publish(trainer, pl_module)
+        summary = self._summary(trainer, pl_module)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and logger.experiment.group and "summary/test_acc" in summary:
+                self._log_group_chart(logger.experiment, summary)
+
+    @staticmethod
+    def _log_group_chart(run: Any, summary: dict[str, float]) -> None:
+        import wandb
+
+        wandb_dir = Path(run.dir).parent.parent  # <wandb dir>/<run dir>/files
+        points = [p for p in group_points(wandb_dir, run.group)]
+        points.append((summary["summary/epsilon"], summary["summary/test_acc"]))
+        table = wandb.Table(data=sorted(set(points)), columns=["epsilon", "test_acc"])
+        run.log(
+            {"privacy_utility": wandb.plot.line(table, "epsilon", "test_acc", title=f"privacy–utility: {run.group}")}
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_val_acc": self.best_val_acc}

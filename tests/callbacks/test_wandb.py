@@ -1,8 +1,6 @@
 """W&B (real client, offline) and CSV logging of a private run."""
 
 import csv
-import json
-import struct
 from pathlib import Path
 
 import lightning as L
@@ -12,10 +10,10 @@ import wandb
 import yaml
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch import nn
-from wandb.proto import wandb_internal_pb2
 
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import PrivacyBudget, WandbPrivacyLogger
+from pl_dp.callbacks.wandb import group_points, read_run
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import PAZOM
 from tests.conftest import blobs, make_trainer
@@ -47,35 +45,6 @@ def _fit(logger, log_private_metrics=False, test=True):
     return model
 
 
-def _records(run_dir: Path) -> list[wandb_internal_pb2.Record]:
-    """The protobuf records of an offline run's ``.wandb`` file (LevelDB log framing: 32 KiB blocks of
-    chunks with a 7-byte header crc32/length/type; type 1 = full record, 2/3/4 = first/middle/last)."""
-    data = next(run_dir.glob("*.wandb")).read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, pending, records = 7, 32768, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind in (1, 2):
-            pending = chunk
-        elif kind in (3, 4):
-            pending += chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
-
-
-def _items(record, field: str) -> dict:
-    part = getattr(record, field)
-    items = part.update if field in ("config", "summary") else part.item
-    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
-
-
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -92,19 +61,9 @@ def test_offline_wandb_run_has_config_summary_and_one_epsilon_per_step(offline_w
     run_dir = Path(logger.experiment.dir).parent
     wandb.finish()
 
-    records = _records(run_dir)
-    config, summary, history = {}, {}, []
-    for record in records:
-        kind = record.WhichOneof("record_type")
-        if kind == "config":
-            config.update(_items(record, "config"))
-        elif kind == "run":  # wandb-core may fold (debounced) config updates into the run record
-            config.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.run.config.update})
-        elif kind == "summary":
-            summary.update(_items(record, "summary"))
-        elif kind == "history":
-            history.append(_items(record, "history"))
-    assert "privacy/clip" in config, (sorted(config), [r.WhichOneof("record_type") for r in records])
+    run = read_run(run_dir)
+    config, summary, history = run["config"], run["summary"], run["history"]
+    assert "privacy/clip" in config, sorted(config)
     assert config["privacy/clip"] == 1.0
     assert config["privacy/noise_multiplier"] == pytest.approx(model.noise_multiplier)
     assert config["method"] == "PAZOM"
@@ -145,3 +104,22 @@ def test_progress_bar_shows_epsilon_and_budget_left():
     assert "privacy/epsilon" in trainer_metrics and "privacy/budget_left" in trainer_metrics
     assert trainer_metrics["privacy/budget_left"] == pytest.approx(2.0 - trainer_metrics["privacy/epsilon"], abs=1e-5)
     assert torch.isfinite(torch.tensor(trainer_metrics["privacy/epsilon"]))
+
+
+def test_group_runs_get_a_privacy_utility_chart(offline_wandb):
+    for epsilon in (1.0, 4.0):
+        logger = WandbLogger(project="pl-dp-tests", save_dir=str(offline_wandb), offline=True, group="sweep")
+        L.seed_everything(0)
+        dm = PrivatePublicDataModule(
+            blobs(120), public=blobs(24, seed=4), test=blobs(40, seed=2), batch_size=20, public_batch_size=8
+        )
+        model = PAZOM(nn.Linear(4, 3), lr=0.1, privacy=PrivacySpec(epsilon=epsilon, accountant="rdp"))
+        trainer = make_trainer(max_epochs=1, logger=logger, callbacks=[WandbPrivacyLogger()])
+        trainer.fit(model, dm)
+        trainer.test(model, dm, verbose=False)
+        run_dir = Path(logger.experiment.dir).parent
+        wandb.finish()
+    points = group_points(run_dir.parent, "sweep")
+    assert len(points) == 2 and sorted(e for e, _ in points)[1] <= 4.0
+    last = read_run(run_dir)
+    assert any("privacy_utility_table" in k or "privacy_utility" in k for row in last["history"] for k in row)
