@@ -109,3 +109,25 @@ def test_checkpoint_from_another_method_is_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="written by 'DPZero'"):
         make_trainer(max_steps=4).fit(other, _dm(), ckpt_path=str(tmp_path / "a.ckpt"))
+
+
+def test_resume_with_another_sample_rate_is_refused(tmp_path):
+    spec = PrivacySpec(epsilon=2.0, accountant="rdp")
+    trainer = make_trainer(max_steps=2)
+    trainer.fit(_model(spec), _dm())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    other_rate = PrivatePublicDataModule(blobs(120), batch_size=30)
+    with pytest.raises(ValueError, match="sample rate"):
+        make_trainer(max_steps=4).fit(_model(spec), other_rate, ckpt_path=str(tmp_path / "a.ckpt"))
+
+
+def test_validation_and_test_never_reach_the_accountant():
+    spec = PrivacySpec(epsilon=2.0, accountant="rdp")
+    model = _model(spec)
+    dm = PrivatePublicDataModule(blobs(120), val=blobs(40, seed=1), test=blobs(40, seed=2), batch_size=20)
+    trainer = make_trainer(max_steps=3)
+    trainer.fit(model, dm)
+    history, eps = list(model.accountant.history), model.epsilon
+    trainer.validate(model, dm, verbose=False)
+    trainer.test(model, dm, verbose=False)
+    assert model.accountant.history == history and model.epsilon == eps and model.private_steps == 3
