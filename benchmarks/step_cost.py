@@ -13,7 +13,10 @@ For each case (digits MLP 64-2048-2048-10 at batch 256; a 3.7M-parameter transfo
 * ``dpzero / opacus``   — engine step over an Opacus DP-SGD step (GradSampleModule + DPOptimizer)
   on the same model and batch;
 
-and, each in a fresh subprocess, the peak RSS growth of inference, a DPZero step and an Opacus
+``--suite pruning`` times DP-ZOPO's masked step (a :class:`DirectionMask` training 1 %, 10 % or
+100 % of the coordinates) and the perturbation sweep alone, over the unmasked step, interleaved.
+
+And, each in a fresh subprocess, the peak RSS growth of inference, a DPZero step and an Opacus
 step over the memory live after setup (parameters, batch, persistent buffers), to check ZO
 memory ≤ inference + largest tensor + 5 % of parameters, and DPZero's extra memory over
 inference ≤ 0.15 × Opacus'. Prints a table and JSON (``--json PATH`` to save).
@@ -48,6 +51,7 @@ from pl_dp.nets import MLP, TinyTransformerClassifier  # noqa: E402
 from pl_dp.privacy import NoiseSource, SubsampledGaussian  # noqa: E402
 from pl_dp.privacy.losses import cross_entropy  # noqa: E402
 from pl_dp.zo import PerturbationEngine, PrivateTwoPointEstimator, per_sample_evaluator  # noqa: E402
+from pl_dp.zo.pruning import importance_matrix  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -100,8 +104,8 @@ def forward_op(net, batch):
     return evaluate
 
 
-def dpzero_engine_op(net, batch):
-    engine = PerturbationEngine(net.parameters(), seed=1)
+def dpzero_engine_op(net, batch, mask=None):
+    engine = PerturbationEngine(net.parameters(), seed=1, mask=mask)
     estimator = PrivateTwoPointEstimator(engine, smoothing=1e-3, clip=1.0, queries=1)
     mechanism = SubsampledGaussian(1.0, 0.1, 1.0, expected_batch_size=len(batch[1]))
     noise = NoiseSource(seed=0)
@@ -206,6 +210,62 @@ def time_case(name, quick, repeats):
         "lightning_over_two_forwards": med(t_light) / (2 * med(t_fwd)),
         "dpzero_over_opacus": med(t_zo) / med(t_opacus),
     }
+
+
+PRUNING_RATES = (0.01, 0.1, 1.0)
+
+
+def sweep_op(net, mask=None):
+    """One perturbation sweep θ ← θ + λu (the RNG-bound part of a ZO step)."""
+    engine = PerturbationEngine(net.parameters(), seed=1, mask=mask)
+    step = [0]
+
+    def op():
+        engine.perturb((step[0], 0), 1e-3)
+        step[0] += 1
+
+    return op
+
+
+def time_pruning(name, quick, repeats):
+    """DP-ZOPO's masked DPZero step and sweep at each rate over the unmasked ones (interleaved)."""
+    net, dataset, _, batch_size = make_case(name, quick)
+    batch = fixed_batch(dataset, batch_size)
+    g = torch.Generator().manual_seed(0)
+    scores = [torch.rand(p.shape, generator=g) for p in net.parameters()]
+    masks = {"none": None} | {f"{r:g}": importance_matrix(scores, r) for r in PRUNING_RATES}
+    steps = {k: dpzero_engine_op(net, batch, m) for k, m in masks.items()}
+    sweeps = {k: sweep_op(net, m) for k, m in masks.items()}
+    times = {f"{kind}_{k}": [] for kind in ("step", "sweep") for k in masks}
+    for op in [*steps.values(), *sweeps.values()]:
+        op()
+    for _ in range(repeats):
+        for k in masks:
+            times[f"step_{k}"].append(timed(steps[k]))
+            times[f"sweep_{k}"].append(timed(sweeps[k]))
+    med = statistics.median
+    row = {"case": name, "batch_size": batch_size, "parameters": sum(p.numel() for p in net.parameters())}
+    row.update({f"{k}_ms": 1e3 * med(t) for k, t in times.items()})
+    for r in PRUNING_RATES:
+        row[f"masked_step_{r:g}_over_unmasked"] = med(times[f"step_{r:g}"]) / med(times["step_none"])
+        row[f"masked_sweep_{r:g}_over_unmasked"] = med(times[f"sweep_{r:g}"]) / med(times["sweep_none"])
+    return row
+
+
+def pruning_table(rows):
+    lines = [
+        "| case | params | B | unmasked step ms | step ÷ unmasked at r = 1 % / 10 % / 100 % "
+        "| sweep ÷ unmasked at r = 1 % / 10 % / 100 % |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        step = " / ".join(f"{r[f'masked_step_{x:g}_over_unmasked']:.2f}" for x in PRUNING_RATES)
+        sweep = " / ".join(f"{r[f'masked_sweep_{x:g}_over_unmasked']:.2f}" for x in PRUNING_RATES)
+        lines.append(
+            f"| {r['case']} | {r['parameters'] / 1e6:.2f}M | {r['batch_size']} | {r['step_none_ms']:.1f} "
+            f"| {step} | {sweep} |"
+        )
+    return "\n".join(lines)
 
 
 def public_fwd_bwd_op(net, public):
@@ -333,6 +393,7 @@ TARGETS = {
     "dpsgd_automatic_over_constant": (None, 1.05),
     "dpsgd_psac_over_constant": (None, 1.05),
     "coupling_over_dpsgd_plus_public": (None, 1.0),
+    "masked_step_1_over_unmasked": (None, 1.10),
 }
 
 
@@ -388,7 +449,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny models and few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--suite", choices=["all", "zo", "first_order"], default="all")
+    parser.add_argument("--suite", choices=["all", "zo", "first_order", "pruning"], default="all")
     parser.add_argument(
         "--cases", nargs="+", choices=["digits-mlp", "transformer"], default=["digits-mlp", "transformer"]
     )
@@ -400,7 +461,7 @@ def main():
         return
     torch.set_num_threads(2)
     repeats = args.repeats or (3 if args.quick else 9)
-    rows, first_order = [], []
+    rows, first_order, pruning = [], [], []
     for name in args.cases:
         if args.suite in ("all", "zo"):
             row = time_case(name, args.quick, repeats)
@@ -408,9 +469,11 @@ def main():
             rows.append(row)
         if args.suite in ("all", "first_order"):
             first_order.append(time_first_order(name, args.quick, repeats))
+        if args.suite in ("all", "pruning"):
+            pruning.append(time_pruning(name, args.quick, repeats))
     checks = []
     for metric, (case, bound) in TARGETS.items():
-        for r in rows + first_order:
+        for r in rows + first_order + pruning:
             if metric not in r:
                 continue
             if case in (None, r["case"]):
@@ -441,6 +504,7 @@ def main():
         "repeats": repeats,
         "rows": rows,
         "first_order": first_order,
+        "pruning": pruning,
         "targets": checks,
     }
     if rows:
@@ -448,6 +512,9 @@ def main():
     if first_order:
         print()
         print(first_order_table(first_order))
+    if pruning:
+        print()
+        print(pruning_table(pruning))
     print()
     for c in checks:
         print(

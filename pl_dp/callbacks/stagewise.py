@@ -136,11 +136,6 @@ class StagewiseSchedule(L.Callback):
             "anchor": anchor,
         }
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        self._module_anchor = (
-            None if pl_module.proximal_anchor is None else [a.clone() for a in pl_module.proximal_anchor]
-        )
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.stage = state_dict["stage"]
         self.base_lr = state_dict["base_lr"]

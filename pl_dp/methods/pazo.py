@@ -106,9 +106,8 @@ class PAZOM(ZerothOrderModule):
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         public_grad = self.public_gradient(self.public_batches(1)[0])
-        if not self.touches_private_data:  # alpha == 1: public SGD
-            _move(self.trainable_parameters(), public_grad, -self.lr)
-            self.apply_proximal_()
+        if not self.touches_private_data:  # alpha == 1: public SGD (through the engine: masks apply)
+            self.estimator.engine.combine([], extra=[(public_grad, -self.lr), *self.proximal_terms()])
             return {}
         self.log_gradient_similarity(batch, public_grad)
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
@@ -183,6 +182,11 @@ class PAZOP(ZerothOrderModule):
         return self.k
 
     def build_engine(self, params: list[nn.Parameter]) -> SubspaceEngine:
+        if self.direction_mask is not None:
+            raise ValueError(
+                "PAZO-P searches the span of public gradients; a coordinate mask (PruningSchedule) is not "
+                "supported for it. Use DPZero or PAZO-M with PruningSchedule."
+            )
         return SubspaceEngine(params, self.direction_seed, self.k, coefficients=self._direction.kind)
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import PrivateTwoPointEstimator, per_sample_evaluator
+from pl_dp.zo.mask import DirectionMask
 
 
 class ZerothOrderModule(PrivateModule):
@@ -63,6 +64,7 @@ class ZerothOrderModule(PrivateModule):
         self._smoothing = float(smoothing)
         self._direction = Direction(direction, radius)
         self._estimator: PrivateTwoPointEstimator | None = None
+        self.direction_mask: DirectionMask | None = None
 
     @property
     def smoothing(self) -> float:
@@ -80,12 +82,24 @@ class ZerothOrderModule(PrivateModule):
         """The method's direction radius when the user gives none (None: √d)."""
         return None
 
+    def set_direction_mask(self, mask: DirectionMask | None) -> None:
+        """Confine perturbation and update to ``mask``'s coordinates (set by PruningSchedule; None: all).
+
+        The engine is rebuilt with the mask before the next step; d (and a default radius that
+        depends on it) becomes the number of trained coordinates. The mask is data-independent
+        (or a function of past DP outputs), so it needs no accounting.
+        """
+        self.direction_mask = mask
+        self._estimator = None
+
     def build_engine(self, params: list[nn.Parameter]) -> PerturbationEngine:
         """The perturbation engine of this method (PAZO-P overrides it with a subspace engine)."""
+        mask = self.direction_mask
         direction = self._direction
         if direction.radius is None:
-            direction = Direction(direction.kind, self.default_radius(sum(p.numel() for p in params)))
-        return PerturbationEngine(params, self.direction_seed, direction)
+            dim = mask.trained if mask is not None else sum(p.numel() for p in params)
+            direction = Direction(direction.kind, self.default_radius(dim))
+        return PerturbationEngine(params, self.direction_seed, direction, mask=mask)
 
     @property
     def estimator(self) -> PrivateTwoPointEstimator:

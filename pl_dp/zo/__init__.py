@@ -11,16 +11,21 @@ from pl_dp.zo.estimator import (
     per_sample_evaluator,
     privatize_sum,
 )
+from pl_dp.zo.mask import DirectionMask
+from pl_dp.zo.pruning import importance_matrix, path_norm_scores
 from pl_dp.zo.subspace import SubspaceEngine, flat_basis
 
 __all__ = [
     "Direction",
+    "DirectionMask",
     "PerturbationEngine",
     "PrivateTwoPointEstimator",
     "SubspaceEngine",
     "ZerothOrderEstimate",
     "eval_mode",
     "flat_basis",
+    "importance_matrix",
+    "path_norm_scores",
     "per_sample_evaluator",
     "privatize_sum",
 ]

@@ -10,6 +10,11 @@ Design (ARCHITECTURE "The ZO engine", ANCHORS part 1 (b) items 1–3):
   θ − λu so that the caller can fuse the restore with the update in one sweep
   (θ ← θ + (λ − η·s)·u): three sweeps per query instead of four.
 * Only parameters with ``requires_grad`` are perturbed; d counts only those.
+* With a :class:`~pl_dp.zo.mask.DirectionMask` (DP-ZOPO) only the kept coordinates are drawn
+  (the RNG sweep shrinks with r) and scattered in place with ``index_add_`` on a ``view`` of the
+  parameter — never ``param[idx] += …``, which updates a copy (dpzopo spec §8 item 1); a
+  non-contiguous parameter raises instead of silently copying. d is then the number of kept
+  coordinates.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 from pl_dp.privacy.seeding import derive_seed
+from pl_dp.zo.mask import DirectionMask
 
 Key = tuple[int, ...]
 
@@ -49,7 +55,10 @@ class Direction:
 
 
 class PerturbationEngine:
-    """In-place perturbation of a set of parameters along seed-regenerated directions."""
+    """In-place perturbation of a set of parameters along seed-regenerated directions.
+
+    ``mask`` restricts (and optionally scales) the directions to some coordinates: u = M·z.
+    """
 
     def __init__(
         self,
@@ -57,17 +66,30 @@ class PerturbationEngine:
         seed: int,
         direction: Direction | str = "gaussian",
         radius: float | None = None,
+        mask: DirectionMask | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         self.seed = int(seed)
         self.direction = Direction(direction, radius) if isinstance(direction, str) else direction
-        self.dim = sum(p.numel() for p in self.params)
+        self.mask = None if mask is None else self._check_mask(mask)
+        self.dim = self.mask.trained if self.mask is not None else sum(p.numel() for p in self.params)
         self.radius = self.direction.resolved_radius(self.dim)
         self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._norm_cache: dict[Key, float] = {}
+
+    def _check_mask(self, mask: DirectionMask) -> DirectionMask:
+        numels = [p.numel() for p in self.params]
+        if list(mask.numels) != numels:
+            raise ValueError(f"the direction mask was built for tensors of sizes {mask.numels}, not {numels}.")
+        if mask.trained == 0:
+            raise ValueError("the direction mask keeps no coordinate: nothing would be trained.")
+        return mask.to(self.params[0].device)
+
+    def _indices(self, index: int) -> torch.Tensor | None:
+        return None if self.mask is None else self.mask.indices[index]
 
     # ---- drawing ---------------------------------------------------------------------------
     def _buffer(self, p: torch.Tensor) -> torch.Tensor:
@@ -85,11 +107,37 @@ class PerturbationEngine:
         return g
 
     def raw(self, key: Key, index: int) -> torch.Tensor:
-        """The standard-normal draw of direction ``key`` for parameter ``index`` (a view of a shared buffer)."""
+        """The unscaled draw M·z of direction ``key`` for parameter ``index`` (a view of a shared buffer).
+
+        Shaped like the parameter, or, under a mask that keeps part of it, a flat tensor with one
+        entry per kept coordinate (in the mask's index order). Place it with :meth:`accumulate`.
+        """
         p = self.params[index]
         g = self._generator(p.device)
         g.manual_seed(derive_seed(self.seed, *key, index))
-        return self._buffer(p)[: p.numel()].view_as(p).normal_(generator=g)
+        idx = self._indices(index)
+        z = self._buffer(p)[: p.numel() if idx is None else idx.numel()].normal_(generator=g)
+        value = None if self.mask is None else self.mask.value(index)
+        if value is not None:
+            z.mul_(value)
+        return z.view_as(p) if idx is None else z
+
+    def place(self, target: torch.Tensor, index: int, values: torch.Tensor, alpha: float) -> None:
+        """target ← target + alpha·values at parameter ``index``'s trained coordinates, in place.
+
+        ``values`` is what :meth:`raw` returns (dense, or one entry per kept coordinate).
+        """
+        idx = self._indices(index)
+        if idx is None:
+            target.add_(values, alpha=alpha)
+        elif idx.numel():
+            target.view(-1).index_add_(0, idx, values, alpha=alpha)
+
+    def accumulate(self, target: torch.Tensor, key: Key, index: int, alpha: float) -> None:
+        """target ← target + alpha·(M·z)(key) for parameter ``index`` (unscaled; see :meth:`scale`)."""
+        idx = self._indices(index)
+        if idx is None or idx.numel():
+            self.place(target, index, self.raw(key, index), alpha)
 
     def scale(self, key: Key) -> float:
         """Factor mapping the raw N(0, I) draw of ``key`` to the direction u."""
@@ -107,7 +155,10 @@ class PerturbationEngine:
     def direction_tensors(self, key: Key) -> list[torch.Tensor]:
         """Materialize u for ``key`` (one tensor per parameter). For tests and diagnostics only."""
         s = self.scale(key)
-        return [self.raw(key, i).clone().mul_(s) for i in range(len(self.params))]
+        out = [torch.zeros_like(p) for p in self.params]
+        for i, t in enumerate(out):
+            self.accumulate(t, key, i, s)
+        return out
 
     # ---- sweeps ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -120,9 +171,12 @@ class PerturbationEngine:
         """
         alpha = step_size * self.scale(key)
         for i, p in enumerate(self.params):
+            idx = self._indices(i)
+            if idx is not None and not idx.numel():
+                continue
             z = self.raw(key, i)
             for _ in range(times):
-                p.add_(z, alpha=alpha)
+                self.place(p, i, z, alpha)
 
     @torch.no_grad()
     def combine(
@@ -132,16 +186,18 @@ class PerturbationEngine:
     ) -> None:
         """θ ← θ + Σ_j c_j · u(key_j) + Σ_k a_k · t_k in one sweep over the parameters.
 
-        ``extra`` adds dense per-parameter tensors (e.g. a public gradient) in the same pass.
+        ``extra`` adds dense per-parameter tensors (e.g. a public gradient, the proximal term) in
+        the same pass; under a mask only their trained coordinates are applied (unscaled by M).
         """
         scaled = [(key, coeff * self.scale(key)) for key, coeff in terms if coeff != 0.0]
         for i, p in enumerate(self.params):
             for key, alpha in scaled:
-                p.add_(self.raw(key, i), alpha=alpha)
+                self.accumulate(p, key, i, alpha)
+            idx = self._indices(i)
             for tensors, alpha in extra:
                 t = tensors[i]
                 if t is not None and alpha != 0.0:
-                    p.add_(t, alpha=alpha)
+                    self.place(p, i, t if idx is None else t.reshape(-1).index_select(0, idx), alpha)
 
     def two_point(self, key: Key, smoothing: float, evaluate: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Per-example [f(θ + λu) − f(θ − λu)] / (2λ) for direction ``key`` (PAZO spec Eq. 1).

@@ -153,7 +153,7 @@ class PrivateTwoPointEstimator:
         for i, t in enumerate(tensors):
             g = torch.zeros_like(t)
             for key, c in coeffs:
-                g.add_(self.engine.raw(key, i), alpha=c)
+                self.engine.accumulate(g, key, i, c)
             dot += float((g * t).sum())
             sq += float(g.square().sum())
         return dot, sq
