@@ -17,7 +17,8 @@ class PrivatePublicDataModule(L.LightningDataModule):
 
     * ``train_dataloader`` Poisson-samples ``private`` at rate ``batch_size / len(private)``
       (variable, possibly empty batches; one epoch = ``len(private) // batch_size`` steps, at
-      least 1) — the only sampling the accountant's numbers hold for.
+      least 1) — the only sampling the accountant's numbers hold for — unless the method
+      declares its own (``private_loader``; O2NC partitions the data and ignores ``batch_size``).
     * ``public_batches(k)`` draws k disjoint public batches per call, without end; public
       batches never consume privacy.
     * ``val``/``test`` are ordinary loaders.
@@ -84,6 +85,10 @@ class PrivatePublicDataModule(L.LightningDataModule):
         return self.batch_size / self.n_private
 
     def train_dataloader(self) -> DataLoader:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        own = module.private_loader(self.private, self.seed) if hasattr(module, "private_loader") else None
+        if own is not None:  # a method whose accounting needs other sampling (O2NC's partition)
+            return own
         steps = max(1, self.n_private // self.batch_size)
         return poisson_loader(self.private, self.sample_rate, seed=self.seed, steps_per_epoch=steps)
 

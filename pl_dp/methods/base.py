@@ -38,7 +38,7 @@ from pl_dp.privacy.losses import (
 )
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
-from pl_dp.privacy.sampling import PoissonBatchSampler, poisson_sampler_of
+from pl_dp.privacy.sampling import CountingBatchSampler, poisson_sampler_of
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 
@@ -50,6 +50,12 @@ def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
         return
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}.")
+
+
+def _positive_integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return int(value)
 
 
 class PrivateModule(L.LightningModule):
@@ -119,7 +125,7 @@ class PrivateModule(L.LightningModule):
         self.private_steps = 0
         self.nonfinite_total = 0
         self.privacy_exhausted = False
-        self._sampler: PoissonBatchSampler | None = None
+        self._sampler: CountingBatchSampler | None = None
         self._sampler_start = 0
         self._batches_consumed = 0
         self._restored: dict[str, Any] | None = None
@@ -191,6 +197,20 @@ class PrivateModule(L.LightningModule):
         return torch.optim.SGD(self.trainable_parameters(), lr=self._lr)
 
     # ---- privacy plan ------------------------------------------------------------------------
+    def private_loader(self, dataset: Any, seed: int) -> Any:
+        """The private training loader this method's accounting assumes, or None for Poisson sampling.
+
+        :class:`~pl_dp.data.PrivatePublicDataModule` asks the module first; methods whose guarantee
+        rests on other sampling (O2NC: a disjoint partition) return their own loader here.
+        """
+        return None
+
+    def private_sampler_of(self, loader: Any) -> CountingBatchSampler | None:
+        """The sampler behind the private loader, checked against this method's accounting (invariant 1)."""
+        if self.privacy is None:
+            return getattr(loader, "batch_sampler", None)
+        return poisson_sampler_of(loader)
+
     def setup_privacy(self) -> None:
         """Read the sampler, calibrate σ for every planned step, prepare the budget guard. Idempotent."""
         if self._plan_ready:
@@ -202,7 +222,7 @@ class PrivateModule(L.LightningModule):
                 "rank would draw its own DP noise and the replicas would diverge. Use devices=1, num_nodes=1."
             )
         loader = trainer.train_dataloader
-        sampler = poisson_sampler_of(loader) if self.privacy is not None else getattr(loader, "batch_sampler", None)
+        sampler = self.private_sampler_of(loader)
         planned = trainer.estimated_stepping_batches
         if not math.isfinite(planned):
             raise ValueError("private training needs a finite plan: set trainer max_steps or max_epochs.")
@@ -213,7 +233,7 @@ class PrivateModule(L.LightningModule):
             )
         self.planned_steps = int(planned)
         self._plan_ready = True
-        if isinstance(sampler, PoissonBatchSampler):
+        if isinstance(sampler, CountingBatchSampler):
             self._sampler = sampler
             self.sample_rate = sampler.sample_rate
             self.expected_batch_size = sampler.expected_batch_size

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule, _positive
+from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
@@ -31,12 +31,6 @@ from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import per_sample_evaluator, privatize_sum
 from pl_dp.zo.subspace import SubspaceEngine
-
-
-def _integer_at_least_one(name: str, value: Any) -> int:
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    return int(value)
 
 
 @torch.no_grad()
@@ -174,7 +168,7 @@ class PAZOP(ZerothOrderModule):
             log_private_metrics,
             joint_clip,
         )
-        self.k = _integer_at_least_one("k", k)
+        self.k = _positive_integer("k", k)
         self.orthonormalize = bool(orthonormalize)
 
     @property
@@ -244,7 +238,7 @@ class PAZOS(PrivateModule):
         if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
             raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")
         self.clip = None if clip is None else float(clip)
-        self.k = _integer_at_least_one("k", k)
+        self.k = _positive_integer("k", k)
         self.perturb_scale = float(perturb_scale)
         self._explorer: PerturbationEngine | None = None
 

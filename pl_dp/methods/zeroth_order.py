@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule, _positive
+from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
 from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.spec import PrivacySpec
@@ -56,10 +56,8 @@ class ZerothOrderModule(PrivateModule):
         super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics)
         _positive("clip", clip, allow_none=privacy is None)
         _positive("smoothing", smoothing)
-        if isinstance(queries, bool) or int(queries) != queries or queries < 1:
-            raise ValueError(f"queries must be an integer >= 1, got {queries!r}.")
         self.clip = None if clip is None else float(clip)
-        self.queries = int(queries)
+        self.queries = _positive_integer("queries", queries)
         self.joint_clip = bool(joint_clip)
         self._smoothing = float(smoothing)
         self._direction = Direction(direction, radius)

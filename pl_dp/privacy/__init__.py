@@ -12,6 +12,7 @@ from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
 from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, tree_multiplicity, tree_nodes
 
 __all__ = [
     "GDP",
@@ -25,6 +26,8 @@ __all__ = [
     "PoissonBatchSampler",
     "PrivacySpec",
     "StepBudget",
+    "TreeAccountant",
+    "TreeAggregatedGaussian",
     "SubsampledGaussian",
     "batch_size_of",
     "calibrate_noise_multiplier",
@@ -35,4 +38,6 @@ __all__ = [
     "poisson_sampler_of",
     "register_accountant",
     "resolve_loss",
+    "tree_multiplicity",
+    "tree_nodes",
 ]

@@ -22,7 +22,40 @@ from torch.utils.data._utils.collate import default_collate
 from pl_dp.privacy.seeding import derive_seed
 
 
-class PoissonBatchSampler(Sampler[list[int]]):
+class CountingBatchSampler(Sampler[list[int]]):
+    """A batch sampler whose batch i is a pure function of (seed, i): its state is its position.
+
+    Subclasses define :meth:`batch` and ``steps_per_epoch``. Iteration yields the batches up to the
+    end of the current epoch, so a resumed run continues mid-epoch where it stopped.
+    """
+
+    num_samples: int
+    steps_per_epoch: int
+    seed: int
+    position: int
+
+    def batch(self, index: int) -> list[int]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[int]]:
+        end = (self.position // self.steps_per_epoch + 1) * self.steps_per_epoch
+        while self.position < end:
+            index = self.position
+            self.position += 1
+            yield self.batch(index)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.seed = int(state["seed"])
+
+
+class PoissonBatchSampler(CountingBatchSampler):
     """Yields Poisson-sampled index lists: each example independently with probability ``sample_rate``."""
 
     def __init__(
@@ -62,22 +95,63 @@ class PoissonBatchSampler(Sampler[list[int]]):
             idx = idx[idx % self.num_replicas == self.rank]
         return idx.tolist()
 
-    def __iter__(self) -> Iterator[list[int]]:
-        end = (self.position // self.steps_per_epoch + 1) * self.steps_per_epoch
-        while self.position < end:
-            index = self.position
-            self.position += 1
-            yield self.batch(index)
 
-    def __len__(self) -> int:
-        return self.steps_per_epoch
+class PartitionBatchSampler(CountingBatchSampler):
+    """Disjoint fixed-size batches: each example is used in exactly one step per pass (O2NC, o2nc spec §3.2).
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed}
+    A seeded, data-independent permutation of the private set is cut into K blocks of
+    ``first_batch_size + batch_size·(block_steps − 1)`` examples (B₁ + B₂(T − 1)); block k yields
+    one batch of B₁ then T − 1 batches of B₂. The remainder (fewer than one block) is never used.
+    A new pass re-permutes with a new seed. There is no sampling amplification (``sample_rate``
+    is 1): the accountant for this sampler is :class:`~pl_dp.privacy.accountants.TreeAccountant`.
+    """
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = int(state["position"])
-        self.seed = int(state["seed"])
+    sample_rate = 1.0
+
+    def __init__(self, num_samples: int, first_batch_size: int, batch_size: int, block_steps: int, seed: int = 0):
+        for name, value in [
+            ("first_batch_size", first_batch_size),
+            ("batch_size", batch_size),
+            ("block_steps", block_steps),
+        ]:
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        self.num_samples = int(num_samples)
+        self.first_batch_size, self.batch_size, self.block_steps = (
+            int(first_batch_size),
+            int(batch_size),
+            int(block_steps),
+        )
+        self.block_size = self.first_batch_size + self.batch_size * (self.block_steps - 1)
+        self.blocks = self.num_samples // self.block_size
+        if self.blocks < 1:
+            raise ValueError(
+                f"{self.num_samples} private examples are too few for one block of B1 + B2*(T-1) = "
+                f"{self.first_batch_size} + {self.batch_size}*({self.block_steps}-1) = {self.block_size}: "
+                "lower the batch sizes or the inner steps T."
+            )
+        self.steps_per_epoch = self.blocks * self.block_steps
+        self.seed = int(seed)
+        self.position = 0
+
+    @property
+    def expected_batch_size(self) -> float:
+        return float(self.batch_size)
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """(pass, block k, step t in the block, 0-based) of batch ``index``."""
+        passes, within = divmod(index, self.steps_per_epoch)
+        block, step = divmod(within, self.block_steps)
+        return passes, block, step
+
+    def batch(self, index: int) -> list[int]:
+        passes, block, step = self.locate(index)
+        order = torch.randperm(
+            self.num_samples, generator=torch.Generator().manual_seed(derive_seed(self.seed, passes))
+        )
+        start = block * self.block_size + (0 if step == 0 else self.first_batch_size + (step - 1) * self.batch_size)
+        size = self.first_batch_size if step == 0 else self.batch_size
+        return order[start : start + size].tolist()
 
 
 class EmptySafeCollate:
@@ -117,6 +191,20 @@ def poisson_loader(
     """A DataLoader over ``dataset`` with Poisson sampling at ``sample_rate`` (empty batches allowed)."""
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset, collate_fn), **loader_kwargs)
+
+
+def partition_loader(
+    dataset: Dataset,
+    first_batch_size: int,
+    batch_size: int,
+    block_steps: int,
+    seed: int = 0,
+    collate_fn: Callable[[list], Any] = default_collate,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """A DataLoader over a :class:`PartitionBatchSampler` (each example in one step per pass)."""
+    sampler = PartitionBatchSampler(len(dataset), first_batch_size, batch_size, block_steps, seed)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs)
 
 
 def poisson_sampler_of(loader: Any) -> PoissonBatchSampler:

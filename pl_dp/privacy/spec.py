@@ -7,7 +7,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-ACCOUNTANTS = ("prv", "rdp", "gdp")
+ACCOUNTANTS = ("prv", "rdp", "gdp", "tree")
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,8 @@ class PrivacySpec:
         delta: target δ; ``None`` means ``1 / n_private``, fixed once the private set size is
             known at fit start.
         accountant: ``"prv"`` (Opacus PRV, the default: tightest), ``"rdp"`` (conservative
-            cross-check) or ``"gdp"`` (Opacus marks it experimental).
+            cross-check), ``"gdp"`` (Opacus marks it experimental) or ``"tree"`` (O2NC's tree
+            mechanism over a data partition; only for :class:`~pl_dp.methods.O2NC`).
         noise_multiplier: σ. ``None`` means calibrated at fit start from (ε, δ, sample rate,
             planned private steps). If given, fit refuses to start when σ cannot meet ε for
             the planned steps.

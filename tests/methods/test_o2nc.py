@@ -1,0 +1,118 @@
+"""O2NC: the learner stays in its ball, the toy problem is solved, resume never leaks the running sum."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pl_dp import PrivacySpec
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import O2NC
+from tests.conftest import make_trainer
+from tests.methods.test_checkpoint import Crash
+
+
+class Point(nn.Module):
+    def __init__(self, start):
+        super().__init__()
+        self.x = nn.Parameter(torch.full((4,), float(start)))
+
+
+def l1_loss(net, batch):
+    """f(x; z) = ‖x − z‖₁: convex, nonsmooth, 2-Lipschitz in x (d = 4)."""
+    return (net.x - batch[0]).abs().sum(dim=1)
+
+
+def _data(n=2000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 4, generator=g) * 0.3, torch.zeros(n, dtype=torch.long))
+
+
+def _objective(x, data):
+    return float((x.detach() - data.tensors[0]).abs().sum(dim=1).mean())
+
+
+def _model(privacy=None, **kw):
+    L.seed_everything(0)
+    args = dict(loss=l1_loss, lr=1.0, clip=2.0, smoothing=0.5, inner_steps=8, batch_size=2, directions_per_sample=4)
+    args.update(kw)
+    return O2NC(Point(3.0), privacy=privacy, noise_seed=11, **args)
+
+
+class Moves(L.Callback):
+    def __init__(self):
+        self.delta, self.w_gap = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        st = pl_module._state
+        self.delta.append(float(torch.linalg.vector_norm(torch.cat([d.reshape(-1) for d in st["delta"]]))))
+        if hasattr(self, "w"):
+            self.w_gap.append(float((st["w_prev"][0] - self.w).norm()))
+        self.w = st["w_prev"][0].clone()
+
+
+def test_learner_never_leaves_its_ball_and_query_points_move_at_most_2D():
+    model, moves = _model(PrivacySpec(50.0, accountant="tree")), Moves()
+    make_trainer(max_epochs=1, callbacks=[moves]).fit(model, PrivatePublicDataModule(_data(400), batch_size=1))
+    D = model.radius
+    assert max(moves.delta) <= D * (1 + 1e-6) and max(moves.delta) > 0.5 * D  # the projection binds
+    assert max(moves.w_gap) <= 2 * D * (1 + 1e-6)
+
+
+def test_nonsmooth_toy_nonprivate_reaches_the_optimum_and_private_makes_progress():
+    data = _data()
+    start = _objective(torch.full((4,), 3.0), data)
+    optimum = _objective(torch.zeros(4), data)
+    model = _model()
+    make_trainer(max_epochs=3).fit(model, PrivatePublicDataModule(data, batch_size=1))
+    reached = _objective(model.net.x, data)
+    assert reached - optimum < 0.05 * (start - optimum)
+    private = _model(PrivacySpec(epsilon=50.0, accountant="tree"))
+    make_trainer(max_epochs=3).fit(private, PrivatePublicDataModule(data, batch_size=1))
+    assert _objective(private.net.x, data) < start - 0.3 * (start - optimum)
+    assert private.epsilon <= 50.0 and private.accountant.steps == private.private_steps
+
+
+def test_naive_variant_runs_and_is_accounted_per_step():
+    model = _model(PrivacySpec(epsilon=50.0, accountant="tree"), variant="naive")
+    make_trainer(max_epochs=1).fit(model, PrivatePublicDataModule(_data(400), batch_size=1))
+    assert model.first_batch_size == model.batch_size == 2
+    assert model.accountant.tree_length == 1 and model.epsilon <= 50.0
+
+
+def test_sensitivity_and_clear_errors():
+    model = _model(inner_steps=8, batch_size=2)
+    d, lam = 4, 2.0
+    assert model.first_batch_size == 8  # ceil(T * B2 / 2): the least B1 with s1 <= s_t
+    assert model.sensitivity() == pytest.approx(max(2 * d * lam / 8, 4 * d * lam / (2 * 8)))
+    with pytest.raises(ValueError, match="accountant='tree'"):
+        _model(PrivacySpec(epsilon=1.0))
+    with pytest.raises(ValueError, match="too few for one block"):
+        make_trainer(max_epochs=1).fit(_model(), PrivatePublicDataModule(_data(10), batch_size=1))
+
+
+def test_resume_at_an_epoch_boundary_is_exact_and_mid_epoch_skips_to_the_next(tmp_path):
+    spec = PrivacySpec(epsilon=50.0, accountant="tree")
+    reference = _model(spec)
+    make_trainer(max_epochs=1).fit(reference, PrivatePublicDataModule(_data(400), batch_size=1))
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_epochs=1, callbacks=[ckpt, Crash(20)], enable_checkpointing=True).fit(
+            _model(spec), PrivatePublicDataModule(_data(400), batch_size=1)
+        )
+    saved = torch.load(tmp_path / "step=16.ckpt", weights_only=False)["pl_dp"]
+    assert "running" not in saved["o2nc"]  # the noise-free running sum never reaches a checkpoint
+    resumed = _model(spec)
+    make_trainer(max_epochs=1).fit(
+        resumed, PrivatePublicDataModule(_data(400), batch_size=1), ckpt_path=str(tmp_path / "step=16.ckpt")
+    )
+    assert resumed.epsilon == reference.epsilon
+    assert torch.equal(resumed.net.x, reference.net.x)
+    skipped = _model(spec)
+    with pytest.warns(UserWarning, match="next epoch"):
+        make_trainer(max_epochs=1).fit(
+            skipped, PrivatePublicDataModule(_data(400), batch_size=1), ckpt_path=str(tmp_path / "step=19.ckpt")
+        )
+    assert skipped.private_steps == reference.private_steps - 5  # rounds 20-24 of epoch 3 are never run
