@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pl-dp fit --config configs/digits/pazo_m.yaml
 
 test: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q tests
+	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pl_dp tests benchmarks examples

@@ -4,7 +4,8 @@
     python benchmarks/step_cost.py --quick    # tiny models, smoke test
 
 For each case (digits MLP 64-2048-2048-10 at batch 256; a 3.7M-parameter transformer at batch
-64), measured side by side in one process with interleaved repeats and medians:
+64; opt-in ``--cases minilm``: the packaged pretrained MiniLM, 22.7M, at batch 32), measured side
+by side in one process with interleaved repeats and medians:
 
 * ``engine / 2 fwd``   — one DPZero step (q=1, clip + noise) on the bare engine, over two
   inference forwards of the same batch;
@@ -70,6 +71,15 @@ def make_case(name: str, quick: bool):
         n, batch = (128, 16) if quick else (640, 64)
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 2000, (n + 64, 64), generator=g)
+        labels = torch.randint(0, 2, (n + 64,), generator=g)
+        return net, TensorDataset(tokens[:n], labels[:n]), TensorDataset(tokens[n:], labels[n:]), batch
+    if name == "minilm":  # the packaged pretrained all-MiniLM-L6-v2 (22.7M), 32 tokens per example
+        from pl_dp.nets import MiniLMClassifier
+
+        net = MiniLMClassifier(num_labels=2)
+        n, batch = (64, 8) if quick else (256, 32)
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(1000, 30000, (n + 64, 32), generator=g)
         labels = torch.randint(0, 2, (n + 64,), generator=g)
         return net, TensorDataset(tokens[:n], labels[:n]), TensorDataset(tokens[n:], labels[n:]), batch
     raise ValueError(name)
@@ -451,7 +461,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--suite", choices=["all", "zo", "first_order", "pruning"], default="all")
     parser.add_argument(
-        "--cases", nargs="+", choices=["digits-mlp", "transformer"], default=["digits-mlp", "transformer"]
+        "--cases",
+        nargs="+",
+        choices=["digits-mlp", "transformer", "minilm"],
+        default=["digits-mlp", "transformer"],
+        help="minilm (the packaged pretrained MiniLM at batch 32) is opt-in: Opacus needs ~3 GB for it",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--memory-probe", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)

@@ -1,6 +1,7 @@
-"""Reference networks."""
+"""Reference networks and local Hugging Face classifiers."""
 
+from pl_dp.nets.hf import HFClassifier, MiniLMClassifier, minilm_path
 from pl_dp.nets.mlp import MLP
 from pl_dp.nets.transformer import TinyTransformerClassifier
 
-__all__ = ["MLP", "TinyTransformerClassifier"]
+__all__ = ["HFClassifier", "MLP", "MiniLMClassifier", "TinyTransformerClassifier", "minilm_path"]

@@ -1,0 +1,139 @@
+"""The VADER sentiment lexicon as a binary classification task, tokenized for a local HF model.
+
+Dataset card.
+* Source: the lexicon shipped in the ``vaderSentiment`` package (Hutto & Gilbert, ICWSM 2014):
+  7,520 English words, slang, emoticons and acronyms, each rated by ten human raters on
+  [−4, 4]; the file gives the mean, the standard deviation and the ten ratings.
+* Task: label 1 if the mean valence is positive, 0 if negative; near-neutral entries
+  (|mean| < 0.5) are dropped. The file lists 14 strings twice (e.g. ``d:`` as −2.9 and 1.2): a
+  repeated string keeps the average of its means, and strings rated with both signs are
+  dropped, so every text appears once.
+* Splits (fixed, independent of the training seed): 15 % test, 10 % validation, the rest the
+  training pool; the public split (``public_fraction`` of the pool) is drawn with positives three
+  times as likely as negatives — a documented class-imbalance shift (about 70 % positive against
+  44 % in the private split), like the shifted public sets of the PAZO experiments.
+* Inputs: each entry tokenized alone, padded to ``max_length`` tokens, as
+  ``{"input_ids", "attention_mask", "labels"}``.
+* Privacy unit: one lexicon entry (its ten ratings). The lexicon is public, so this is a
+  benchmark, not a privacy-sensitive dataset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from pl_dp.data.datamodule import PrivatePublicDataModule
+
+_SPLIT_SEED = 20140601
+NEUTRAL_BAND = 0.5
+
+
+def vader_lexicon() -> list[tuple[str, float]]:
+    """(entry, mean valence) for every row of the packaged lexicon (repeated strings included)."""
+    try:
+        import vaderSentiment
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise ImportError("the VADER lexicon needs 'vaderSentiment': pip install 'pl_dp[finetune]'.") from err
+    path = Path(vaderSentiment.__file__).parent / "vader_lexicon.txt"
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        fields = line.split("\t")
+        if len(fields) >= 2:
+            rows.append((fields[0], float(fields[1])))
+    return rows
+
+
+class TokenizedDataset(Dataset):
+    """Tokenized texts with labels; items are dicts a Hugging Face model takes as keywords."""
+
+    def __init__(self, texts: list[str], labels: torch.Tensor, tokenizer, max_length: int) -> None:
+        enc = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+        self.texts = texts
+        self.input_ids, self.attention_mask, self.labels = enc["input_ids"], enc["attention_mask"], labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i], "labels": self.labels[i]}
+
+
+def vader_splits(public_fraction: float = 0.04) -> dict[str, tuple[list[str], torch.Tensor]]:
+    """Fixed (texts, labels) for ``private``, ``public``, ``val`` and ``test`` (see the module docstring)."""
+    if not 0 <= public_fraction < 1:
+        raise ValueError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
+    means: dict[str, list[float]] = {}
+    for text, mean in vader_lexicon():
+        means.setdefault(text, []).append(mean)
+    rows = [
+        (t, sum(ms) / len(ms))
+        for t, ms in means.items()
+        if (all(m > 0 for m in ms) or all(m < 0 for m in ms)) and abs(sum(ms) / len(ms)) >= NEUTRAL_BAND
+    ]
+    texts = [t for t, _ in rows]
+    labels = torch.tensor([int(m > 0) for _, m in rows])
+    rng = np.random.default_rng(_SPLIT_SEED)
+    order = rng.permutation(len(rows))
+    n_test, n_val = round(0.15 * len(rows)), round(0.10 * len(rows))
+    test, val, pool = order[:n_test], order[n_test : n_test + n_val], order[n_test + n_val :]
+    n_public = round(public_fraction * len(pool))
+    weights = np.where(labels[pool].numpy() == 1, 3.0, 1.0)
+    public = rng.choice(pool, size=n_public, replace=False, p=weights / weights.sum()) if n_public else pool[:0]
+    private = np.setdiff1d(pool, public)
+    return {
+        name: ([texts[i] for i in np.sort(idx)], labels[torch.as_tensor(np.sort(idx), dtype=torch.long)])
+        for name, idx in [("private", private), ("public", public), ("val", val), ("test", test)]
+    }
+
+
+class VaderSentimentDataModule(PrivatePublicDataModule):
+    """VADER lexicon sentiment (see the module docstring), tokenized with a local tokenizer.
+
+    With the defaults: 4,897 private, 204 public, 680 validation and 1,020 test entries (6,801 in all).
+
+    Args:
+        batch_size: expected private batch size (Poisson sampling).
+        public_fraction: share of the training pool that is public (shifted towards positives).
+        public_batch_size: public batch size.
+        seed: sampler seed (the splits are fixed).
+        max_length: tokens per entry, [CLS] and [SEP] included.
+        tokenizer_path: a local tokenizer directory; ``None`` uses the packaged MiniLM's.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        public_fraction: float = 0.04,
+        public_batch_size: int = 32,
+        seed: int = 0,
+        max_length: int = 8,
+        tokenizer_path: str | None = None,
+        eval_batch_size: int = 256,
+        merge_public: bool = False,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from pl_dp.nets.hf import minilm_path
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or minilm_path()), local_files_only=True)
+        splits = {
+            name: TokenizedDataset(texts, labels, tokenizer, max_length)
+            for name, (texts, labels) in vader_splits(public_fraction).items()
+        }
+        public = splits["public"] if len(splits["public"]) else None
+        super().__init__(
+            splits["private"],
+            public,
+            splits["val"],
+            splits["test"],
+            batch_size=batch_size,
+            public_batch_size=min(public_batch_size, max(len(splits["public"]), 1)),
+            seed=seed,
+            eval_batch_size=eval_batch_size,
+            merge_public=merge_public,
+        )
+        self.save_hyperparameters()
