@@ -3,7 +3,6 @@
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from pl_dp import PrivacySpec
@@ -11,7 +10,7 @@ from pl_dp.callbacks import PruningSchedule, StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import PAZOM, PAZOS, DPZero
 from tests.conftest import blobs, make_trainer
-from tests.methods.test_checkpoint import Crash
+from tests.methods.test_checkpoint import assert_resume_is_exact
 
 SPEC = PrivacySpec(epsilon=3.0, accountant="rdp")
 
@@ -85,18 +84,7 @@ def test_resume_mid_stage_with_pruning_is_bit_identical(tmp_path):
     def callbacks():
         return [StagewiseSchedule(stages=2, proximal=0.1), PruningSchedule([0.2, 0.4], "incremental", "rank")]
 
-    reference = _model()
-    make_trainer(max_steps=30, callbacks=callbacks()).fit(reference, _dm())
-    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        make_trainer(max_steps=30, callbacks=[*callbacks(), ckpt, Crash(17)], enable_checkpointing=True).fit(
-            _model(), _dm()
-        )
-    resumed = _model()
-    make_trainer(max_steps=30, callbacks=callbacks()).fit(resumed, _dm(), ckpt_path=str(tmp_path / "step=15.ckpt"))
-    assert resumed.epsilon == reference.epsilon
-    for a, b in zip(resumed.net.parameters(), reference.net.parameters()):
-        assert torch.equal(a, b)
+    assert_resume_is_exact(tmp_path, _model, _dm, callbacks, max_steps=30, crash_at=17, resume_step=15)
 
 
 def test_pazo_m_masks_its_public_step_too():

@@ -5,7 +5,6 @@ import math
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from pl_dp import PrivacySpec
@@ -14,7 +13,7 @@ from pl_dp.callbacks.stagewise import stage_lengths
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import PAZOS, DPZero
 from tests.conftest import blobs, make_trainer
-from tests.methods.test_checkpoint import Crash
+from tests.methods.test_checkpoint import assert_resume_is_exact
 
 SPEC = PrivacySpec(epsilon=3.0, accountant="rdp")
 
@@ -80,21 +79,10 @@ def test_proximal_anchor_is_a_real_copy_and_pulls_towards_the_stage_start():
 
 
 def test_resume_mid_stage_is_bit_identical(tmp_path):
-    def schedule():
-        return StagewiseSchedule(stages=3, proximal=0.2)
+    def callbacks():
+        return [StagewiseSchedule(stages=3, proximal=0.2)]
 
-    reference = _model()
-    make_trainer(max_steps=70, callbacks=[schedule()]).fit(reference, _dm())
-    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        make_trainer(max_steps=70, callbacks=[schedule(), ckpt, Crash(38)], enable_checkpointing=True).fit(
-            _model(), _dm()
-        )
-    resumed = _model()
-    make_trainer(max_steps=70, callbacks=[schedule()]).fit(resumed, _dm(), ckpt_path=str(tmp_path / "step=37.ckpt"))
-    assert resumed.epsilon == reference.epsilon
-    for a, b in zip(resumed.net.parameters(), reference.net.parameters()):
-        assert torch.equal(a, b)
+    assert_resume_is_exact(tmp_path, _model, _dm, callbacks, max_steps=70, crash_at=38, resume_step=37)
 
 
 def test_works_with_pazo_s_without_smoothing():

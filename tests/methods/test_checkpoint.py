@@ -23,6 +23,24 @@ class Crash(L.Callback):
             raise RuntimeError("simulated crash")
 
 
+def assert_resume_is_exact(tmp_path, make_model, make_dm, make_callbacks, max_steps, crash_at, resume_step):
+    """Crash a run at ``crash_at`` private steps, resume from the checkpoint of ``resume_step`` in a new
+    Trainer, and compare ε and every parameter with an uninterrupted run (bit for bit)."""
+    reference = make_model()
+    make_trainer(max_steps=max_steps, callbacks=make_callbacks()).fit(reference, make_dm())
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(
+            max_steps=max_steps, callbacks=[*make_callbacks(), ckpt, Crash(crash_at)], enable_checkpointing=True
+        ).fit(make_model(), make_dm())
+    resumed = make_model()
+    path = str(tmp_path / f"step={resume_step}.ckpt")
+    make_trainer(max_steps=max_steps, callbacks=make_callbacks()).fit(resumed, make_dm(), ckpt_path=path)
+    assert resumed.epsilon == reference.epsilon
+    for a, b in zip(resumed.net.parameters(), reference.net.parameters()):
+        assert torch.equal(a, b)
+
+
 def _model(spec=None, **kw):
     L.seed_everything(0)
     args = dict(lr=0.1, clip=1.0, smoothing=1e-3, queries=2, privacy=spec, noise_seed=123)
