@@ -25,7 +25,7 @@ def l1_loss(net, batch):
     return (net.x - batch[0]).abs().sum(dim=1)
 
 
-def _data(n=2000, seed=0):
+def _data(n=1000, seed=0):
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, 4, generator=g) * 0.3, torch.zeros(n, dtype=torch.long))
 
