@@ -116,3 +116,37 @@ def test_resume_at_an_epoch_boundary_is_exact_and_mid_epoch_skips_to_the_next(tm
             skipped, PrivatePublicDataModule(_data(400), batch_size=1), ckpt_path=str(tmp_path / "step=19.ckpt")
         )
     assert skipped.private_steps == reference.private_steps - 5  # rounds 20-24 of epoch 3 are never run
+
+
+def test_oracles_stay_within_their_sensitivity_on_adversarial_losses():
+    """Replace one example's losses by huge values: GRAD and DIFF move by at most s1 and s_t (clipping)."""
+    from pl_dp.zo.engine import Direction, PerturbationEngine
+
+    model = _model(inner_steps=8, batch_size=2, first_batch_size=8)
+    model._engine = PerturbationEngine(model.trainable_parameters(), 0, Direction("sphere", 1.0))
+    w = [p.detach().clone() for p in model._engine.params]
+    y = [t + model.radius * 0.9 for t in w]
+
+    def evaluator(batch_size, hostile):
+        calls = iter(range(10_000))
+
+        def evaluate():
+            values = torch.full((batch_size,), float(next(calls) % 2))
+            if hostile:
+                values[0] = 1e6 * (-1) ** next(calls)
+            return values
+
+        return evaluate
+
+    lam, delta, d = model.clip, model.smoothing, model.dim
+    gap = float(torch.cat([(a - b).reshape(-1) for a, b in zip(y, w)]).norm())
+    for batch, second, bound, limit in [
+        (8, None, 2 * delta * lam, 2 * d * lam / 8),
+        (2, w, lam * gap, 2 * d * lam * gap / (2 * delta)),
+    ]:
+        outs = [
+            model._oracle(evaluator(batch, hostile), batch, 5, y if second is not None else w, second, bound)[0]
+            for hostile in (False, True)
+        ]
+        change = float(torch.cat([(a - b).reshape(-1) for a, b in zip(*outs)]).norm())
+        assert 0 < change <= limit * (1 + 1e-5)
