@@ -4,11 +4,20 @@ Any pl_dp method (or any user LightningModule / LightningDataModule) is selectab
 path, e.g. ``pl-dp fit --config configs/digits/dpzero.yaml``. After ``fit`` the CLI tests the
 final model and prints the test accuracy next to the ε spent (disable with
 ``--test_after_fit false``).
+
+``pl-dp audit --config ...`` builds the same model, data and Trainer from a config and runs
+:func:`pl_dp.audit.audit` on the method's private step instead of training (options under
+``--audit.*``, e.g. ``--audit.trials 2000``); it prints the empirical lower bound on ε next to the
+accountant's claim and exits with status 1 when the bound exceeds the claim.
 """
 
 from __future__ import annotations
 
+import sys
+
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from pl_dp.audit import audit
 
 
 class PlDpCLI(LightningCLI):
@@ -23,6 +32,14 @@ class PlDpCLI(LightningCLI):
         results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         if self.trainer.is_global_zero:
             print(report(self.model, results[0] if results else {}))
+
+
+class AuditCLI(PlDpCLI):
+    """The ``audit`` subcommand: a config's model, data and Trainer, plus the audit's options."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_function_arguments(audit, "audit", skip={"model", "datamodule", "trainer", "canary"})
 
 
 def report(model, test_metrics: dict) -> str:
@@ -41,6 +58,22 @@ def report(model, test_metrics: dict) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
+    if (sys.argv[1:] if args is None else list(args))[:1] == ["audit"]:
+        if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
+            sys.argv = sys.argv[:1] + sys.argv[2:]
+        cli = AuditCLI(
+            model_class=None,
+            datamodule_class=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=None if args is None else list(args)[1:],
+            run=False,
+            save_config_callback=None,
+            auto_configure_optimizers=False,
+        )
+        result = audit(cli.model, cli.datamodule, cli.trainer, **cli.config["audit"])
+        print(result)
+        raise SystemExit(1 if result.violated else 0)
     PlDpCLI(
         model_class=None,
         datamodule_class=None,

@@ -41,3 +41,10 @@ def test_help_lists_the_methods_arguments():
     out = _run("fit", "--help")
     assert out.returncode == 0
     assert "--model" in out.stdout and "--data" in out.stdout
+
+
+def test_audit_subcommand_prints_the_bound_next_to_the_claim():
+    out = _run("audit", "--config", "configs/digits/dpsgd.yaml", "--audit.trials", "60")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pl-dp audit: DPSGD, 60 trials" in out.stdout
+    assert "claimed epsilon" in out.stdout and "consistent" in out.stdout

@@ -16,6 +16,7 @@ accountant, noise generator, counters and sampler position (invariant 5).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,6 +78,9 @@ class PrivateModule(L.LightningModule):
 
     #: whether the method needs a public loader (PAZO, Coupling)
     requires_public_data: bool = False
+    #: accept a checkpoint trained under another privacy spec or sample rate (set by
+    #: :class:`~pl_dp.callbacks.AllowPrivacySpecChange`): the saved history is kept and σ re-planned
+    allow_privacy_change: bool = False
 
     @property
     def touches_private_data(self) -> bool:
@@ -267,17 +271,55 @@ class PrivateModule(L.LightningModule):
 
     def _check_restored_plan(self) -> None:
         saved = self._restored
+        changes = []
         if saved["privacy"] != self.privacy.to_dict():
-            raise ValueError(
+            changes.append(
                 f"the checkpoint was trained with privacy={saved['privacy']} but this run asks for "
-                f"{self.privacy.to_dict()}: resuming under a different privacy spec is refused."
+                f"{self.privacy.to_dict()}"
             )
         if not math.isclose(saved["sample_rate"], self.sample_rate, rel_tol=1e-12):
-            raise ValueError(
-                f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's "
-                f"{self.sample_rate:g}: the accountant would no longer match the sampler."
+            changes.append(
+                f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's {self.sample_rate:g}"
             )
-        self.noise_multiplier = saved["noise_multiplier"]
+        if not changes:
+            self.noise_multiplier = saved["noise_multiplier"]
+            return
+        if not self.allow_privacy_change:
+            raise ValueError(
+                "; ".join(changes) + ": resuming under a different privacy spec or sample rate is refused (the "
+                "accountant would no longer describe the run). To continue on purpose, with the saved history "
+                "kept and sigma re-planned for the rest, add the callback pl_dp.callbacks.AllowPrivacySpecChange."
+            )
+        self._replan_after_change(changes)
+
+    def _replan_after_change(self, changes: list[str]) -> None:
+        """σ for the steps left, on top of the restored accountant history (never from zero)."""
+        spec = self.privacy
+        remaining = max(1, self.planned_steps - self.trainer.global_step)
+        spent = self.accountant.get_epsilon(self.delta) if self.accountant.history else 0.0
+        if spent >= spec.epsilon:
+            raise ValueError(
+                f"the checkpoint has already spent epsilon={spent:.3f} (delta={self.delta:.3g}); the new target "
+                f"epsilon={spec.epsilon:g} leaves nothing for the {remaining} steps left."
+            )
+        if spec.noise_multiplier is not None:
+            self.noise_multiplier = spec.noise_multiplier
+            total = self.accountant.epsilon_after(self.delta, remaining, self.noise_multiplier, self.sample_rate)
+            if total > spec.epsilon:
+                raise ValueError(
+                    f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} for the "
+                    f"{remaining} steps left on top of the checkpoint's spent epsilon={spent:.3f}: it would "
+                    f"reach {total:.3f}."
+                )
+        else:
+            self.noise_multiplier = calibrate_noise_multiplier(
+                spec.epsilon, self.delta, self.sample_rate, remaining, self.accountant
+            )
+        warnings.warn(
+            "; ".join(changes) + f". Continuing as allowed: epsilon spent so far {spent:.3f} is kept, and the "
+            f"{remaining} steps left use noise multiplier {self.noise_multiplier:.4g}.",
+            stacklevel=2,
+        )
 
     @property
     def epsilon(self) -> float:

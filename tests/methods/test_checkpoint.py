@@ -7,8 +7,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from pl_dp import PrivacySpec
+from pl_dp.callbacks import AllowPrivacySpecChange
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPZero
+from pl_dp.privacy.accountants import create_accountant
 from tests.conftest import blobs, make_trainer
 
 
@@ -108,6 +110,38 @@ def test_resume_with_another_privacy_spec_is_refused(tmp_path):
     with pytest.raises(ValueError, match="different privacy spec"):
         make_trainer(max_steps=4).fit(
             _model(PrivacySpec(epsilon=5.0, accountant="rdp")), _dm(), ckpt_path=str(tmp_path / "a.ckpt")
+        )
+
+
+def test_an_explicit_override_keeps_the_spent_history_and_replans_sigma(tmp_path):
+    trainer = make_trainer(max_epochs=2)
+    first = _model(PrivacySpec(epsilon=1.0, accountant="rdp"))
+    trainer.fit(first, _dm())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    spent = first.epsilon
+    resumed = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+    with pytest.warns(UserWarning, match="epsilon spent so far"):
+        make_trainer(max_epochs=4, callbacks=[AllowPrivacySpecChange()]).fit(
+            resumed, _dm(), ckpt_path=str(tmp_path / "a.ckpt")
+        )
+    assert resumed.accountant.history[0] == first.accountant.history[0]  # never restarted from zero
+    assert resumed.private_steps == 24
+    assert spent < resumed.epsilon <= 2.0
+    assert resumed.noise_multiplier < first.noise_multiplier  # the 12 steps left share the new budget
+    # a fresh accountant with only the new σ would under-report what this run spent
+    fresh = create_accountant("rdp").epsilon_after(resumed.delta, 12, resumed.noise_multiplier, _dm().sample_rate)
+    assert fresh < resumed.epsilon
+
+
+def test_an_override_cannot_go_below_what_was_already_spent(tmp_path):
+    trainer = make_trainer(max_epochs=2)
+    first = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+    trainer.fit(first, _dm())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    assert first.epsilon > 0.5
+    with pytest.raises(ValueError, match="already spent"):
+        make_trainer(max_epochs=4, callbacks=[AllowPrivacySpecChange()]).fit(
+            _model(PrivacySpec(epsilon=0.5, accountant="rdp")), _dm(), ckpt_path=str(tmp_path / "a.ckpt")
         )
 
 

@@ -1,0 +1,110 @@
+"""pl_dp.audit: honest mechanisms pass with the noise they claim; a broken one is caught."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pl_dp import PrivacySpec
+from pl_dp.audit import audit, clopper_pearson_upper
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import DPSGD, O2NC, PAZOM, PAZOP, PAZOS, Coupling, DPZero
+from pl_dp.privacy.accountants import create_accountant
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+from tests.conftest import blobs
+
+SIGMA = 1.5
+TRIALS = 300
+
+
+def _spec():
+    return PrivacySpec(epsilon=100.0, accountant="rdp", noise_multiplier=SIGMA)
+
+
+def _data():
+    return PrivatePublicDataModule(blobs(40), public=blobs(30, seed=5), batch_size=8, public_batch_size=8)
+
+
+METHODS = {
+    "dpzero": (DPZero, dict(clip=1.0, queries=2)),
+    "dpzero-joint": (DPZero, dict(clip=1.0, queries=2, joint_clip=True)),
+    "pazo-m": (PAZOM, dict(clip=1.0, alpha=0.5)),
+    "pazo-p": (PAZOP, dict(clip=1.0)),
+    "pazo-s": (PAZOS, dict(clip=2.0)),
+    "dpsgd-constant": (DPSGD, dict(clip=1.0)),
+    "dpsgd-automatic": (DPSGD, dict(clip=1.0, clip_fn="automatic", r=0.01)),
+    "dpsgd-psac": (DPSGD, dict(clip=1.0, clip_fn="psac", r=0.01)),
+    "coupling": (Coupling, dict(clip=1.0, r=0.01)),
+}
+
+
+def _model(cls=DPZero, **kwargs):
+    kwargs.setdefault("clip", 1.0)
+    return cls(nn.Linear(4, 3), privacy=_spec(), noise_seed=0, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_honest_mechanisms_stay_below_their_claim_with_the_claimed_noise(name):
+    torch.manual_seed(0)
+    cls, kwargs = METHODS[name]
+    result = audit(_model(cls, **kwargs), _data(), trials=TRIALS)
+    assert result.canary_influence == pytest.approx(1.0, abs=0.02)  # the canary saturates C
+    assert result.epsilon_lower_bound <= result.claimed_epsilon, result
+    assert not result.violated
+    # the empirical noise check: a saturating canary moves the statistic by C/(σC) = 1/σ noise stds
+    assert result.separation * SIGMA == pytest.approx(1.0, abs=0.3), result
+
+
+class _ThinNoise(SubsampledGaussian):
+    @property
+    def noise_std(self) -> float:
+        return 0.3 * super().noise_std
+
+
+class _BrokenDPZero(DPZero):
+    """Accounts σ but adds 0.3·σ: the bug the audit exists to catch."""
+
+    def mechanism(self, batch_size):
+        return _ThinNoise(**dataclasses.asdict(super().mechanism(batch_size)))
+
+
+def test_a_mechanism_with_too_little_noise_is_caught():
+    torch.manual_seed(0)
+    model = _model(_BrokenDPZero)
+    result = audit(model, _data(), trials=2 * TRIALS)
+    assert result.violated and result.epsilon_lower_bound > result.claimed_epsilon, result
+    assert "VIOLATION" in str(result)
+
+
+def test_clopper_pearson_upper_bound():
+    assert clopper_pearson_upper(0, 100, 0.05) == pytest.approx(1 - 0.05 ** (1 / 100))
+    assert clopper_pearson_upper(100, 100, 0.05) == 1.0
+
+
+@pytest.mark.parametrize(
+    "make, kwargs, match",
+    [
+        (lambda: DPZero(nn.Linear(4, 3), clip=1.0, privacy=None), {}, "private model"),
+        (lambda: O2NC(nn.Linear(4, 3), privacy=PrivacySpec(epsilon=1.0, accountant="tree")), {}, "tree"),
+        (_model, {"trials": 5}, "trials"),
+        (_model, {"confidence": 1.0}, "confidence"),
+        (_model, {"reference_size": 0}, "reference_size"),
+    ],
+)
+def test_bad_audit_requests_raise(make, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        audit(make(), _data(), **kwargs)
+
+
+def test_too_small_private_set_raises():
+    with pytest.raises(ValueError, match="reference_size"):
+        audit(_model(), _data(), reference_size=40, trials=20)
+
+
+def test_claimed_epsilon_is_one_full_batch_step_of_the_accountant():
+    torch.manual_seed(0)
+    result = audit(_model(), _data(), trials=40)
+    assert result.claimed_epsilon == pytest.approx(create_accountant("rdp").epsilon_after(1 / 40, 1, SIGMA, 1.0))
+    assert math.isfinite(result.epsilon_lower_bound)
