@@ -32,8 +32,16 @@ class PrivacySpec:
     noise_multiplier: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.epsilon, (int, float)) or math.isnan(self.epsilon) or self.epsilon <= 0:
-            raise ValueError(f"PrivacySpec.epsilon must be a positive number, got {self.epsilon!r}.")
+        if (
+            isinstance(self.epsilon, bool)
+            or not isinstance(self.epsilon, (int, float))
+            or not math.isfinite(self.epsilon)
+            or self.epsilon <= 0
+        ):
+            raise ValueError(
+                f"PrivacySpec.epsilon must be a finite number > 0, got {self.epsilon!r} "
+                "(for a run without privacy pass privacy=None)."
+            )
         if self.delta is not None and not (0 < self.delta < 1):
             raise ValueError(f"PrivacySpec.delta must lie in (0, 1), got {self.delta!r}.")
         if self.accountant not in ACCOUNTANTS:

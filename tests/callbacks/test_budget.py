@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pl_dp import PrivacySpec
-from pl_dp.callbacks import PrivacyBudget
+from pl_dp.callbacks import PrivacyBudget, StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
-from pl_dp.methods import DPZero
+from pl_dp.methods import DPSGD, PAZOM, Coupling, DPZero
 from tests.conftest import blobs, make_trainer
 
 
@@ -75,3 +75,41 @@ def test_final_epsilon_never_exceeds_the_target(
         assert model.private_steps == 0
         return
     assert model.epsilon <= min(target, epsilon) + 1e-9
+
+
+_METHODS = {
+    "dpzero": lambda spec: DPZero(nn.Linear(4, 3), lr=0.05, clip=1.0, privacy=spec),
+    "pazo-m": lambda spec: PAZOM(nn.Linear(4, 3), lr=0.05, clip=1.0, alpha=0.5, privacy=spec),
+    "dpsgd": lambda spec: DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, clip_fn="automatic", privacy=spec),
+    "coupling": lambda spec: Coupling(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=spec),
+}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    method=st.sampled_from(sorted(_METHODS)),
+    accountant=st.sampled_from(["rdp", "gdp"]),  # PRV costs ~7 s per fit here; the demo and CLI tests run it
+    epsilon=st.floats(0.2, 8.0),
+    batch_size=st.integers(4, 40),
+    plan=st.one_of(
+        st.integers(1, 3).map(lambda e: {"max_epochs": e}), st.integers(1, 15).map(lambda s: {"max_steps": s})
+    ),
+    stagewise=st.booleans(),
+)
+def test_no_method_accountant_or_schedule_ends_above_its_epsilon(
+    method, accountant, epsilon, batch_size, plan, stagewise
+):
+    """Random small configurations of (method, accountant, ε, batch, plan, schedule): the run either
+    refuses to start, touching nothing, or ends with ε ≤ the target, every step accounted."""
+    torch.manual_seed(0)
+    model = _METHODS[method](PrivacySpec(epsilon=epsilon, accountant=accountant))
+    callbacks = [StagewiseSchedule(stages=2, proximal=None)] if stagewise and method in ("dpzero", "pazo-m") else []
+    dm = PrivatePublicDataModule(blobs(80), public=blobs(20, seed=3), batch_size=batch_size, public_batch_size=5)
+    try:
+        make_trainer(callbacks=callbacks, **plan).fit(model, dm)
+    except ValueError as err:  # a plan too short for the schedule is refused before any private step
+        assert "too few" in str(err)
+        assert model.private_steps == 0 and model.accountant.steps == 0
+        return
+    assert model.epsilon <= epsilon * (1 + 1e-9)
+    assert model.accountant.steps == model.private_steps <= model.planned_steps

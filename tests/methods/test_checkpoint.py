@@ -9,7 +9,7 @@ from torch import nn
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import AllowPrivacySpecChange
 from pl_dp.data import PrivatePublicDataModule
-from pl_dp.methods import DPZero
+from pl_dp.methods import DPSGD, PAZOM, PAZOS, Coupling, DPZero
 from pl_dp.privacy.accountants import create_accountant
 from tests.conftest import blobs, make_trainer
 
@@ -183,3 +183,29 @@ def test_validation_and_test_never_reach_the_accountant():
     trainer.validate(model, dm, verbose=False)
     trainer.test(model, dm, verbose=False)
     assert model.accountant.history == history and model.epsilon == eps and model.private_steps == 3
+
+
+FAMILIES = {
+    "pazo-m": (PAZOM, dict(lr=0.05, clip=1.0, alpha=0.5, queries=2)),
+    "pazo-s": (PAZOS, dict(lr=0.1, clip=2.0, k=2)),
+    "dpsgd-psac-adam": (DPSGD, dict(lr=0.05, clip=1.0, clip_fn="psac", optimizer="adam")),
+    "coupling-adamix": (
+        Coupling,
+        dict(lr=0.1, clip=1.0, alpha=0.5, clip_fn="constant", clip_quantile=0.5, quantile_noise=5.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_kill_and_resume_is_exact_for_every_method_family(tmp_path, family):
+    """Public-loader position, optimizer moments, the adaptive clip threshold and the noise all resume."""
+    cls, kwargs = FAMILIES[family]
+
+    def make_model():
+        L.seed_everything(0)
+        return cls(nn.Linear(4, 3), privacy=PrivacySpec(epsilon=3.0, accountant="rdp"), noise_seed=5, **kwargs)
+
+    def make_dm():
+        return PrivatePublicDataModule(blobs(60), public=blobs(30, seed=5), batch_size=10, public_batch_size=5)
+
+    assert_resume_is_exact(tmp_path, make_model, make_dm, list, max_steps=10, crash_at=8, resume_step=7)
