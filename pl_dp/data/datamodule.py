@@ -19,6 +19,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
       (variable, possibly empty batches; one epoch = ``len(private) // batch_size`` steps, at
       least 1) — the only sampling the accountant's numbers hold for — unless the method
       declares its own (``private_loader``; O2NC partitions the data and ignores ``batch_size``).
+      Under data parallelism each rank gets its shard of the same global Poisson batch.
     * ``public_batches(k)`` draws k disjoint public batches per call, without end; public
       batches never consume privacy.
     * ``val``/``test`` are ordinary loaders.
@@ -90,7 +91,10 @@ class PrivatePublicDataModule(L.LightningDataModule):
         if own is not None:  # a method whose accounting needs other sampling (O2NC's partition)
             return own
         steps = max(1, self.n_private // self.batch_size)
-        return poisson_loader(self.private, self.sample_rate, seed=self.seed, steps_per_epoch=steps)
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        return poisson_loader(
+            self.private, self.sample_rate, seed=self.seed, steps_per_epoch=steps, num_replicas=world, rank=rank
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         return DataLoader(self.val, batch_size=self.eval_batch_size) if self.val is not None else []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.accountants import Accountant, create_accountant
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
@@ -78,6 +79,8 @@ class PrivateModule(L.LightningModule):
 
     #: whether the method needs a public loader (PAZO, Coupling)
     requires_public_data: bool = False
+    #: whether the method runs under data parallelism (sum-then-noise collectives; O2NC does not yet)
+    supports_data_parallel: bool = True
     #: accept a checkpoint trained under another privacy spec or sample rate (set by
     #: :class:`~pl_dp.callbacks.AllowPrivacySpecChange`): the saved history is kept and σ re-planned
     allow_privacy_change: bool = False
@@ -129,6 +132,7 @@ class PrivateModule(L.LightningModule):
         self.private_steps = 0
         self.nonfinite_total = 0
         self.privacy_exhausted = False
+        self.collective_bytes = 0
         self._sampler: CountingBatchSampler | None = None
         self._sampler_start = 0
         self._batches_consumed = 0
@@ -220,13 +224,10 @@ class PrivateModule(L.LightningModule):
         if self._plan_ready:
             return
         trainer = self.trainer
-        if trainer.world_size > 1:
-            raise NotImplementedError(
-                f"{type(self).__name__} runs on one process for now: with {trainer.world_size} processes each "
-                "rank would draw its own DP noise and the replicas would diverge. Use devices=1, num_nodes=1."
-            )
         loader = trainer.train_dataloader
         sampler = self.private_sampler_of(loader)
+        if trainer.world_size > 1:
+            self._setup_data_parallel(sampler)
         planned = trainer.estimated_stepping_batches
         if not math.isfinite(planned):
             raise ValueError("private training needs a finite plan: set trainer max_steps or max_epochs.")
@@ -320,6 +321,58 @@ class PrivateModule(L.LightningModule):
             f"{remaining} steps left use noise multiplier {self.noise_multiplier:.4g}.",
             stacklevel=2,
         )
+
+    # ---- data parallelism --------------------------------------------------------------------
+    def _setup_data_parallel(self, sampler: CountingBatchSampler | None) -> None:
+        """Make N processes one logical private run (ARCHITECTURE invariant 3).
+
+        Every rank gets rank 0's noise-generator state and direction seed, so that after the clipped
+        sums are summed across ranks (:meth:`all_reduce_sum`) each rank adds the *same* noise draw —
+        one draw per logical step — and applies the same update. The private sampler must shard one
+        global Poisson batch (each rank would otherwise sample the whole set and an example could
+        appear world-size times per step). DDP's gradient all-reduce is switched off: pl_dp sums
+        what it needs itself, and .grad is only ever the already-shared privatized gradient.
+        """
+        trainer = self.trainer
+        world, rank = trainer.world_size, trainer.global_rank
+        if not self.supports_data_parallel:
+            raise NotImplementedError(
+                f"{type(self).__name__} runs on one process for now (got world size {world}): "
+                "use devices=1, num_nodes=1."
+            )
+        if self.privacy is not None and (
+            getattr(sampler, "num_replicas", 1) != world or getattr(sampler, "rank", 0) != rank
+        ):
+            raise ValueError(
+                f"with {world} processes the private loader must shard one global Poisson batch "
+                f"(PoissonBatchSampler(num_replicas={world}, rank={rank}), as PrivatePublicDataModule builds it); "
+                f"got {type(sampler).__name__} with num_replicas={getattr(sampler, 'num_replicas', 1)}."
+            )
+        noise_state, direction_seed = trainer.strategy.broadcast((self.noise.state_dict(), self.direction_seed), src=0)
+        self.noise.load_state_dict(noise_state)
+        self.direction_seed = int(direction_seed)
+        wrapped = trainer.strategy.model
+        if isinstance(wrapped, DistributedDataParallel):
+            wrapped.require_backward_grad_sync = False
+
+    @property
+    def data_parallel(self) -> bool:
+        return self._trainer is not None and self._trainer.world_size > 1
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over data-parallel ranks through the Lightning strategy (identity on one
+        process). Only clipped sums and counts are passed here, never per-example values; the bytes
+        sent are counted in ``collective_bytes``."""
+        if not self.data_parallel:
+            return tensor
+        self.collective_bytes += tensor.numel() * tensor.element_size()
+        summed = self.trainer.strategy.reduce(tensor.to(self.device).contiguous(), reduce_op="sum")  # NCCL: on GPU
+        return summed.to(tensor.device)
+
+    @property
+    def sum_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """:meth:`all_reduce_sum` under data parallelism, else None (for the ``reduce`` hooks below)."""
+        return self.all_reduce_sum if self.data_parallel else None
 
     @property
     def epsilon(self) -> float:

@@ -120,6 +120,7 @@ class FirstOrderModule(PrivateModule):
                 losses = check_per_sample(self.loss_fn(self.net, batch), batch_size)
                 grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
             sums = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            sums, _ = self._sum_across_ranks(sums, torch.zeros(()))
             mechanism.privatize_(sums, self.noise)
             return sums, {}
         if batch_size == 0:
@@ -128,6 +129,7 @@ class FirstOrderModule(PrivateModule):
             per_example, _ = self._per_sample(batch)
             sums, norms, nonfinite = clipped_sum(per_example, self.clip_function)
             del per_example
+        sums, nonfinite = self._sum_across_ranks(sums, nonfinite)
         stats = {"nonfinite": nonfinite}
         if self.log_private_metrics and batch_size > 0:
             stats.update(self._clip_diagnostics(sums, norms, mechanism))
@@ -135,6 +137,21 @@ class FirstOrderModule(PrivateModule):
         if self.clip_quantile is not None:
             stats.update(self._adapt_clip(norms, mechanism))
         return sums, stats
+
+    def _sum_across_ranks(
+        self, sums: list[torch.Tensor], count: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The weighted sums and the non-finite count summed over data-parallel ranks, in one collective
+        (before the noise, which every rank then adds identically: one draw per logical step)."""
+        if not self.data_parallel:
+            return sums, count
+        flat = torch.cat([s.reshape(-1) for s in sums] + [count.to(sums[0]).reshape(1)])
+        flat = self.all_reduce_sum(flat)
+        out, offset = [], 0
+        for s in sums:
+            out.append(flat[offset : offset + s.numel()].view_as(s))
+            offset += s.numel()
+        return out, flat[-1]
 
     def _clip_diagnostics(
         self, sums: list[torch.Tensor], norms: torch.Tensor, mechanism: SubsampledGaussian
@@ -155,7 +172,7 @@ class FirstOrderModule(PrivateModule):
 
     def _adapt_clip(self, norms: torch.Tensor, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         """R ← R·exp(−η_C(b̃ − γ)) with b̃ the privatized fraction of norms ≤ R (the auxiliary release)."""
-        below = (norms <= self.clip_function.clip).sum().float().reshape(1).cpu()
+        below = self.all_reduce_sum((norms <= self.clip_function.clip).sum().float().reshape(1)).cpu()
         fraction = float(mechanism.privatize_auxiliary(below, self.noise))
         clip = self.clip_function.clip * math.exp(-self.quantile_lr * (fraction - self.clip_quantile))
         self.clip_function = ClipFunction("constant", clip)

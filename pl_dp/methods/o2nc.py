@@ -72,8 +72,11 @@ class O2NC(PrivateModule):
 
     The private set is partitioned (not Poisson-sampled): each example is used in one round per pass.
     The datamodule's ``batch_size`` is not used. Mid-epoch checkpoints resume at the next epoch: the
-    noise-free running sum and the tree's node noises are never saved (spec item 22).
+    noise-free running sum and the tree's node noises are never saved (spec item 22). One process
+    only: the partition sampler does not shard yet, so multi-process runs are refused.
     """
+
+    supports_data_parallel = False
 
     def __init__(
         self,

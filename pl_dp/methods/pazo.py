@@ -277,7 +277,7 @@ class PAZOS(PrivateModule):
 
         def query() -> float:
             nonlocal nonfinite
-            value, bad = privatize_sum(evaluate(), self.clip, mechanism, self.noise)
+            value, bad = privatize_sum(evaluate(), self.clip, mechanism, self.noise, self.sum_reducer)
             nonfinite = nonfinite + bad
             return float(value)
 

@@ -120,7 +120,7 @@ class ZerothOrderModule(PrivateModule):
     def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian):
         """Privatized q-query two-point estimate at the current parameters (θ left at θ − λu_q)."""
         evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size)
-        return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise)
+        return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise, self.sum_reducer)
 
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_privacy_state_dict(state)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.privacy.seeding import derive_seed
@@ -188,9 +188,27 @@ def poisson_loader(
     collate_fn: Callable[[list], Any] = default_collate,
     **loader_kwargs: Any,
 ) -> DataLoader:
-    """A DataLoader over ``dataset`` with Poisson sampling at ``sample_rate`` (empty batches allowed)."""
+    """A DataLoader over ``dataset`` with Poisson sampling at ``sample_rate`` (empty batches allowed).
+
+    With ``num_replicas > 1`` each rank gets its shard of the global Poisson batch, and the
+    loader's ``sampler`` is a :class:`ShardMarker`: frameworks that inject a ``DistributedSampler``
+    (Lightning's ``use_distributed_sampler``) see the loader as already distributed and leave it
+    alone instead of failing on, or replacing, the Poisson batch sampler.
+    """
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset, collate_fn), **loader_kwargs)
+    loader = DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset, collate_fn), **loader_kwargs
+    )
+    if num_replicas > 1:  # DataLoader forbids setting ``sampler`` next to ``batch_sampler``; it never iterates it
+        object.__setattr__(loader, "sampler", ShardMarker(dataset, num_replicas, rank))
+    return loader
+
+
+class ShardMarker(DistributedSampler):
+    """The ``sampler`` of a sharded Poisson loader: marks it as distributed; iteration uses the batch sampler."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
 
 
 def partition_loader(

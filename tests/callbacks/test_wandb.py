@@ -1,6 +1,7 @@
 """W&B (real client, offline) and CSV logging of a private run."""
 
 import csv
+import time
 from pathlib import Path
 
 import lightning as L
@@ -17,6 +18,17 @@ from pl_dp.callbacks.wandb import group_points, read_run
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import PAZOM
 from tests.conftest import blobs, make_trainer
+
+
+def _settled(read, done, timeout=15.0):
+    """``read()`` once ``done`` holds for it, or the last read after ``timeout`` s: the W&B service
+    process can still be appending a finished run's records when ``wandb.finish()`` returns under load."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.25)
+        value = read()
+    return value
 
 
 def _fit(logger, log_private_metrics=False, test=True):
@@ -61,7 +73,9 @@ def test_offline_wandb_run_has_config_summary_and_one_epsilon_per_step(offline_w
     run_dir = Path(logger.experiment.dir).parent
     wandb.finish()
 
-    run = read_run(run_dir)
+    run = _settled(
+        lambda: read_run(run_dir), lambda r: "privacy/clip" in r["config"] and "summary/epsilon" in r["summary"]
+    )
     config, summary, history = run["config"], run["summary"], run["history"]
     assert "privacy/clip" in config, sorted(config)
     assert config["privacy/clip"] == 1.0
@@ -119,7 +133,7 @@ def test_group_runs_get_a_privacy_utility_chart(offline_wandb):
         trainer.test(model, dm, verbose=False)
         run_dir = Path(logger.experiment.dir).parent
         wandb.finish()
-    points = group_points(run_dir.parent, "sweep")
+    points = _settled(lambda: group_points(run_dir.parent, "sweep"), lambda p: len(p) == 2)
     assert len(points) == 2 and sorted(e for e, _ in points)[1] <= 4.0
     last = read_run(run_dir)
     assert any("privacy_utility_table" in k or "privacy_utility" in k for row in last["history"] for k in row)

@@ -1,0 +1,101 @@
+"""Invariant 3 under real data parallelism: 2 CPU processes (Lightning DDP, gloo) = one logical run.
+
+The 2-process fits run once per session in a subprocess (tests/distributed/worker.py; Lightning's
+launcher starts rank 1); the single-process references run in this process with the same seeds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pl_dp.privacy.sampling import PoissonBatchSampler
+from tests.distributed import worker
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/distributed/worker.py"), "2", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks, worker.run_all(1)
+
+
+def _params(result):
+    return torch.tensor(result["parameters"])
+
+
+@pytest.mark.parametrize("name", list(worker.METHODS))
+def test_replicas_are_bit_identical_and_shard_one_poisson_batch(runs, name):
+    (rank0, rank1), _ = runs
+    assert rank0[name]["world_size"] == rank1[name]["world_size"] == 2
+    assert torch.equal(_params(rank0[name]), _params(rank1[name]))
+    assert [rank0[name]["sampler"], rank1[name]["sampler"]] == [
+        {"num_replicas": 2, "rank": 0},
+        {"num_replicas": 2, "rank": 1},
+    ]  # Lightning did not replace the sharded Poisson sampler
+
+
+@pytest.mark.parametrize("name", [m for m in worker.METHODS if m != "dpzero_rank_seeded"])
+def test_two_processes_equal_one_process_with_the_same_seeds(runs, name):
+    """Equal up to float summation order: the clipped sums are added shard by shard across ranks."""
+    (rank0, _), single = runs
+    torch.testing.assert_close(_params(rank0[name]), _params(single[name]), rtol=0, atol=1e-6)
+    assert rank0[name]["epsilon"] == single[name]["epsilon"]  # accounting does not see the world size
+    assert rank0[name]["expected_batch_size"] == single[name]["expected_batch_size"] == worker.BATCH
+
+
+@pytest.mark.parametrize("name, queries", [("dpzero", 3), ("pazo_m", 2)])
+def test_zeroth_order_steps_send_a_few_scalars(runs, name, queries):
+    (rank0, _), _ = runs
+    result = rank0[name]
+    assert result["pl_dp_bytes_per_step"] == 8 * queries  # q × (clipped sum, non-finite count), float32
+    assert result["dist_bytes_per_step"] <= 8 * (queries + 2) + 16  # everything through torch.distributed
+    first_order = rank0["dpsgd"]
+    assert first_order["dist_bytes_per_step"] >= 4 * first_order["dimension"]
+
+
+def test_first_order_noise_is_drawn_once_per_logical_step(runs):
+    """Zero gradients: the update is −lr·noise/b. One σC draw per step gives std σC/b per coordinate; a
+    draw per rank summed across 2 ranks would give √2 times that."""
+    (rank0, _), single = runs
+    expected = worker.SIGMA * worker.CLIP / worker.BATCH
+    for result in (rank0["dpsgd_zero_grad"], single["dpsgd_zero_grad"]):
+        per_step = torch.tensor(result["update"]).std().item() / worker.STEPS**0.5
+        assert per_step == pytest.approx(expected, rel=0.08)
+    assert torch.equal(
+        torch.tensor(rank0["dpsgd_zero_grad"]["update"]), torch.tensor(single["dpsgd_zero_grad"]["update"])
+    )
+
+
+def test_sharded_poisson_sampling_is_poisson_sampling_of_the_whole_set():
+    n, q, world, steps = 2000, 0.05, 3, 400
+    single = PoissonBatchSampler(n, q, steps, seed=4)
+    shards = [PoissonBatchSampler(n, q, steps, seed=4, num_replicas=world, rank=r) for r in range(world)]
+    counts = torch.zeros(n)
+    per_rank = torch.zeros(world)
+    for i in range(steps):
+        parts = [s.batch(i) for s in shards]
+        assert sorted(sum(parts, [])) == single.batch(i)  # the union is the single-process batch
+        assert all(set(a).isdisjoint(b) for j, a in enumerate(parts) for b in parts[j + 1 :])
+        for r, part in enumerate(parts):
+            per_rank[r] += len(part)
+            counts[part] += 1
+    assert counts.mean().item() / steps == pytest.approx(q, rel=0.03)  # inclusion rate of every example ≈ q
+    assert (per_rank / steps).tolist() == pytest.approx([q * n / world] * world, rel=0.05)
+    assert all(s.expected_batch_size == q * n for s in shards)  # every rank normalizes by the global q·n

@@ -1,0 +1,149 @@
+"""The same private fits on 1 process or on N CPU processes (Lightning DDP over gloo).
+
+``python tests/distributed/worker.py DEVICES OUT_DIR`` writes ``OUT_DIR/rank{r}.json`` per rank;
+tests/distributed/test_ddp.py compares them with the single-process results of :func:`run_all`.
+Lightning's DDP launcher re-runs this file for ranks 1..N−1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pl_dp import PrivacySpec
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import DPSGD, PAZOM, DPZero
+
+STEPS = 4
+SIGMA = 1.3
+CLIP = 1.0
+BATCH = 16
+N_PRIVATE = 96
+
+
+def _blobs(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    centers = torch.randn(4, 12, generator=torch.Generator().manual_seed(1)) * 2
+    return TensorDataset(centers[y] + torch.randn(n, 12, generator=g), y)
+
+
+def _zero_gradient_loss(net, batch):
+    x, _ = batch
+    return (net(x) * 0.0).sum(dim=1)
+
+
+def _spec() -> PrivacySpec:
+    return PrivacySpec(epsilon=50.0, accountant="rdp", noise_multiplier=SIGMA)
+
+
+METHODS = {
+    "dpzero": lambda: DPZero(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=3, privacy=_spec(), noise_seed=7),
+    "pazo_m": lambda: PAZOM(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=2, alpha=0.5, privacy=_spec(), noise_seed=7),
+    "dpsgd": lambda: DPSGD(nn.Linear(12, 4), lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7),
+    # entropy-seeded noise and a different global seed on every rank: rank 0's states must be shared
+    "dpzero_rank_seeded": lambda: DPZero(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=3, privacy=_spec()),
+    "dpsgd_zero_grad": lambda: DPSGD(
+        nn.Linear(64, 16), loss=_zero_gradient_loss, lr=1.0, clip=CLIP, privacy=_spec(), noise_seed=7
+    ),
+}
+
+
+class CollectiveBytes(L.Callback):
+    """Bytes passed to torch.distributed collectives between the first and the last training step."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.counting = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counting = True
+
+    def on_train_end(self, trainer, pl_module):
+        self.counting = False
+
+
+_COUNTERS: list[CollectiveBytes] = []
+
+
+def _instrument() -> None:
+    for name in ("all_reduce", "broadcast", "all_gather", "reduce", "all_gather_into_tensor", "reduce_scatter"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(tensor, *args, _original=original, **kwargs):
+            for counter in _COUNTERS:
+                if counter.counting and isinstance(tensor, torch.Tensor):
+                    counter.bytes += tensor.numel() * tensor.element_size()
+            return _original(tensor, *args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def _data(name: str) -> PrivatePublicDataModule:
+    if name == "dpsgd_zero_grad":
+        private = TensorDataset(torch.randn(N_PRIVATE, 64), torch.zeros(N_PRIVATE, dtype=torch.long))
+    else:
+        private = _blobs(N_PRIVATE, 0)
+    return PrivatePublicDataModule(private, public=_blobs(40, 3), batch_size=BATCH, public_batch_size=8, seed=11)
+
+
+def run_one(name: str, devices: int) -> dict:
+    if name == "dpzero_rank_seeded":
+        torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        L.seed_everything(0)
+    model = METHODS[name]()
+    start = torch.cat([p.detach().flatten() for p in model.net.parameters()])
+    counter = CollectiveBytes()
+    _COUNTERS[:] = [counter]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[counter],
+    )
+    trainer.fit(model, _data(name))
+    end = torch.cat([p.detach().flatten() for p in model.net.parameters()])
+    sampler = model._sampler
+    return {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "parameters": end.tolist(),
+        "update": (end - start).tolist(),
+        "epsilon": model.epsilon,
+        "private_steps": model.private_steps,
+        "expected_batch_size": model.expected_batch_size,
+        "sample_rate": model.sample_rate,
+        "pl_dp_bytes_per_step": model.collective_bytes / STEPS,
+        "dist_bytes_per_step": counter.bytes / STEPS,
+        "dimension": int(end.numel()),
+        "sampler": {"num_replicas": sampler.num_replicas, "rank": sampler.rank},
+    }
+
+
+def run_all(devices: int) -> dict:
+    return {name: run_one(name, devices) for name in METHODS}
+
+
+if __name__ == "__main__":
+    _instrument()
+    devices, out = int(sys.argv[1]), Path(sys.argv[2])
+    results = run_all(devices)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{results['dpzero']['rank']}.json").write_text(json.dumps(results))
