@@ -441,7 +441,9 @@ class PrivateModule(L.LightningModule):
             losses = F.cross_entropy(logits.float(), targets, reduction="none")
         else:
             losses = self.loss_fn(self.net, batch)
-        self.log(f"{stage}/loss", losses.float().mean(), on_epoch=True, prog_bar=stage == "val")
+        self.log(
+            f"{stage}/loss", losses.float().mean(), on_epoch=True, prog_bar=stage == "val", sync_dist=self.data_parallel
+        )
         if logits is not None and logits.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
             name = f"{stage}_acc".replace("/", "_")
             metric = self._metric(name, logits.shape[-1])

@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
-from pl_dp.methods import DPSGD, PAZOM, DPZero
+from pl_dp.methods import DPSGD, PAZOM, PAZOS, Coupling, DPZero
 
 STEPS = 4
 SIGMA = 1.3
@@ -48,7 +48,9 @@ def _spec() -> PrivacySpec:
 METHODS = {
     "dpzero": lambda: DPZero(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=3, privacy=_spec(), noise_seed=7),
     "pazo_m": lambda: PAZOM(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=2, alpha=0.5, privacy=_spec(), noise_seed=7),
+    "pazo_s": lambda: PAZOS(nn.Linear(12, 4), lr=0.1, clip=2.0, k=2, privacy=_spec(), noise_seed=7),
     "dpsgd": lambda: DPSGD(nn.Linear(12, 4), lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7),
+    "coupling": lambda: Coupling(nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, privacy=_spec(), noise_seed=7),
     # entropy-seeded noise and a different global seed on every rank: rank 0's states must be shared
     "dpzero_rank_seeded": lambda: DPZero(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=3, privacy=_spec()),
     "dpsgd_zero_grad": lambda: DPSGD(
