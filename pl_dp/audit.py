@@ -180,12 +180,13 @@ class _StepTrials:
         canary = self.canary
         if canary is None:
             canary = make_canary(module.net, private[self.reference_size], self.input_scale)
-        canary_batch = default_collate(examples + [canary])
-        return default_collate(examples), module.transfer_batch_to_device(canary_batch, module.device, 0)
+        return tuple(
+            module.transfer_batch_to_device(default_collate(batch), module.device, 0)
+            for batch in (examples, examples + [canary])
+        )
 
     def run(self, module: PrivateModule, datamodule: Any) -> AuditResult:
         without, with_canary = self._batches(module, datamodule)
-        without = module.transfer_batch_to_device(without, module.device, 0)
         params = module.trainable_parameters()
         start = [p.detach().clone() for p in params]
         public_state = copy.deepcopy(datamodule.state_dict()) if hasattr(datamodule, "state_dict") else None
