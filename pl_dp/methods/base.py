@@ -412,6 +412,8 @@ class PrivateModule(L.LightningModule):
         nonfinite = stats.pop("nonfinite", None)
         if nonfinite is not None:
             self.nonfinite_total += int(nonfinite)
+        if not self._logging_step():
+            return
         for name, value in stats.items():
             self.log(name, value, on_step=True, on_epoch=False)
         self.log("privacy/nonfinite_total", float(self.nonfinite_total), on_step=True, on_epoch=False)
@@ -420,6 +422,17 @@ class PrivateModule(L.LightningModule):
             eps = self._tracker.epsilon()
             self.log("privacy/epsilon", eps, on_step=True, on_epoch=False, prog_bar=True)
             self.log("privacy/budget_left", self.privacy.epsilon - eps, on_step=True, on_epoch=False, prog_bar=True)
+
+    def _logging_step(self) -> bool:
+        """Whether Lightning's loggers write this step's on-step metrics (every ``log_every_n_steps``).
+
+        Metrics logged on other steps are dropped by the loggers anyway, and each ``self.log`` call
+        costs about a millisecond on a CPU — several times the whole step of a small model — so the
+        per-step statistics are logged on the loggers' cadence only. ``global_step`` counts this
+        step already (the optimizer has stepped), which matches Lightning's ``+ 1`` convention.
+        """
+        every = self.trainer.log_every_n_steps
+        return every > 0 and (self.trainer.global_step % every == 0 or self.trainer.should_stop)
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _metric(self, name: str, num_classes: int) -> torchmetrics.Metric:

@@ -142,6 +142,22 @@ def test_nonfinite_differences_contribute_zero_and_are_logged(tmp_path):
     assert trainer.callback_metrics["privacy/nonfinite_total"] == model.nonfinite_total
 
 
+def test_step_metrics_are_logged_on_the_loggers_cadence_with_current_values(tmp_path):
+    """Per-step statistics are logged only on the steps the loggers write (each ``self.log`` costs
+    more than a small model's step); every written value must be that step's own, not a stale one."""
+    import csv
+
+    dm = PrivatePublicDataModule(blobs(100), batch_size=10)
+    model = DPZero(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=5.0, accountant="rdp"))
+    logger = CSVLogger(tmp_path)
+    trainer = make_trainer(max_steps=23, logger=logger, log_every_n_steps=5)
+    trainer.fit(model, dm)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("privacy/private_steps")]
+    assert [int(float(r["privacy/private_steps"])) for r in rows] == [5, 10, 15, 20]
+    assert [int(r["step"]) for r in rows] == [4, 9, 14, 19]  # Lightning's step index of the same batches
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
