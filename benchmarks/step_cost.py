@@ -14,6 +14,9 @@ by side in one process with interleaved repeats and medians:
 * ``dpzero / opacus``   — engine step over an Opacus DP-SGD step (GradSampleModule + DPOptimizer)
   on the same model and batch;
 
+``--suite logging`` times a DPZero step on the small digits MLP when every step logs its metrics
+(``log_every_n_steps=1``) over logging on Lightning's default cadence, interleaved fits.
+
 ``--suite pruning`` times DP-ZOPO's masked step (a :class:`DirectionMask` training 1 %, 10 % or
 100 % of the coordinates) and the perturbation sweep alone, over the unmasked step, interleaved.
 
@@ -27,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import gc
 import json
 import statistics
 import subprocess
@@ -44,6 +45,8 @@ from torch.utils.data import TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _measure import PeakMemory, StepTimer, reset_peak_rss, status_kb  # noqa: E402
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import PrivatePublicDataModule, digits_splits  # noqa: E402
@@ -157,18 +160,7 @@ def timed(op):
     return time.perf_counter() - start
 
 
-class _StepTimer(L.Callback):
-    def __init__(self):
-        self.times = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self._t)
-
-
-def fit_method(method, net, private, public, batch_size, steps, callback):
+def fit_method(method, net, private, public, batch_size, steps, callback, **trainer_kwargs):
     """``steps`` steps of ``method`` inside ``Trainer.fit`` with ``callback`` attached."""
     trainer = L.Trainer(
         max_steps=steps,
@@ -178,18 +170,41 @@ def fit_method(method, net, private, public, batch_size, steps, callback):
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[callback],
+        **trainer_kwargs,
     )
     data = PrivatePublicDataModule(private, public=public, batch_size=batch_size, public_batch_size=PUBLIC_BATCH)
     trainer.fit({**METHODS, **FIRST_ORDER}[method](copy.deepcopy(net)), data)
 
 
 def lightning_step_times(method, net, private, public, batch_size, steps):
-    timer = _StepTimer()
+    timer = StepTimer()
     fit_method(method, net, private, public, batch_size, steps, timer)
     return timer.times[2:]  # drop warm-up
 
 
 # ---- measurements -------------------------------------------------------------------------------
+def time_logging(repeats, steps=120):
+    """DPZero on the digits configs' MLP 64-64-10 at B = 64 inside ``Trainer.fit``: median step time
+    when every step logs (``log_every_n_steps=1``, what every step cost before per-step metrics
+    followed the loggers' cadence) and on Lightning's default cadence (50), interleaved fits."""
+    private, public, *_ = digits_splits()
+    torch.manual_seed(0)
+    net = MLP(64, (64,), 10)
+    times = {1: [], 50: []}
+    for _ in range(repeats):
+        for every in times:
+            timer = StepTimer()
+            fit_method("dpzero", net, private, public, 64, steps, timer, log_every_n_steps=every)
+            times[every].append(statistics.median(timer.times[2:]))
+    every_step, cadence = (1000 * statistics.median(times[k]) for k in (1, 50))
+    return {
+        "case": "digits MLP 64-64-10",
+        "log_every_step_ms": every_step,
+        "log_every_50_ms": cadence,
+        "every_step_over_cadence": every_step / cadence,
+    }
+
+
 def time_case(name, quick, repeats):
     net, dataset, public, batch_size = make_case(name, quick)
     batch = fixed_batch(dataset, batch_size)
@@ -321,33 +336,6 @@ def time_first_order(name, quick, repeats):
     return row
 
 
-def _status_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-class _MemoryProbe(L.Callback):
-    """Resets the peak-RSS mark after two warm-up steps; ``peak_mb`` is the growth over what is live then."""
-
-    def __init__(self):
-        self.base = None
-        self.peak_mb = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 2:
-            gc.collect()
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.base = _status_kb("VmRSS")
-
-    def on_train_end(self, trainer, pl_module):
-        self.peak_mb = (_status_kb("VmHWM") - self.base) / 1024
-
-
 def memory_probe(name, mode, quick):
     """Run in a fresh process: peak RSS growth (MB) of ``mode`` over the memory live after setup.
 
@@ -358,20 +346,16 @@ def memory_probe(name, mode, quick):
     torch.set_num_threads(2)
     net, dataset, public, batch_size = make_case(name, quick)
     if mode in METHODS:  # the zeroth-order methods, inside Trainer.fit
-        probe = _MemoryProbe()
+        probe = PeakMemory()
         fit_method(mode, net, dataset, public, batch_size, steps=5, callback=probe)
         return probe.peak_mb
     batch = fixed_batch(dataset, batch_size)
     op = {"inference": forward_op, "dpzero": dpzero_engine_op, "opacus": opacus_op}[mode](net, batch)
     op()  # warm-up: lazily created buffers count as the step's memory below only if re-created
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _status_kb("VmRSS")
+    base = reset_peak_rss()
     for _ in range(3):
         op()
-    return (_status_kb("VmHWM") - base) / 1024
+    return (status_kb("VmHWM") - base) / 1024
 
 
 def memory_case(name, quick, probes=3):
@@ -459,7 +443,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny models and few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--suite", choices=["all", "zo", "first_order", "pruning"], default="all")
+    parser.add_argument("--suite", choices=["all", "zo", "first_order", "pruning", "logging"], default="all")
     parser.add_argument(
         "--cases",
         nargs="+",
@@ -485,6 +469,7 @@ def main():
             first_order.append(time_first_order(name, args.quick, repeats))
         if args.suite in ("all", "pruning"):
             pruning.append(time_pruning(name, args.quick, repeats))
+    logging_row = time_logging(repeats) if args.suite in ("all", "logging") else None
     checks = []
     for metric, (case, bound) in TARGETS.items():
         for r in rows + first_order + pruning:
@@ -519,6 +504,7 @@ def main():
         "rows": rows,
         "first_order": first_order,
         "pruning": pruning,
+        "logging": logging_row,
         "targets": checks,
     }
     if rows:
@@ -529,6 +515,13 @@ def main():
     if pruning:
         print()
         print(pruning_table(pruning))
+    if logging_row:
+        print()
+        row = logging_row
+        print(
+            f"logging ({row['case']}, DPZero B=64): every step {row['log_every_step_ms']:.2f} ms, "
+            f"every 50 steps {row['log_every_50_ms']:.2f} ms, ratio {row['every_step_over_cadence']:.2f}"
+        )
     print()
     for c in checks:
         print(

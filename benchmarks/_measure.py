@@ -1,0 +1,71 @@
+"""Measurement callbacks shared by the benchmark scripts: step wall time and peak-RSS growth."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import time
+
+import lightning as L
+
+
+def status_kb(field: str) -> int:
+    """A field of ``/proc/self/status`` in kB (Linux), e.g. ``VmRSS`` or ``VmHWM`` (peak RSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def reset_peak_rss() -> int:
+    """Return freed memory to the OS, reset the peak-RSS mark and return the RSS now (kB).
+
+    Linux-specific (``malloc_trim`` and ``/proc/self/clear_refs``): afterwards ``VmHWM`` − the
+    returned value is what the code that runs next allocates at its peak, not import-time
+    transients or allocator caches.
+    """
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_kb("VmRSS")
+
+
+def peak_rss_supported() -> bool:
+    return sys.platform.startswith("linux")
+
+
+class StepTimer(L.Callback):
+    """Wall time of every training batch (``training_step`` plus Lightning's per-batch hooks)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._t)
+
+
+class PeakMemory(L.Callback):
+    """Peak RSS growth (MB) during training over the RSS live after ``warmup`` training batches.
+
+    The mark is reset once (see :func:`reset_peak_rss`), after the warm-up batches, so lazily
+    built buffers that persist count as setup, and what each step allocates and frees counts.
+    ``peak_mb`` stays ``None`` off Linux or when training ran no more than ``warmup`` batches.
+    """
+
+    def __init__(self, warmup: int = 2) -> None:
+        self.warmup, self.batches, self.base, self.peak_mb = warmup, 0, None, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.batches == self.warmup and peak_rss_supported():
+            self.base = reset_peak_rss()
+        self.batches += 1
+
+    def on_train_end(self, trainer, pl_module):
+        if self.base is not None:
+            self.peak_mb = (status_kb("VmHWM") - self.base) / 1024
