@@ -5,9 +5,15 @@ import pytest
 import torch
 
 from pl_dp import PrivacySpec
-from pl_dp.data import VaderSentimentDataModule, vader_lexicon, vader_splits
-from pl_dp.methods import PAZOM, DPZero
-from pl_dp.nets import HFClassifier, MiniLMClassifier
+from pl_dp.data import (
+    VaderEmbeddingDataModule,
+    VaderSentimentDataModule,
+    minilm_embeddings,
+    vader_lexicon,
+    vader_splits,
+)
+from pl_dp.methods import DPSGD, PAZOM, DPZero
+from pl_dp.nets import MLP, HFClassifier, MiniLMClassifier
 from tests.conftest import make_trainer
 
 
@@ -95,3 +101,30 @@ def test_dpsgd_per_sample_hooks_on_a_local_bert(tmp_path, vader):
     model = DPSGD(net, lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=2.0, accountant="rdp"))
     make_trainer(max_steps=2, limit_val_batches=0).fit(model, vader)
     assert model.private_steps == 2
+
+
+@pytest.fixture(scope="module")
+def vader_embeddings():
+    return VaderEmbeddingDataModule(batch_size=64)
+
+
+def test_vader_embeddings_are_the_fixed_splits_as_unit_minilm_vectors(vader, vader_embeddings):
+    splits = vader_splits()
+    for name in ("private", "public", "val", "test"):
+        features, labels = getattr(vader_embeddings, name).tensors
+        assert features.shape == (len(splits[name][0]), 384)
+        assert torch.equal(labels, splits[name][1]) and len(getattr(vader, name)) == len(labels)
+        assert torch.allclose(features.norm(dim=1), torch.ones(len(labels)), atol=1e-5)
+    good, great, awful = minilm_embeddings(["good", "great", "awful"])
+    assert good @ great > good @ awful + 0.1  # a pretrained encoder, not random weights
+
+
+def test_dp_sgd_learns_sentiment_from_the_frozen_embeddings(vader_embeddings):
+    L.seed_everything(0)
+    model = DPSGD(MLP(384, [], 2), lr=2.0, clip=1.0, privacy=PrivacySpec(1.0, accountant="rdp"), noise_seed=0)
+    trainer = make_trainer(max_epochs=3)
+    trainer.fit(model, vader_embeddings)
+    accuracy = trainer.test(model, vader_embeddings, verbose=False)[0]["test/acc"]
+    majority = 1 - vader_embeddings.test.tensors[1].float().mean().item()
+    assert model.epsilon <= 1.0
+    assert accuracy > majority + 0.15, (accuracy, majority)

@@ -2,13 +2,21 @@
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
 from pl_dp.data.digits import DigitsDataModule, digits_splits
-from pl_dp.data.vader import VaderSentimentDataModule, vader_lexicon, vader_splits
+from pl_dp.data.vader import (
+    VaderEmbeddingDataModule,
+    VaderSentimentDataModule,
+    minilm_embeddings,
+    vader_lexicon,
+    vader_splits,
+)
 
 __all__ = [
     "DigitsDataModule",
     "PrivatePublicDataModule",
+    "VaderEmbeddingDataModule",
     "VaderSentimentDataModule",
     "digits_splits",
+    "minilm_embeddings",
     "vader_lexicon",
     "vader_splits",
 ]

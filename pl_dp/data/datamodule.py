@@ -61,6 +61,23 @@ class PrivatePublicDataModule(L.LightningDataModule):
         if private is not None:
             self._validate()
 
+    @classmethod
+    def from_splits(cls, splits: dict[str, Dataset], public_batch_size: int, **kwargs: Any) -> dict[str, Any]:
+        """Constructor arguments for fixed named splits (``private``, ``public``, ``val``, ``test``).
+
+        A bundled dataset's subclass passes them on to ``__init__``: an empty public split means no
+        public data, and b′ is capped at the public split's size.
+        """
+        public = splits["public"]
+        return dict(
+            private=splits["private"],
+            public=public if len(public) else None,
+            val=splits.get("val"),
+            test=splits.get("test"),
+            public_batch_size=min(public_batch_size, max(len(public), 1)),
+            **kwargs,
+        )
+
     def _validate(self) -> None:
         n = len(self.private)
         if n < 1:

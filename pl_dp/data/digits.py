@@ -56,15 +56,8 @@ class DigitsDataModule(PrivatePublicDataModule):
         seed: int = 0,
         merge_public: bool = False,
     ) -> None:
-        private, public, val, test = digits_splits(public_fraction)
+        splits = dict(zip(("private", "public", "val", "test"), digits_splits(public_fraction)))
         super().__init__(
-            private,
-            public if len(public) else None,
-            val,
-            test,
-            batch_size=batch_size,
-            public_batch_size=min(public_batch_size, max(len(public), 1)),
-            seed=seed,
-            merge_public=merge_public,
+            **self.from_splits(splits, public_batch_size, batch_size=batch_size, seed=seed, merge_public=merge_public)
         )
         self.save_hyperparameters()

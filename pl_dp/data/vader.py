@@ -20,11 +20,12 @@ Dataset card.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
 
@@ -124,16 +125,89 @@ class VaderSentimentDataModule(PrivatePublicDataModule):
             name: TokenizedDataset(texts, labels, tokenizer, max_length)
             for name, (texts, labels) in vader_splits(public_fraction).items()
         }
-        public = splits["public"] if len(splits["public"]) else None
         super().__init__(
-            splits["private"],
-            public,
-            splits["val"],
-            splits["test"],
-            batch_size=batch_size,
-            public_batch_size=min(public_batch_size, max(len(splits["public"]), 1)),
-            seed=seed,
-            eval_batch_size=eval_batch_size,
-            merge_public=merge_public,
+            **self.from_splits(
+                splits,
+                public_batch_size,
+                batch_size=batch_size,
+                seed=seed,
+                eval_batch_size=eval_batch_size,
+                merge_public=merge_public,
+            )
+        )
+        self.save_hyperparameters()
+
+
+def minilm_embeddings(texts: list[str], model_path: str | None = None, max_length: int = 8) -> torch.Tensor:
+    """Sentence embeddings ``[len(texts), hidden]`` from a local encoder (default: the packaged MiniLM).
+
+    The all-MiniLM-L6-v2 recipe: the mean of the last hidden states over each text's tokens, then
+    L2 normalization. Runs on the CPU in inference mode; nothing is downloaded.
+    """
+    from transformers import AutoModel, AutoTokenizer
+
+    from pl_dp.nets.hf import minilm_path, quiet_transformers
+
+    path = str(model_path or minilm_path())
+    with quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        encoder = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    chunks = [torch.empty(0, encoder.config.hidden_size)]
+    for start in range(0, len(texts), 512):
+        enc = tokenizer(
+            texts[start : start + 512], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            hidden = encoder(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        chunks.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1))
+    return torch.cat(chunks)
+
+
+@functools.lru_cache(maxsize=4)
+def _embedded_splits(public_fraction: float, max_length: int, model_path: str | None) -> dict[str, TensorDataset]:
+    splits = vader_splits(public_fraction)
+    names = list(splits)
+    texts = [t for name in names for t in splits[name][0]]
+    vectors = minilm_embeddings(texts, model_path, max_length).split([len(splits[n][0]) for n in names])
+    return {name: TensorDataset(v.clone(), splits[name][1]) for name, v in zip(names, vectors)}
+
+
+class VaderEmbeddingDataModule(PrivatePublicDataModule):
+    """VADER sentiment (same fixed splits as :class:`VaderSentimentDataModule`) as frozen sentence embeddings.
+
+    Each entry is encoded once by the pretrained MiniLM — mean of the last hidden states over its
+    tokens, L2-normalized, exactly the all-MiniLM-L6-v2 sentence-embedding recipe — and the
+    private methods train a small head (e.g. ``MLP(384, [64], 2)``) on the 384-dimensional
+    vectors: DP "linear probing" on pretrained features, orders of magnitude cheaper than
+    fine-tuning the encoder. The encoder is public and fixed (it never sees a gradient), so
+    the privacy guarantee is the head's, per lexicon entry. Embeddings are computed on the
+    CPU when the module is built (a few seconds) and cached per process.
+
+    Args: as :class:`VaderSentimentDataModule`; ``model_path`` is a local encoder directory
+    (``None``: the packaged MiniLM).
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        public_fraction: float = 0.04,
+        public_batch_size: int = 32,
+        seed: int = 0,
+        max_length: int = 8,
+        model_path: str | None = None,
+        eval_batch_size: int = 1024,
+        merge_public: bool = False,
+    ) -> None:
+        splits = _embedded_splits(public_fraction, max_length, model_path)
+        super().__init__(
+            **self.from_splits(
+                splits,
+                public_batch_size,
+                batch_size=batch_size,
+                seed=seed,
+                eval_batch_size=eval_batch_size,
+                merge_public=merge_public,
+            )
         )
         self.save_hyperparameters()

