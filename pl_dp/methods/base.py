@@ -424,15 +424,19 @@ class PrivateModule(L.LightningModule):
             self.log("privacy/budget_left", self.privacy.epsilon - eps, on_step=True, on_epoch=False, prog_bar=True)
 
     def _logging_step(self) -> bool:
-        """Whether Lightning's loggers write this step's on-step metrics (every ``log_every_n_steps``).
+        """Whether to log this step's on-step metrics: on the loggers' cadence and at the end.
 
         Metrics logged on other steps are dropped by the loggers anyway, and each ``self.log`` call
         costs about a millisecond on a CPU — several times the whole step of a small model — so the
-        per-step statistics are logged on the loggers' cadence only. ``global_step`` counts this
-        step already (the optimizer has stepped), which matches Lightning's ``+ 1`` convention.
+        per-step statistics are logged every ``log_every_n_steps`` only. ``global_step`` counts this
+        step already (the optimizer has stepped), which matches Lightning's ``+ 1`` convention. The
+        last batch of each epoch and the final step are logged too, so that ``callback_metrics``
+        (read by ``ModelCheckpoint``/``EarlyStopping`` and after ``fit``) hold current values.
         """
-        every = self.trainer.log_every_n_steps
-        return every > 0 and (self.trainer.global_step % every == 0 or self.trainer.should_stop)
+        trainer = self.trainer
+        every = trainer.log_every_n_steps
+        final = trainer.should_stop or trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
+        return final or (every > 0 and trainer.global_step % every == 0)
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _metric(self, name: str, num_classes: int) -> torchmetrics.Metric:

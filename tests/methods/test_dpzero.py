@@ -156,6 +156,10 @@ def test_step_metrics_are_logged_on_the_loggers_cadence_with_current_values(tmp_
         rows = [r for r in csv.DictReader(f) if r.get("privacy/private_steps")]
     assert [int(float(r["privacy/private_steps"])) for r in rows] == [5, 10, 15, 20]
     assert [int(r["step"]) for r in rows] == [4, 9, 14, 19]  # Lightning's step index of the same batches
+    # epoch ends and the final step are logged too (not written by the loggers), so the values
+    # callbacks and users read after fit are current
+    assert trainer.callback_metrics["privacy/private_steps"] == 23
+    assert trainer.callback_metrics["privacy/epsilon"] == pytest.approx(model.epsilon)
 
 
 @pytest.mark.parametrize(
