@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench reproduce
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,6 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_cost.py
+
+reproduce: $(STAMP)
+	$(PY) benchmarks/reproduce.py
