@@ -194,9 +194,12 @@ class _StepTrials:
         clip_function = getattr(module, "clip_function", None)
         sigma = module.noise_multiplier
 
+        trial_counter = iter(range(-1, -(4 * self.trials + 16), -1))  # noise counters no training step uses
+
         def release(batch: Any, noise_multiplier: float) -> tuple[torch.Tensor, Any]:
             module.noise_multiplier = noise_multiplier
             mechanism = _RecordingMechanism(module.mechanism(batch_size_of(batch)))
+            module.noise.start_step(next(trial_counter))  # fresh noise for every trial
             try:
                 module.private_step(batch, batch_size_of(batch), mechanism)
             finally:  # every trial starts from the same state; only the noise differs

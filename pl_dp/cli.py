@@ -5,6 +5,10 @@ path, e.g. ``pl-dp fit --config configs/digits/dpzero.yaml``. After ``fit`` the 
 final model and prints the test accuracy next to the ε spent (disable with
 ``--test_after_fit false``).
 
+After ``fit`` it also prints the run's privacy report (:meth:`PrivateModule.privacy_report`:
+ε, δ, σ, q, steps, accountant, adjacency, whether the secrets were user-seeded, and what is and is
+not protected). ``pl-dp report PATH.ckpt`` prints the same report for a checkpoint.
+
 ``pl-dp audit --config ...`` builds the same model, data and Trainer from a config and runs
 :func:`pl_dp.audit.audit` on the method's private step instead of training (options under
 ``--audit.*``, e.g. ``--audit.trials 2000``); it prints the empirical lower bound on ε next to the
@@ -18,6 +22,7 @@ import sys
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from pl_dp.audit import audit
+from pl_dp.privacy.report import PrivacyReport
 
 
 class PlDpCLI(LightningCLI):
@@ -32,6 +37,8 @@ class PlDpCLI(LightningCLI):
         results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         if self.trainer.is_global_zero:
             print(report(self.model, results[0] if results else {}))
+            if hasattr(self.model, "privacy_report"):
+                print(self.model.privacy_report())
 
 
 class AuditCLI(PlDpCLI):
@@ -58,7 +65,13 @@ def report(model, test_metrics: dict) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
-    if (sys.argv[1:] if args is None else list(args))[:1] == ["audit"]:
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["report"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: pl-dp report PATH.ckpt")
+        print(PrivacyReport.from_checkpoint(argv[1]))
+        return
+    if argv[:1] == ["audit"]:
         if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
             sys.argv = sys.argv[:1] + sys.argv[2:]
         cli = AuditCLI(

@@ -53,8 +53,9 @@ def test_honest_mechanisms_stay_below_their_claim_with_the_claimed_noise(name):
     assert result.canary_influence == pytest.approx(1.0, abs=0.02)  # the canary saturates C
     assert result.epsilon_lower_bound <= result.claimed_epsilon, result
     assert not result.violated
-    # the empirical noise check: a saturating canary moves the statistic by C/(σC) = 1/σ noise stds
-    assert result.separation * SIGMA == pytest.approx(1.0, abs=0.3), result
+    # the empirical noise check: a saturating canary moves the statistic by C/(σC) = 1/σ noise stds; with
+    # 300 trials per world the estimate's standard error is ≈ 0.13 on this scale (tolerance: 3.5 of them)
+    assert result.separation * SIGMA == pytest.approx(1.0, abs=0.45), result
 
 
 class _ThinNoise(SubsampledGaussian):

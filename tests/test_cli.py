@@ -18,15 +18,21 @@ def _run(*args, timeout=300):
     )
 
 
-def test_fit_tiny_config_prints_accuracy_and_epsilon(tmp_path):
+def test_fit_tiny_config_prints_accuracy_epsilon_and_the_privacy_report(tmp_path):
     config = yaml.safe_load((ROOT / "configs/digits/dpzero.yaml").read_text())
-    config["trainer"]["max_epochs"] = 2
+    config["trainer"].update(max_epochs=2, enable_checkpointing=True, default_root_dir=str(tmp_path))
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     out = _run("fit", "--config", str(path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pl-dp: test accuracy" in out.stdout
     assert "epsilon" in out.stdout
+    assert "pl_dp privacy report — DPZero" in out.stdout and "add/remove-one adjacency" in out.stdout
+    assert "noise and sampling drawn from OS entropy" in out.stdout  # the shipped configs seed no secret
+    (checkpoint,) = tmp_path.rglob("*.ckpt")
+    report = _run("report", str(checkpoint))
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert report.stdout.splitlines()[1] in out.stdout  # the same guarantee line, recomputed from the checkpoint
 
 
 _PARSE_ALL = """

@@ -30,7 +30,12 @@ class PrivatePublicDataModule(L.LightningDataModule):
         val, test: optional evaluation sets.
         batch_size: expected private batch size b (sample rate b/n).
         public_batch_size: public batch size b′ (defaults to ``batch_size``).
-        seed: seed of the Poisson sampler and the public shuffling (not of the DP noise).
+        seed: seed of the public shuffling. Public: it decides nothing about private data.
+        sampling_seed: seed of the private Poisson sampling — a secret of the run. ``None`` (default)
+            draws it from OS entropy at every fit and never saves it. Pass one only for tests and
+            reproduction: then which steps include each example is known to whoever knows the seed,
+            amplification by subsampling no longer protects against them, and the run's privacy
+            report says so.
         eval_batch_size: batch size of the evaluation loaders.
         merge_public: treat the public examples as private too (the "FullPriv" and "NonPriv"
             baselines of the Coupling paper): ``private ∪ public`` is Poisson-sampled and there is
@@ -48,6 +53,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         seed: int = 0,
         eval_batch_size: int = 512,
         merge_public: bool = False,
+        sampling_seed: int | None = None,
     ) -> None:
         super().__init__()
         if merge_public and public is not None:
@@ -56,6 +62,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.public_batch_size = public_batch_size or batch_size
         self.seed = seed
+        self.sampling_seed = sampling_seed
         self.eval_batch_size = eval_batch_size
         self._public_generator = torch.Generator().manual_seed(seed + 1)
         if private is not None:
@@ -110,7 +117,12 @@ class PrivatePublicDataModule(L.LightningDataModule):
         steps = max(1, self.n_private // self.batch_size)
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         return poisson_loader(
-            self.private, self.sample_rate, seed=self.seed, steps_per_epoch=steps, num_replicas=world, rank=rank
+            self.private,
+            self.sample_rate,
+            seed=self.sampling_seed,
+            steps_per_epoch=steps,
+            num_replicas=world,
+            rank=rank,
         )
 
     def val_dataloader(self) -> DataLoader | list:

@@ -45,7 +45,9 @@ def digits_splits(public_fraction: float = 0.04, val_fraction: float = 0.1, test
 class DigitsDataModule(PrivatePublicDataModule):
     """Digits as private/public/val/test splits (see :func:`digits_splits`).
 
-    With the defaults: 1,208 private, 50 public, 180 validation and 359 test examples.
+    With the defaults: 1,208 private, 50 public, 180 validation and 359 test examples. Arguments as
+    :class:`~pl_dp.data.PrivatePublicDataModule`; ``sampling_seed`` (secret Poisson sampling) stays
+    ``None`` unless reproducing a run.
     """
 
     def __init__(
@@ -55,9 +57,17 @@ class DigitsDataModule(PrivatePublicDataModule):
         public_batch_size: int = 32,
         seed: int = 0,
         merge_public: bool = False,
+        sampling_seed: int | None = None,
     ) -> None:
         splits = dict(zip(("private", "public", "val", "test"), digits_splits(public_fraction)))
         super().__init__(
-            **self.from_splits(splits, public_batch_size, batch_size=batch_size, seed=seed, merge_public=merge_public)
+            **self.from_splits(
+                splits,
+                public_batch_size,
+                batch_size=batch_size,
+                seed=seed,
+                merge_public=merge_public,
+                sampling_seed=sampling_seed,
+            )
         )
         self.save_hyperparameters()

@@ -100,7 +100,9 @@ class VaderSentimentDataModule(PrivatePublicDataModule):
         batch_size: expected private batch size (Poisson sampling).
         public_fraction: share of the training pool that is public (shifted towards positives).
         public_batch_size: public batch size.
-        seed: sampler seed (the splits are fixed).
+        seed: seed of the public shuffling (the splits are fixed).
+        sampling_seed: secret seed of the private Poisson sampling; ``None`` (default): OS entropy
+            (see :class:`~pl_dp.data.PrivatePublicDataModule`).
         max_length: tokens per entry, [CLS] and [SEP] included.
         tokenizer_path: a local tokenizer directory; ``None`` uses the packaged MiniLM's.
     """
@@ -115,6 +117,7 @@ class VaderSentimentDataModule(PrivatePublicDataModule):
         tokenizer_path: str | None = None,
         eval_batch_size: int = 256,
         merge_public: bool = False,
+        sampling_seed: int | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -133,6 +136,7 @@ class VaderSentimentDataModule(PrivatePublicDataModule):
                 seed=seed,
                 eval_batch_size=eval_batch_size,
                 merge_public=merge_public,
+                sampling_seed=sampling_seed,
             )
         )
         self.save_hyperparameters()
@@ -198,6 +202,7 @@ class VaderEmbeddingDataModule(PrivatePublicDataModule):
         model_path: str | None = None,
         eval_batch_size: int = 1024,
         merge_public: bool = False,
+        sampling_seed: int | None = None,
     ) -> None:
         splits = _embedded_splits(public_fraction, max_length, model_path)
         super().__init__(
@@ -208,6 +213,7 @@ class VaderEmbeddingDataModule(PrivatePublicDataModule):
                 seed=seed,
                 eval_batch_size=eval_batch_size,
                 merge_public=merge_public,
+                sampling_seed=sampling_seed,
             )
         )
         self.save_hyperparameters()

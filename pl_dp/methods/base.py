@@ -7,10 +7,12 @@ A method subclasses :class:`PrivateModule` and implements two things:
 * :meth:`PrivateModule.private_step` — its math for one step, which must add noise through
   that mechanism and nothing else.
 
-The base owns everything the guarantee depends on: it reads n and q from the Poisson sampler
-actually used (invariant 1), calibrates σ for every planned step, steps the accountant exactly
-once per private step, refuses a step that would exceed ε (invariant 4), and saves/restores the
-accountant, noise generator, counters and sampler position (invariant 5).
+The base owns everything the guarantee depends on: at every fit it reads n and q from the
+Poisson sampler actually used (invariant 1) and calibrates σ for every planned step on top of the
+history already spent; it steps the accountant exactly once per private step, refuses a step
+that would exceed ε (invariant 4), and saves/restores the accountant history, counters and
+sampler position — never the secrets (the noise key and the sampling seed), which a resumed run
+draws afresh (invariants 2 and 5).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,7 +43,8 @@ from pl_dp.privacy.losses import (
 )
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
-from pl_dp.privacy.sampling import CountingBatchSampler, poisson_sampler_of
+from pl_dp.privacy.report import PrivacyReport
+from pl_dp.privacy.sampling import CountingBatchSampler, PoissonBatchSampler, poisson_sampler_of
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 
@@ -69,12 +73,20 @@ class PrivateModule(L.LightningModule):
             loss per example.
         lr: step size η.
         privacy: the privacy request; ``None`` runs the same method without noise or accounting.
-        noise_seed: seed of the DP noise generator. Default ``None`` draws it from OS entropy.
-            Set it only for tests and reproduction: whoever knows it can remove the noise.
+        noise_seed: seed of the DP noise. Default ``None`` draws a secret key from OS entropy at
+            construction, held in memory only (never checkpointed: a resumed run draws a new one).
+            Set it only for tests and reproduction: whoever knows it can remove the noise, and the
+            privacy report says the run's ε is no guarantee against them.
         log_private_metrics: also log statistics computed on the *private* batch without noise —
-            train loss/accuracy and, for public-data methods, γ-similarity to the public gradient —
-            under ``diagnostics/not_private/``. Not differentially private; off by default (PAZO
-            spec A29, §7).
+            train loss/accuracy, the count of non-finite per-example values and, for public-data
+            methods, γ-similarity to the public gradient — under ``diagnostics/not_private/``. Not
+            differentially private; off by default.
+        secure_rng: draw the DP noise from a cryptographic generator (SHAKE-256, with the
+            floating-point hardening of Holohan & Braghin 2021) instead of torch's generator.
+            ``None`` means the method's default (``secure_rng_default``): on for methods that
+            release a few noisy scalars or small vectors a step (zeroth-order, O2NC), where it
+            costs microseconds; off for full gradients (first-order), where it costs seconds per
+            step on a CPU for a 22.7M-parameter model (``benchmarks/secure_noise.py``).
     """
 
     #: whether the method needs a public loader (PAZO, Coupling)
@@ -84,6 +96,8 @@ class PrivateModule(L.LightningModule):
     #: accept a checkpoint trained under another privacy spec or sample rate (set by
     #: :class:`~pl_dp.callbacks.AllowPrivacySpecChange`): the saved history is kept and σ re-planned
     allow_privacy_change: bool = False
+    #: whether DP noise comes from the cryptographic generator unless ``secure_rng`` says otherwise
+    secure_rng_default: bool = False
 
     @property
     def touches_private_data(self) -> bool:
@@ -101,6 +115,7 @@ class PrivateModule(L.LightningModule):
         privacy: PrivacySpec | None = None,
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
+        secure_rng: bool | None = None,
     ) -> None:
         super().__init__()
         _positive("lr", lr)
@@ -116,7 +131,7 @@ class PrivateModule(L.LightningModule):
         self.loss_fn = resolve_loss(loss)
         self._lr = float(lr)
         self.privacy = privacy
-        self.noise = NoiseSource(noise_seed)
+        self.noise = NoiseSource(noise_seed, secure=self.secure_rng_default if secure_rng is None else secure_rng)
         # data-independent randomness (ZO directions, exploration noise): reproducible under
         # seed_everything, never shared with the DP noise
         self.direction_seed = derive_seed(torch.initial_seed(), _DIRECTION_TAG)
@@ -128,9 +143,12 @@ class PrivateModule(L.LightningModule):
         self.delta: float | None = None
         self.expected_batch_size: float | None = None
         self.planned_steps: int | None = None
-        # counters
+        # counters (nonfinite_total is un-noised private information: process memory only)
         self.private_steps = 0
         self.nonfinite_total = 0
+        self._nonfinite_warned = False
+        # which secrets were ever user-seeded in this run (sticky across fits and resumes)
+        self.user_seeded = {"noise": False, "sampling": False}
         self.privacy_exhausted = False
         self.collective_bytes = 0
         self._sampler: CountingBatchSampler | None = None
@@ -220,7 +238,12 @@ class PrivateModule(L.LightningModule):
         return poisson_sampler_of(loader)
 
     def setup_privacy(self) -> None:
-        """Read the sampler, calibrate σ for every planned step, prepare the budget guard. Idempotent."""
+        """Read the sampler, calibrate σ for the steps this fit plans, prepare the budget guard.
+
+        Runs once per fit (idempotent within it; :meth:`on_fit_start` re-arms it): every fit re-reads
+        its loader, re-checks that it Poisson-samples, and plans on top of the accountant history
+        already spent, so ε composes across fits and resumes and ``epsilon`` is the total.
+        """
         if self._plan_ready:
             return
         trainer = self.trainer
@@ -237,41 +260,71 @@ class PrivateModule(L.LightningModule):
                 "(use a larger batch_size for a larger expected batch)."
             )
         self.planned_steps = int(planned)
+        steps_left = max(self.planned_steps - trainer.global_step, 0)
+        restored, self._restored = self._restored, None  # a checkpoint is checked once, by the fit it resumes
         self._plan_ready = True
+        self.user_seeded["noise"] |= self.noise.seeded
+        self.user_seeded["sampling"] |= bool(getattr(sampler, "seeded", False))
         if isinstance(sampler, CountingBatchSampler):
             self._sampler = sampler
             self.sample_rate = sampler.sample_rate
             self.expected_batch_size = sampler.expected_batch_size
-            if self._restored is not None and "sampler" in self._restored:
-                sampler.load_state_dict(self._restored["sampler"])
+            if restored is not None and "sampler" in restored:
+                sampler.load_state_dict(restored["sampler"])
             self._sampler_start = sampler.position
             self._batches_consumed = 0
         if self.privacy is None:
             return
         spec = self.privacy
-        n = sampler.num_samples
-        self.delta = spec.resolve_delta(n)
-        if self._restored is not None:
-            self._check_restored_plan()
+        if self.delta is None:  # fixed by the first plan (or the checkpoint): ε of every fit is at one δ
+            self.delta = spec.resolve_delta(sampler.num_samples)
+        spent = self.accountant.get_epsilon(self.delta)
+        if restored is not None:
+            self._check_restored_plan(restored, steps_left)
+        elif spent >= spec.epsilon:
+            raise ValueError(
+                f"this module has already spent epsilon={spent:.3f} (delta={self.delta:.3g}) of its target "
+                f"epsilon={spec.epsilon:g} in earlier fits: there is no budget left for the {steps_left} steps "
+                "this fit plans. Epsilon composes across fits; train a fresh module, or raise the target on "
+                "purpose with pl_dp.callbacks.AllowPrivacySpecChange from a checkpoint."
+            )
         elif spec.noise_multiplier is not None:
             self.noise_multiplier = spec.noise_multiplier
-            eps = self.accountant.epsilon_after(self.delta, self.planned_steps, self.noise_multiplier, self.sample_rate)
+            eps = self.accountant.epsilon_after(self.delta, steps_left, self.noise_multiplier, self.sample_rate)
             if eps > spec.epsilon:
                 raise ValueError(
                     f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} "
-                    f"(delta={self.delta:.3g}) for the {self.planned_steps} planned private steps at sample "
-                    f"rate {self.sample_rate:.4g}: it would spend epsilon={eps:.3f}. Raise the noise "
-                    "multiplier, plan fewer steps, or leave noise_multiplier=None to calibrate."
+                    f"(delta={self.delta:.3g}) for the {steps_left} planned private steps at sample "
+                    f"rate {self.sample_rate:.4g}" + (f" on top of the {spent:.3f} already spent" if spent else "")
+                    + f": it would spend epsilon={eps:.3f}. Raise the noise multiplier, plan fewer steps, or "
+                    "leave noise_multiplier=None to calibrate."
                 )
         else:
             self.noise_multiplier = calibrate_noise_multiplier(
-                spec.epsilon, self.delta, self.sample_rate, self.planned_steps, self.accountant
+                spec.epsilon, self.delta, self.sample_rate, max(steps_left, 1), self.accountant
             )
-        self._budget = StepBudget(self.accountant, spec.epsilon, self.delta, horizon=self.planned_steps)
-        self._tracker = EpsilonTracker(self.accountant, self.delta, self.planned_steps)
+        horizon = self.accountant.steps + steps_left
+        self._budget = StepBudget(self.accountant, spec.epsilon, self.delta, horizon=horizon)
+        self._tracker = EpsilonTracker(self.accountant, self.delta, horizon)
+        if restored is None:  # a new plan meets the target by construction (calibrated, or checked above)
+            return
+        planned_epsilon = self.accountant.epsilon_after(self.delta, steps_left, self.noise_multiplier, self.sample_rate)
+        if planned_epsilon > spec.epsilon:
+            warnings.warn(
+                f"this fit plans {steps_left} more private steps, which at the checkpoint's noise multiplier "
+                f"{self.noise_multiplier:.4g} would spend epsilon={planned_epsilon:.3f} > the target "
+                f"{spec.epsilon:g}: training will stop before the step that would exceed it (privacy_exhausted). "
+                "To train longer, resume with a larger epsilon on purpose (pl_dp.callbacks.AllowPrivacySpecChange "
+                "re-plans sigma for the steps left).",
+                stacklevel=2,
+            )
 
-    def _check_restored_plan(self) -> None:
-        saved = self._restored
+    def on_fit_start(self) -> None:
+        self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
+        self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
+        self._nonfinite_warned = False
+
+    def _check_restored_plan(self, saved: dict[str, Any], steps_left: int) -> None:
         changes = []
         if saved["privacy"] != self.privacy.to_dict():
             changes.append(
@@ -291,12 +344,12 @@ class PrivateModule(L.LightningModule):
                 "accountant would no longer describe the run). To continue on purpose, with the saved history "
                 "kept and sigma re-planned for the rest, add the callback pl_dp.callbacks.AllowPrivacySpecChange."
             )
-        self._replan_after_change(changes)
+        self._replan_after_change(changes, steps_left)
 
-    def _replan_after_change(self, changes: list[str]) -> None:
+    def _replan_after_change(self, changes: list[str], steps_left: int) -> None:
         """σ for the steps left, on top of the restored accountant history (never from zero)."""
         spec = self.privacy
-        remaining = max(1, self.planned_steps - self.trainer.global_step)
+        remaining = max(1, steps_left)
         spent = self.accountant.get_epsilon(self.delta) if self.accountant.history else 0.0
         if spent >= spec.epsilon:
             raise ValueError(
@@ -326,7 +379,8 @@ class PrivateModule(L.LightningModule):
     def _setup_data_parallel(self, sampler: CountingBatchSampler | None) -> None:
         """Make N processes one logical private run (ARCHITECTURE invariant 3).
 
-        Every rank gets rank 0's noise-generator state and direction seed, so that after the clipped
+        Every rank gets rank 0's secrets — the noise key and the sampling seed, in process memory over
+        the process group, never through storage — and its direction seed, so that after the clipped
         sums are summed across ranks (:meth:`all_reduce_sum`) each rank adds the *same* noise draw —
         one draw per logical step — and applies the same update. The private sampler must shard one
         global Poisson batch (each rank would otherwise sample the whole set and an example could
@@ -348,9 +402,13 @@ class PrivateModule(L.LightningModule):
                 f"(PoissonBatchSampler(num_replicas={world}, rank={rank}), as PrivatePublicDataModule builds it); "
                 f"got {type(sampler).__name__} with num_replicas={getattr(sampler, 'num_replicas', 1)}."
             )
-        noise_state, direction_seed = trainer.strategy.broadcast((self.noise.state_dict(), self.direction_seed), src=0)
-        self.noise.load_state_dict(noise_state)
-        self.direction_seed = int(direction_seed)
+        def broadcast(obj: Any) -> Any:
+            return trainer.strategy.broadcast(obj, src=0)
+
+        self.noise.share(broadcast)
+        self.direction_seed = int(broadcast(self.direction_seed))
+        if isinstance(sampler, PoissonBatchSampler):  # one global Poisson batch: the same secret mask on every rank
+            sampler.seed, sampler.seeded = broadcast((sampler.seed, sampler.seeded))
         wrapped = trainer.strategy.model
         if isinstance(wrapped, DistributedDataParallel):
             wrapped.require_backward_grad_sync = False
@@ -381,6 +439,15 @@ class PrivateModule(L.LightningModule):
             return 0.0
         return self.accountant.get_epsilon(self.delta)
 
+    def privacy_report(self) -> PrivacyReport:
+        """ε, δ, σ, q, steps, accountant, adjacency, secrets, and what is and is not protected.
+
+        The same report :meth:`PrivacyReport.from_checkpoint` gives for a checkpoint of this run.
+        """
+        state = self.privacy_state_dict()
+        state["user_seeded"] = {**self.user_seeded, "noise": self.user_seeded["noise"] or self.noise.seeded}
+        return PrivacyReport.from_state(state)
+
     def on_train_start(self) -> None:
         self.setup_privacy()
         if self.requires_public_data:
@@ -397,6 +464,7 @@ class PrivateModule(L.LightningModule):
         mechanism = self.mechanism(batch_size)
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
+        self.noise.start_step(self.private_steps)
         stats = self.private_step(batch, batch_size, mechanism)
         if self.touches_private_data:
             mechanism.account(self.accountant)
@@ -411,17 +479,38 @@ class PrivateModule(L.LightningModule):
     def _log_step(self, stats: dict[str, torch.Tensor], batch_size: int) -> None:
         nonfinite = stats.pop("nonfinite", None)
         if nonfinite is not None:
-            self.nonfinite_total += int(nonfinite)
+            self._count_nonfinite(int(nonfinite))
         if not self._logging_step():
             return
         for name, value in stats.items():
             self.log(name, value, on_step=True, on_epoch=False)
-        self.log("privacy/nonfinite_total", float(self.nonfinite_total), on_step=True, on_epoch=False)
+        if self.log_private_metrics:
+            self.log(
+                "diagnostics/not_private/nonfinite_total", float(self.nonfinite_total), on_step=True, on_epoch=False
+            )
         self.log("privacy/private_steps", float(self.private_steps), on_step=True, on_epoch=False)
         if self._tracker is not None:
             eps = self._tracker.epsilon()
             self.log("privacy/epsilon", eps, on_step=True, on_epoch=False, prog_bar=True)
             self.log("privacy/budget_left", self.privacy.epsilon - eps, on_step=True, on_epoch=False, prog_bar=True)
+
+    def _count_nonfinite(self, count: int) -> None:
+        """Count examples whose per-example value was non-finite (they contributed 0: invariant 6).
+
+        The count is a function of the private data with no noise — logging it would tell an adversary
+        how often a record with an infinite loss was sampled — so it stays in process memory
+        (``nonfinite_total``) and is logged only under ``log_private_metrics``. Otherwise the user
+        gets one warning per fit that such values occurred, without the count.
+        """
+        self.nonfinite_total += count
+        if count and not self.log_private_metrics and not self._nonfinite_warned:
+            self._nonfinite_warned = True
+            rank_zero_warn(
+                "non-finite per-example losses or gradients occurred; those examples contributed 0 to their "
+                "step (the sensitivity bound holds). The count is un-noised private information, so it is not "
+                "logged: read model.nonfinite_total in this process, or set log_private_metrics=True to log it "
+                "under diagnostics/not_private/ (not differentially private)."
+            )
 
     def _logging_step(self) -> bool:
         """Whether to log this step's on-step metrics: on the loggers' cadence and at the end.
@@ -562,28 +651,41 @@ class PrivateModule(L.LightningModule):
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
     # ---- checkpointing -------------------------------------------------------------------------
+    #: version of the checkpointed privacy state (2: no secrets — noise key and sampling seed — saved)
+    PRIVACY_STATE_VERSION = 2
+
     def privacy_state_dict(self) -> dict[str, Any]:
+        """What must survive a checkpoint for ε to stay right — and nothing secret (invariants 2 and 5).
+
+        The accountant history (what was released), the plan it was released under, step counters,
+        the sampler's position and which secrets were ever user-seeded. Never the noise key, the
+        sampling seed or a count computed from private data without noise.
+        """
         state: dict[str, Any] = {
+            "version": self.PRIVACY_STATE_VERSION,
             "method": type(self).__name__,
             "privacy": self.privacy.to_dict() if self.privacy else None,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size,
             "delta": self.delta,
             "planned_steps": self.planned_steps,
             "private_steps": self.private_steps,
-            "nonfinite_total": self.nonfinite_total,
-            "noise": self.noise.state_dict(),
             "accountant": self.accountant.state_dict() if self.accountant else None,
             "direction_seed": self.direction_seed,
+            "user_seeded": dict(self.user_seeded),
+            "secure_rng": self.noise.secure,
         }
         if self._sampler is not None:
-            state["sampler"] = {
-                "position": self._sampler_start + self._batches_consumed,
-                "seed": self._sampler.seed,
-            }
+            state["sampler"] = {"position": self._sampler_start + self._batches_consumed}
         return state
 
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the privacy state of a checkpoint; the secrets stay this process's own (fresh).
+
+        A checkpoint written before version 2 also holds the noise generator's state: it is ignored,
+        so a resume never replays the noise of the original continuation.
+        """
         if state.get("method") != type(self).__name__:
             raise ValueError(
                 f"this checkpoint was written by {state.get('method')!r}, not {type(self).__name__!r}: "
@@ -592,9 +694,13 @@ class PrivateModule(L.LightningModule):
         if (state["privacy"] is None) != (self.privacy is None):
             raise ValueError("cannot resume a private run as a non-private one or the reverse.")
         self.private_steps = int(state["private_steps"])
-        self.nonfinite_total = int(state["nonfinite_total"])
-        self.noise.load_state_dict(state["noise"])
         self.direction_seed = int(state["direction_seed"])
+        self.noise_multiplier = float(state["noise_multiplier"])
+        self.sample_rate = state["sample_rate"]
+        self.delta = state["delta"]
+        self.planned_steps = state["planned_steps"]
+        for secret, seeded in state.get("user_seeded", {}).items():
+            self.user_seeded[secret] |= bool(seeded)
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
         self._restored = state
@@ -606,7 +712,7 @@ class PrivateModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "pl_dp" not in checkpoint:
             raise ValueError(
-                "this checkpoint has no pl_dp privacy state (accountant history, noise state): resuming "
+                "this checkpoint has no pl_dp privacy state (accountant history, plan, counters): resuming "
                 "would restart the accountant from zero and under-report epsilon."
             )
         self.load_privacy_state_dict(checkpoint["pl_dp"])

@@ -63,8 +63,9 @@ class FirstOrderModule(PrivateModule):
         clip_quantile: float | None = None,
         quantile_noise: float | None = None,
         quantile_lr: float = 0.2,
+        secure_rng: bool | None = None,
     ) -> None:
-        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics)
+        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics, secure_rng=secure_rng)
         if clip_quantile is not None:
             if not 0.0 < clip_quantile < 1.0:
                 raise ValueError(f"clip_quantile must lie in (0, 1), got {clip_quantile!r}.")
@@ -263,6 +264,7 @@ class Coupling(FirstOrderModule):
         clip_quantile: float | None = None,
         quantile_noise: float | None = None,
         quantile_lr: float = 0.2,
+        secure_rng: bool | None = None,
     ) -> None:
         super().__init__(
             net,
@@ -281,6 +283,7 @@ class Coupling(FirstOrderModule):
             clip_quantile,
             quantile_noise,
             quantile_lr,
+            secure_rng=secure_rng,
         )
         if alpha == "auto":
             if kappa is None or not kappa > 0:

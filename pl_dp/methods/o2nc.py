@@ -77,6 +77,7 @@ class O2NC(PrivateModule):
     """
 
     supports_data_parallel = False
+    secure_rng_default = True  # node noises of a few thousand coordinates at most
 
     def __init__(
         self,
@@ -95,8 +96,9 @@ class O2NC(PrivateModule):
         privacy: PrivacySpec | None = None,
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
+        secure_rng: bool | None = None,
     ) -> None:
-        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics)
+        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics, secure_rng=secure_rng)
         _positive("clip", clip)
         _positive("smoothing", smoothing)
         if variant not in ("tree", "naive"):

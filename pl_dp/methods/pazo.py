@@ -72,6 +72,7 @@ class PAZOM(ZerothOrderModule):
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
         joint_clip: bool = False,
+        secure_rng: bool | None = None,
     ) -> None:
         super().__init__(
             net,
@@ -86,6 +87,7 @@ class PAZOM(ZerothOrderModule):
             noise_seed,
             log_private_metrics,
             joint_clip,
+            secure_rng=secure_rng,
         )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
@@ -153,6 +155,7 @@ class PAZOP(ZerothOrderModule):
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
         joint_clip: bool = False,
+        secure_rng: bool | None = None,
     ) -> None:
         super().__init__(
             net,
@@ -167,6 +170,7 @@ class PAZOP(ZerothOrderModule):
             noise_seed,
             log_private_metrics,
             joint_clip,
+            secure_rng=secure_rng,
         )
         self.k = _positive_integer("k", k)
         self.orthonormalize = bool(orthonormalize)
@@ -220,6 +224,7 @@ class PAZOS(PrivateModule):
     """
 
     requires_public_data = True
+    secure_rng_default = True  # k + 1 noisy scalars a step
 
     def __init__(
         self,
@@ -232,8 +237,9 @@ class PAZOS(PrivateModule):
         privacy: PrivacySpec | None = None,
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
+        secure_rng: bool | None = None,
     ) -> None:
-        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics)
+        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics, secure_rng=secure_rng)
         _positive("clip", clip, allow_none=privacy is None)
         if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
             raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")

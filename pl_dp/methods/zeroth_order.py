@@ -35,8 +35,11 @@ class ZerothOrderModule(PrivateModule):
             same privacy, less noise; off by default (the papers clip each scalar).
 
     The directions are seeded from ``torch.initial_seed()`` (so ``seed_everything`` makes them
-    reproducible) and a step counter; they never share a generator with the DP noise.
+    reproducible) and a step counter; they never share a generator with the DP noise. The q noisy
+    scalars of a step are drawn from the cryptographic generator by default (``secure_rng``).
     """
+
+    secure_rng_default = True
 
     def __init__(
         self,
@@ -52,8 +55,9 @@ class ZerothOrderModule(PrivateModule):
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
         joint_clip: bool = False,
+        secure_rng: bool | None = None,
     ) -> None:
-        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics)
+        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics, secure_rng=secure_rng)
         _positive("clip", clip, allow_none=privacy is None)
         _positive("smoothing", smoothing)
         self.clip = None if clip is None else float(clip)

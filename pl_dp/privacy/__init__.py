@@ -10,6 +10,7 @@ from pl_dp.privacy.clipping import clip_per_example
 from pl_dp.privacy.losses import batch_size_of, check_per_sample, resolve_loss
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
+from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, tree_multiplicity, tree_nodes
@@ -24,6 +25,7 @@ __all__ = [
     "EpsilonTracker",
     "NoiseSource",
     "PoissonBatchSampler",
+    "PrivacyReport",
     "PrivacySpec",
     "StepBudget",
     "TreeAccountant",

@@ -1,37 +1,69 @@
-"""The source of DP noise: its own generators, seeded from OS entropy unless told otherwise.
+"""The source of DP noise: a secret of the run, drawn from OS entropy and held in process memory only.
 
-Invariant 2 (ARCHITECTURE.md): DP noise never comes from the global torch RNG, the Lightning
-seed or the direction seed. A ``NoiseSource`` owns one ``torch.Generator`` per device, all
-derived from one 63-bit seed that is drawn from ``secrets`` by default. Passing ``seed`` makes
-the noise reproducible — for tests and for reproducing a run, never for production: anyone who
-knows the seed can subtract the noise.
+Invariant 2 (ARCHITECTURE.md): the DP noise is one of the two secrets of a run (the other is the
+Poisson sampling randomness). A :class:`NoiseSource` owns a 256-bit key drawn from the operating
+system's CSPRNG (``secrets``) and derives every draw from (key, private step, draw index) — so the
+noise of step t never depends on how many draws earlier steps made, and nothing but the key is
+state. It has no ``state_dict`` on purpose: the key is never written to a checkpoint, hparams, a
+log or an artifact, and a resumed run, being a new process, draws a new key (invariant 5).
+
+Two generators:
+
+* ``secure=False`` — a ``torch.Generator`` per device, re-seeded per step from the key: as fast as
+  torch's own ``normal_``, but Mersenne Twister / Philox are not cryptographic generators.
+* ``secure=True`` — SHAKE-256 of (key, step, draw) as a cryptographic stream of uniforms,
+  Box–Muller in float64, and the sum of four such draws divided by two (the floating-point
+  hardening of Holohan & Braghin 2021, "Secure random sampling in differential privacy", which
+  Opacus' ``secure_mode`` also uses). Costs ~4× a torch draw plus hashing; negligible for the
+  few scalars a zeroth-order step releases, measured for a full gradient in
+  ``benchmarks/secure_noise.py``.
+
+Passing ``seed`` derives the key from it, which makes the noise reproducible (tests, reproducing a
+run, bit-identical resume) — and removable by anyone who knows the seed: such a run's ε is no
+guarantee against them, and its privacy report says so.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pl_dp.privacy.seeding import derive_seed, entropy_seed
+from pl_dp.privacy.seeding import derive_seed
+
+_KEY_BYTES = 32
+_CHUNK = 1 << 20
+_LOW53 = (1 << 53) - 1
 
 
 class NoiseSource:
-    """Gaussian noise for DP mechanisms, from dedicated, checkpointable generators."""
+    """Gaussian noise for DP mechanisms from a secret key, counter-based per private step.
 
-    def __init__(self, seed: int | None = None) -> None:
+    Args:
+        seed: ``None`` (default) draws the key from OS entropy. An integer derives it from the
+            seed: reproducible, and no guarantee against whoever knows the seed.
+        secure: draw from a cryptographic generator (SHAKE-256) with floating-point hardening
+            instead of torch's generator.
+    """
+
+    def __init__(self, seed: int | None = None, secure: bool = False) -> None:
         self.seeded = seed is not None
-        self._seed = int(seed) if seed is not None else entropy_seed()
-        self._generators: dict[str, torch.Generator] = {}
+        self.secure = bool(secure)
+        if seed is None:
+            self._key = secrets.token_bytes(_KEY_BYTES)
+        else:
+            self._key = hashlib.sha256(b"pl_dp noise seed " + str(int(seed)).encode()).digest()
+        self._step = 0
+        self._draws = 0
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        device = torch.device(device)
-        key = str(device)
-        if key not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(derive_seed(self._seed, *key.encode()))
-            self._generators[key] = g
-        return self._generators[key]
+    def start_step(self, step: int) -> None:
+        """Draws from now on belong to private step ``step`` (a pure function of key, step, draw index)."""
+        self._step = int(step)
+        self._draws = 0
 
     def normal(
         self,
@@ -40,22 +72,52 @@ class NoiseSource:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """A tensor of i.i.d. N(0, std²) draws."""
-        out = torch.empty(shape, device=device, dtype=dtype)
+        """A tensor of i.i.d. N(0, std²) draws (the next draw of the current step)."""
+        draw = self._draws
+        self._draws += 1
         if std == 0:
-            return out.zero_()
-        return out.normal_(0.0, std, generator=self.generator(device))
+            return torch.zeros(shape, device=device, dtype=dtype)
+        if self.secure:
+            return _secure_normal(self._key, (self._step, draw), shape, std).to(device=device, dtype=dtype)
+        device = torch.device(device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(derive_seed(self._seed63(), self._step, draw))
+        return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "seed": self._seed,
-            "seeded": self.seeded,
-            "states": {k: g.get_state() for k, g in self._generators.items()},
-        }
+    def share(self, broadcast: Callable[[Any], Any]) -> None:
+        """Make every data-parallel rank use rank 0's key: one noise draw per logical step (invariant 3).
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._seed = int(state["seed"])
-        self.seeded = bool(state["seeded"])
-        self._generators = {}
-        for key, gen_state in state["states"].items():
-            self.generator(key).set_state(gen_state)
+        ``broadcast`` sends rank 0's object to all ranks (e.g. a Lightning strategy's ``broadcast``).
+        The key crosses only the process group of the run, never storage.
+        """
+        self._key, self.seeded = broadcast((self._key, self.seeded))
+
+    def describe(self) -> str:
+        """What protects the noise, for the privacy report (never the key itself)."""
+        generator = "SHAKE-256 CSPRNG, Holohan–Braghin hardening" if self.secure else "torch generator"
+        origin = "user seed (no guarantee against whoever knows it)" if self.seeded else "OS entropy"
+        return f"{generator}; key from {origin}"
+
+    def _seed63(self) -> int:
+        return int.from_bytes(self._key[:8], "little") >> 1
+
+
+def _secure_normal(key: bytes, counter: tuple[int, ...], shape: Any, std: float) -> torch.Tensor:
+    """(Σ_{j<4} N_j)/2 · std in float64, each N_j by Box–Muller from 53-bit uniforms of SHAKE-256(key, counter, chunk).
+
+    Chunks of 2²⁰ values bound the memory of the uniforms (32 bytes per value) for gradient-sized draws.
+    """
+    numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
+    prefix = key + b"".join(c.to_bytes(8, "little", signed=True) for c in counter)
+    out = torch.empty(numel, dtype=torch.float64)
+    for chunk, start in enumerate(range(0, numel, _CHUNK)):
+        size = min(_CHUNK, numel - start)
+        pairs = (size + 1) // 2
+        stream = hashlib.shake_256(prefix + chunk.to_bytes(8, "little")).digest(4 * 2 * pairs * 8)
+        words = torch.frombuffer(bytearray(stream), dtype=torch.int64)
+        uniform = ((words >> 11) & _LOW53).double().mul_(2.0**-53).view(4, 2, pairs)  # [0, 1), 53 random bits
+        radius = torch.sqrt(-2.0 * torch.log1p(-uniform[:, 0]))  # log(1 − u), 1 − u ∈ (0, 1]: never log(0)
+        angle = uniform[:, 1].mul_(2.0 * math.pi)
+        normals = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)], dim=1)[:, :size]
+        out[start : start + size] = normals.sum(dim=0)
+    return out.mul_(std / 2.0).reshape(shape)

@@ -5,6 +5,12 @@ have variable size and may be empty; sums are normalized by the expected size q�
 pure function of (seed, i) — counter-based like the direction engine — so the sampler's whole
 state is its position, which the method saves and restores with its checkpoint.
 
+The sampling seed is a secret of the run (invariant 2): amplification by subsampling holds only
+against an adversary who does not know which steps included an example. It is drawn from OS
+entropy unless the user passes one (for tests and reproduction: such a run's ε is no guarantee
+against whoever knows the seed), and it is never saved: a resumed run draws a fresh one, which
+leaves the distribution of the remaining batches unchanged because Poisson batches are independent.
+
 Under data parallelism every rank draws the same global Bernoulli mask and keeps the indices
 of its own shard (``index % num_replicas == rank``), so the union over ranks is exactly Poisson
 sampling of the whole private set at rate q.
@@ -19,11 +25,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.seeding import derive_seed, entropy_seed
 
 
 class CountingBatchSampler(Sampler[list[int]]):
-    """A batch sampler whose batch i is a pure function of (seed, i): its state is its position.
+    """A batch sampler whose batch i is a pure function of (seed, i): its saved state is its position.
 
     Subclasses define :meth:`batch` and ``steps_per_epoch``. Iteration yields the batches up to the
     end of the current epoch, so a resumed run continues mid-epoch where it stopped.
@@ -48,22 +54,25 @@ class CountingBatchSampler(Sampler[list[int]]):
         return self.steps_per_epoch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed}
+        return {"position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
-        self.seed = int(state["seed"])
 
 
 class PoissonBatchSampler(CountingBatchSampler):
-    """Yields Poisson-sampled index lists: each example independently with probability ``sample_rate``."""
+    """Yields Poisson-sampled index lists: each example independently with probability ``sample_rate``.
+
+    ``seed=None`` (default) draws the sampling seed from OS entropy; an integer makes the batches
+    reproducible and known to whoever knows it (``seeded`` is then True).
+    """
 
     def __init__(
         self,
         num_samples: int,
         sample_rate: float,
         steps_per_epoch: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         num_replicas: int = 1,
         rank: int = 0,
     ) -> None:
@@ -76,7 +85,8 @@ class PoissonBatchSampler(CountingBatchSampler):
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
-        self.seed = int(seed)
+        self.seeded = seed is not None
+        self.seed = int(seed) if seed is not None else entropy_seed()
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
         self.position = 0  # index of the next batch to draw
@@ -181,7 +191,7 @@ def _slice_empty(obj: Any) -> Any:
 def poisson_loader(
     dataset: Dataset,
     sample_rate: float,
-    seed: int = 0,
+    seed: int | None = None,
     steps_per_epoch: int | None = None,
     num_replicas: int = 1,
     rank: int = 0,
@@ -189,6 +199,8 @@ def poisson_loader(
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` with Poisson sampling at ``sample_rate`` (empty batches allowed).
+
+    ``seed`` is the secret sampling seed: leave it ``None`` (OS entropy) unless reproducing a run.
 
     With ``num_replicas > 1`` each rank gets its shard of the global Poisson batch, and the
     loader's ``sampler`` is a :class:`ShardMarker`: frameworks that inject a ``DistributedSampler``

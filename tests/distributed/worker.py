@@ -51,7 +51,8 @@ METHODS = {
     "pazo_s": lambda: PAZOS(nn.Linear(12, 4), lr=0.1, clip=2.0, k=2, privacy=_spec(), noise_seed=7),
     "dpsgd": lambda: DPSGD(nn.Linear(12, 4), lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7),
     "coupling": lambda: Coupling(nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, privacy=_spec(), noise_seed=7),
-    # entropy-seeded noise and a different global seed on every rank: rank 0's states must be shared
+    # entropy-drawn secrets (noise key, sampling seed) and a different global seed on every rank: rank 0's
+    # secrets and direction seed must be shared, in memory, for the replicas to stay identical
     "dpzero_rank_seeded": lambda: DPZero(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=3, privacy=_spec()),
     "dpsgd_zero_grad": lambda: DPSGD(
         nn.Linear(64, 16), loss=_zero_gradient_loss, lr=1.0, clip=CLIP, privacy=_spec(), noise_seed=7
@@ -96,7 +97,10 @@ def _data(name: str) -> PrivatePublicDataModule:
         private = TensorDataset(torch.randn(N_PRIVATE, 64), torch.zeros(N_PRIVATE, dtype=torch.long))
     else:
         private = _blobs(N_PRIVATE, 0)
-    return PrivatePublicDataModule(private, public=_blobs(40, 3), batch_size=BATCH, public_batch_size=8, seed=11)
+    sampling_seed = None if name == "dpzero_rank_seeded" else 11  # seeded: 1 and 2 processes draw the same batches
+    return PrivatePublicDataModule(
+        private, public=_blobs(40, 3), batch_size=BATCH, public_batch_size=8, seed=11, sampling_seed=sampling_seed
+    )
 
 
 def run_one(name: str, devices: int) -> dict:

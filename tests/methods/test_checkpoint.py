@@ -1,10 +1,16 @@
-"""Invariant 5: privacy state survives checkpoints (kill-and-resume = uninterrupted run)."""
+"""Invariant 5: privacy state survives checkpoints; secrets do not (invariant 2).
+
+Kill-and-resume gives the same ε and the same distribution of parameters; bit-identical parameters
+only in reproduction mode, when the user seeded both secrets (noise and sampling)."""
+
+import math
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import AllowPrivacySpecChange
@@ -27,7 +33,10 @@ class Crash(L.Callback):
 
 def assert_resume_is_exact(tmp_path, make_model, make_dm, make_callbacks, max_steps, crash_at, resume_step):
     """Crash a run at ``crash_at`` private steps, resume from the checkpoint of ``resume_step`` in a new
-    Trainer, and compare ε and every parameter with an uninterrupted run (bit for bit)."""
+    Trainer, and compare ε and every parameter with an uninterrupted run (bit for bit).
+
+    Reproduction mode: ``make_model`` must pass ``noise_seed`` and ``make_dm`` a ``sampling_seed`` —
+    the resumed run re-derives both secrets from the user's seeds, never from the checkpoint."""
     reference = make_model()
     make_trainer(max_steps=max_steps, callbacks=make_callbacks()).fit(reference, make_dm())
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
@@ -45,35 +54,137 @@ def assert_resume_is_exact(tmp_path, make_model, make_dm, make_callbacks, max_st
 
 def _model(spec=None, **kw):
     L.seed_everything(0)
-    args = dict(lr=0.1, clip=1.0, smoothing=1e-3, queries=2, privacy=spec, noise_seed=123)
+    args = dict(lr=0.1, clip=1.0, smoothing=1e-3, queries=2, privacy=spec)
     args.update(kw)
     return DPZero(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), **args)
 
 
-def _dm():
-    return PrivatePublicDataModule(blobs(120), batch_size=20)  # 6 steps per epoch
+def _dm(**kw):
+    return PrivatePublicDataModule(blobs(120), batch_size=20, **kw)  # 6 steps per epoch
 
 
 @pytest.mark.parametrize("crash_at", [12, 9])  # an epoch boundary, and mid-epoch
-def test_kill_and_resume_gives_the_same_epsilon_and_parameters(tmp_path, crash_at):
+def test_reproduction_mode_resume_is_bit_identical(tmp_path, crash_at):
+    """With both secrets seeded by the user, a resume re-derives them from the seeds: bit-identical."""
     spec = PrivacySpec(epsilon=3.0, accountant="rdp")
-    reference = _model(spec)
-    make_trainer(max_epochs=4).fit(reference, _dm())
+    reference = _model(spec, noise_seed=123)
+    make_trainer(max_epochs=4).fit(reference, _dm(sampling_seed=7))
 
-    killed = _model(spec)
+    killed = _model(spec, noise_seed=123)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        make_trainer(max_epochs=4, callbacks=[ckpt, Crash(crash_at + 1)], enable_checkpointing=True).fit(killed, _dm())
+        make_trainer(max_epochs=4, callbacks=[ckpt, Crash(crash_at + 1)], enable_checkpointing=True).fit(
+            killed, _dm(sampling_seed=7)
+        )
 
-    resumed = _model(spec, noise_seed=999)  # the noise state must come from the checkpoint
-    path = tmp_path / f"step={crash_at}.ckpt"
-    make_trainer(max_epochs=4).fit(resumed, _dm(), ckpt_path=str(path))
+    resumed = _model(spec, noise_seed=123)
+    make_trainer(max_epochs=4).fit(resumed, _dm(sampling_seed=7), ckpt_path=str(tmp_path / f"step={crash_at}.ckpt"))
 
     assert resumed.private_steps == reference.private_steps == 24
     assert resumed.accountant.history == reference.accountant.history
     assert resumed.epsilon == reference.epsilon
     for a, b in zip(resumed.net.parameters(), reference.net.parameters()):
         assert torch.equal(a, b)
+    assert resumed.privacy_report().user_seeded == ("noise", "sampling")
+
+
+def _zero_gradient_loss(net, batch):
+    x, _ = batch
+    return (net(x) * 0.0).sum(dim=1)  # every clipped gradient is 0: an update is the DP noise alone
+
+
+def test_a_resume_draws_fresh_noise_so_a_checkpoint_cannot_replay_or_remove_it(tmp_path):
+    """Findings 2 and 3 of the audit, black-box: from one checkpoint, the continuation's noise must be
+    unpredictable. Two resumes from the same checkpoint, and the original continuation, must add
+    independent noise of the accounted scale (not the same noise, which would let whoever holds the
+    checkpoint subtract it, or difference two runs on D and D′ to read one record's contribution)."""
+    spec = PrivacySpec(epsilon=50.0, accountant="rdp", noise_multiplier=1.0)
+
+    def model():
+        L.seed_everything(0)
+        return DPSGD(nn.Linear(100, 100), loss=_zero_gradient_loss, lr=1.0, clip=1.0, privacy=spec)
+
+    def dm():
+        inputs = torch.randn(200, 100, generator=torch.Generator().manual_seed(0))
+        return PrivatePublicDataModule(TensorDataset(inputs, torch.zeros(200, dtype=torch.long)), batch_size=20)
+
+    original = model()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    make_trainer(max_steps=4, callbacks=[ckpt], enable_checkpointing=True).fit(original, dm())
+    start = torch.load(tmp_path / "step=2.ckpt", weights_only=False)["state_dict"]["net.weight"]
+    updates = [original.net.weight.detach() - start]
+    for _ in range(2):
+        resumed = model()
+        make_trainer(max_steps=4).fit(resumed, dm(), ckpt_path=str(tmp_path / "step=2.ckpt"))
+        assert resumed.epsilon == original.epsilon and resumed.accountant.history == original.accountant.history
+        updates.append(resumed.net.weight.detach() - start)
+    expected_std = math.sqrt(2) * 1.0 * 1.0 * 1.0 / 20  # two steps of lr·σ·C/b per coordinate
+    for u in updates:
+        assert u.std().item() == pytest.approx(expected_std, rel=0.05)  # the accounted noise, every time
+    flat = torch.stack([u.flatten() for u in updates])
+    correlation = torch.corrcoef(flat)
+    off_diagonal = correlation[~torch.eye(3, dtype=torch.bool)]
+    assert off_diagonal.abs().max() < 0.05  # 10,000 coordinates: independent noise has |r| ~ 0.01
+
+
+def _secret_patterns(model, sampler) -> list[bytes]:
+    key, seed = model.noise._key, sampler.seed
+    return [key, seed.to_bytes(8, "little"), str(seed).encode(), str(model.noise._seed63()).encode()]
+
+
+def test_no_secret_is_written_to_checkpoints_hparams_or_logs(tmp_path):
+    """Finding 1 and 2: the sampling seed and the noise key exist in process memory only."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    model = _model(PrivacySpec(epsilon=3.0, accountant="rdp"))
+    dm = DigitsLikeModule()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    logger = CSVLogger(tmp_path / "logs")
+    trainer = make_trainer(max_steps=6, callbacks=[ckpt], enable_checkpointing=True, logger=logger, log_every_n_steps=1)
+    trainer.fit(model, dm)
+    patterns = _secret_patterns(model, model._sampler)
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert any(f.suffix == ".ckpt" for f in files) and any(f.name == "hparams.yaml" for f in files)
+    for f in files:
+        content = f.read_bytes()
+        for pattern in patterns:
+            assert pattern not in content, f"a secret of the run is written to {f.relative_to(tmp_path)}"
+    state = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)["pl_dp"]
+    assert "noise" not in state and "seed" not in state["sampler"]
+
+
+class DigitsLikeModule(PrivatePublicDataModule):
+    """A datamodule that saves its hyperparameters, as the bundled ones do."""
+
+    def __init__(self, batch_size: int = 20, seed: int = 0, sampling_seed: int | None = None) -> None:
+        super().__init__(blobs(120), batch_size=batch_size, seed=seed, sampling_seed=sampling_seed)
+        self.save_hyperparameters()
+
+
+def test_two_runs_of_one_config_sample_different_batches():
+    """Finding 1: with the same config and global seed, which steps include an example is not fixed."""
+
+    class Record(L.Callback):
+        def __init__(self):
+            self.batches = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.batches.append(batch[0].sum().item())
+
+    runs = []
+    for _ in range(2):
+        record = Record()
+        make_trainer(max_steps=6, callbacks=[record]).fit(_model(PrivacySpec(3.0, accountant="rdp")), _dm())
+        runs.append(record.batches)
+    assert runs[0] != runs[1]
+    seeded = []
+    for _ in range(2):
+        record = Record()
+        make_trainer(max_steps=6, callbacks=[record]).fit(
+            _model(PrivacySpec(3.0, accountant="rdp")), _dm(sampling_seed=3)
+        )
+        seeded.append(record.batches)
+    assert seeded[0] == seeded[1]  # reproduction mode, on request only
 
 
 def test_resume_past_the_plan_is_stopped_by_the_module_itself(tmp_path):
@@ -198,7 +309,8 @@ FAMILIES = {
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kill_and_resume_is_exact_for_every_method_family(tmp_path, family):
-    """Public-loader position, optimizer moments, the adaptive clip threshold and the noise all resume."""
+    """Reproduction mode: public-loader position, optimizer moments and the adaptive clip threshold resume,
+    and the user-seeded secrets are re-derived from their seeds."""
     cls, kwargs = FAMILIES[family]
 
     def make_model():
@@ -206,6 +318,45 @@ def test_kill_and_resume_is_exact_for_every_method_family(tmp_path, family):
         return cls(nn.Linear(4, 3), privacy=PrivacySpec(epsilon=3.0, accountant="rdp"), noise_seed=5, **kwargs)
 
     def make_dm():
-        return PrivatePublicDataModule(blobs(60), public=blobs(30, seed=5), batch_size=10, public_batch_size=5)
+        return PrivatePublicDataModule(
+            blobs(60), public=blobs(30, seed=5), batch_size=10, public_batch_size=5, sampling_seed=2
+        )
 
     assert_resume_is_exact(tmp_path, make_model, make_dm, list, max_steps=10, crash_at=8, resume_step=7)
+
+
+def test_every_fit_rereads_its_loader_replans_and_composes_epsilon():
+    """Finding 5: a second ``fit`` of the same module was accounted at the first fit's sample rate (ε 0.620
+    reported, 3.783 true) and accepted a shuffling loader. Each fit must re-read and re-plan; ε composes."""
+    spec = PrivacySpec(epsilon=60.0, accountant="rdp", noise_multiplier=1.0)
+    L.seed_everything(0)
+    model = DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=spec)
+    make_trainer(max_steps=5).fit(model, PrivatePublicDataModule(blobs(200), batch_size=2))  # q = 0.01
+    make_trainer(max_steps=5).fit(model, PrivatePublicDataModule(blobs(200), batch_size=100))  # q = 0.5
+    assert model.accountant.history == [(1.0, 0.01, 5), (1.0, 0.5, 5)]
+    both = create_accountant("rdp")
+    both.step(1.0, 0.01, 5)
+    both.step(1.0, 0.5, 5)
+    assert model.epsilon == both.get_epsilon(model.delta) > create_accountant("rdp").epsilon_after(
+        model.delta, 10, 1.0, 0.01
+    )
+    shuffled = DataLoader(blobs(200), batch_size=20, shuffle=True)
+    with pytest.raises(ValueError, match="Poisson"):
+        make_trainer(max_steps=5).fit(model, train_dataloaders=shuffled)
+    assert model.accountant.steps == 10
+
+
+def test_later_fits_are_calibrated_on_what_earlier_fits_spent():
+    model = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+    make_trainer(max_steps=12).fit(model, _dm())
+    first, first_sigma = model.epsilon, model.noise_multiplier
+    make_trainer(max_steps=12).fit(model, _dm())  # the same target for the total: much noisier
+    assert model.private_steps == 24 and first < model.epsilon <= 2.0
+    assert model.noise_multiplier > first_sigma
+    one_step = create_accountant("rdp").epsilon_after(model.delta, 12, 1.0, 1 / 6)
+    target = one_step * 1.2  # a fixed sigma = 1 meets the target for 12 steps, not for 24
+    fixed = _model(PrivacySpec(epsilon=target, accountant="rdp", noise_multiplier=1.0))
+    make_trainer(max_steps=12).fit(fixed, _dm())
+    with pytest.raises(ValueError, match="already spent"):
+        make_trainer(max_steps=12).fit(fixed, _dm())
+    assert fixed.private_steps == 12

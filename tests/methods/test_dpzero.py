@@ -28,7 +28,7 @@ def _linear_data(n=12):
 def _one_step(lr, clip, lam, q, **kwargs):
     """One DPZero step on a tiny linear regression; returns what the by-hand checks need."""
     data = _linear_data()
-    dm = PrivatePublicDataModule(data, batch_size=6)
+    dm = PrivatePublicDataModule(data, batch_size=6, sampling_seed=0)  # both secrets seeded: reproduction mode
     torch.manual_seed(0)
     net = nn.Linear(3, 1, bias=False)
     theta0 = net.weight.detach().clone().double()
@@ -49,7 +49,7 @@ def test_one_step_equals_the_spec_formula_by_hand():
     x = data.tensors[0][batch].double()
     y = data.tensors[1][batch].double()
     probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed)
-    noise = NoiseSource(seed=11)
+    noise = NoiseSource(seed=11, secure=True)  # zeroth-order noise: the cryptographic generator by default
     update = torch.zeros_like(theta0)
     for j in range(q):
         u = probe.direction_tensors((0, j))[0].double()
@@ -125,21 +125,46 @@ class _NaNForFirstExample:
         return torch.where(torch.arange(len(y)) == 0, torch.full_like(losses, float("nan")), losses)
 
 
-def test_nonfinite_differences_contribute_zero_and_are_logged(tmp_path):
+def _logged_columns(log_dir) -> set[str]:
+    import csv
+
+    (path,) = log_dir.rglob("metrics.csv")
+    with open(path) as f:
+        return set(next(csv.reader(f)))
+
+
+def test_nonfinite_differences_contribute_zero(tmp_path):
     dm = PrivatePublicDataModule(blobs(100), batch_size=20)
-    model = DPZero(
-        nn.Linear(4, 3),
-        loss=_NaNForFirstExample(),
-        lr=0.1,
-        clip=1.0,
-        privacy=PrivacySpec(epsilon=5.0, accountant="rdp"),
-        noise_seed=0,
-    )
-    trainer = make_trainer(max_steps=3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
-    trainer.fit(model, dm)
+    spec = PrivacySpec(epsilon=5.0, accountant="rdp")
+    model = DPZero(nn.Linear(4, 3), loss=_NaNForFirstExample(), lr=0.1, clip=1.0, privacy=spec)
+    with pytest.warns(UserWarning, match="non-finite per-example"):
+        make_trainer(max_steps=3).fit(model, dm)
     assert all(torch.isfinite(p).all() for p in model.net.parameters())
-    assert model.nonfinite_total >= 2  # one NaN example per non-empty batch
-    assert trainer.callback_metrics["privacy/nonfinite_total"] == model.nonfinite_total
+    assert model.nonfinite_total >= 2  # one NaN example per non-empty batch, counted in process memory
+
+
+def test_the_nonfinite_count_is_not_released_unless_private_metrics_are_asked_for(tmp_path):
+    """A record with an infinite loss: the number of steps that sampled it is private, un-noised information.
+    The logs of a run on D and on D′ (with that record) must not differ in what they report."""
+    data = blobs(100)
+    poisoned = TensorDataset(data.tensors[0].clone(), data.tensors[1])
+    poisoned.tensors[0][0] = float("inf")  # this record's loss is not finite whenever it is sampled
+    columns = {}
+    for name, dataset, diagnostics in (("d", data, False), ("d_prime", poisoned, False), ("diag", poisoned, True)):
+        model = DPZero(
+            nn.Linear(4, 3),
+            lr=0.1,
+            clip=1.0,
+            privacy=PrivacySpec(epsilon=5.0, accountant="rdp"),
+            log_private_metrics=diagnostics,
+        )
+        dm = PrivatePublicDataModule(dataset, batch_size=50)  # rate 0.5: the record is sampled in most steps
+        make_trainer(max_steps=6, logger=CSVLogger(tmp_path / name), log_every_n_steps=1).fit(model, dm)
+        columns[name] = _logged_columns(tmp_path / name)
+        assert model.nonfinite_total > 0 or dataset is data
+    assert columns["d"] == columns["d_prime"]
+    assert not any("nonfinite" in c for c in columns["d_prime"])
+    assert "diagnostics/not_private/nonfinite_total" in columns["diag"]  # only when asked for, and labelled
 
 
 def test_step_metrics_are_logged_on_the_loggers_cadence_with_current_values(tmp_path):
@@ -240,6 +265,6 @@ def test_joint_clip_step_equals_the_vector_mechanism_by_hand():
     deltas = torch.stack([(f(theta0 + lam * u) - f(theta0 - lam * u)) / (2 * lam) for u in us], dim=1)
     norms = deltas.norm(dim=1, keepdim=True)
     clipped = deltas * torch.clamp(clip / norms, max=1.0)
-    s = (clipped.sum(0) + NoiseSource(seed=11).normal((q,), model.noise_multiplier * clip).double()) / b
+    s = (clipped.sum(0) + NoiseSource(seed=11, secure=True).normal((q,), model.noise_multiplier * clip).double()) / b
     expected = theta0 - lr / q * sum(sj * u for sj, u in zip(s, us))
     torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)

@@ -41,9 +41,16 @@ def test_poisson_batches_are_counter_based_and_resumable():
     first = list(a)
     assert len(first) == 5 and a.position == 5
     b = PoissonBatchSampler(100, 0.1, steps_per_epoch=5, seed=1)
-    b.load_state_dict({"position": 3, "seed": 1})
+    b.load_state_dict({"position": 3})
     assert next(iter(b)) == first[3]
     assert first[0] != list(a)[0]  # the next epoch draws fresh batches
+
+
+def test_the_sampling_seed_is_a_secret_from_os_entropy_and_never_in_the_state():
+    a, b = PoissonBatchSampler(1000, 0.1), PoissonBatchSampler(1000, 0.1)
+    assert not a.seeded and a.batch(0) != b.batch(0)  # two runs of one config sample differently
+    assert a.state_dict() == {"position": 0}  # the position only: the seed never reaches a checkpoint
+    assert PoissonBatchSampler(1000, 0.1, seed=4).seeded
 
 
 def test_distributed_shards_union_is_the_global_poisson_batch():
@@ -82,14 +89,32 @@ def test_noise_is_independent_of_direction_and_global_seeds():
         assert abs(torch.corrcoef(torch.stack([a, other]))[0, 1]) < 0.15
 
 
-def test_seeded_noise_reproduces_and_state_round_trips():
-    a, b = NoiseSource(seed=5), NoiseSource(seed=5)
-    assert torch.equal(a.normal((4,), 2.0), b.normal((4,), 2.0))
-    state = a.state_dict()
-    nxt = a.normal((4,), 1.0)
-    c = NoiseSource()
-    c.load_state_dict(state)
-    assert torch.equal(c.normal((4,), 1.0), nxt)
+@pytest.mark.parametrize("secure", [False, True])
+def test_seeded_noise_is_a_pure_function_of_seed_step_and_draw(secure):
+    a, b = NoiseSource(seed=5, secure=secure), NoiseSource(seed=5, secure=secure)
+    a.start_step(7)
+    first, second = a.normal((4,), 2.0), a.normal((4,), 2.0)
+    b.start_step(7)
+    assert torch.equal(b.normal((4,), 2.0), first) and torch.equal(b.normal((4,), 2.0), second)
+    assert not torch.equal(first, second)
+    b.start_step(8)
+    assert not torch.equal(b.normal((4,), 2.0), first)  # another step, other noise
+    assert not torch.equal(NoiseSource(seed=6, secure=secure).normal((4,), 2.0), NoiseSource(seed=5).normal((4,), 2.0))
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_entropy_noise_differs_between_sources_and_has_no_state_to_save(secure):
+    a, b = NoiseSource(secure=secure), NoiseSource(secure=secure)
+    assert not a.seeded and not torch.equal(a.normal((8,), 1.0), b.normal((8,), 1.0))
+    assert not hasattr(a, "state_dict")  # nothing a checkpoint could hold
+
+
+def test_secure_noise_is_standard_normal_at_the_requested_scale():
+    from scipy import stats
+
+    draws = NoiseSource(secure=True).normal((200_000,), 3.0, dtype=torch.float64)
+    assert draws.std().item() == pytest.approx(3.0, rel=0.01)
+    assert stats.kstest(draws.numpy() / 3.0, "norm").pvalue > 1e-3
 
 
 def test_mechanism_noise_std_and_accounting_come_from_one_declaration():

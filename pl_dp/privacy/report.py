@@ -1,0 +1,130 @@
+"""The privacy report of a run: what was spent, under which assumptions, and what is and is not protected.
+
+Built from the same privacy state a checkpoint holds (``PrivateModule.privacy_state_dict()``), so a
+live module and a checkpoint on disk give the same report: ε is recomputed from the recorded
+accountant history, never taken from a stored number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pl_dp.privacy.accountants import create_accountant
+
+#: neighbouring relation of each accountant's guarantee (O2NC's tree analysis is replace-one)
+ADJACENCY = {"tree": "replace-one"}
+DEFAULT_ADJACENCY = "add/remove-one"
+
+PROTECTED = (
+    "every model and checkpoint released during training and at its end, and the logged privacy/* "
+    "metrics and statistics of noisy releases, against an adversary who knows the code, the config, "
+    "every checkpoint and log, and all the data except whether one example is in it"
+)
+NOT_PROTECTED = (
+    "validation, test and public data and anything computed from them",
+    "metrics under diagnostics/not_private/ (logged only with log_private_metrics=True)",
+    "choices made by looking at private results (hyperparameter tuning on private data)",
+    "timing side channels",
+)
+
+
+@dataclass(frozen=True)
+class PrivacyReport:
+    """What one run spent and what the number means. ``str(report)`` is a readable block."""
+
+    method: str
+    private: bool
+    epsilon: float
+    target_epsilon: float | None
+    delta: float | None
+    accountant: str | None
+    adjacency: str
+    noise_multiplier: float
+    sample_rate: float | None
+    expected_batch_size: float | None
+    private_steps: int
+    planned_steps: int | None
+    user_seeded: tuple[str, ...]
+    secure_rng: bool
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> PrivacyReport:
+        """The report of a privacy state (a module's ``privacy_state_dict()`` or a checkpoint's ``"pl_dp"``)."""
+        spec = state.get("privacy")
+        accountant_state = state.get("accountant")
+        epsilon = 0.0
+        if spec is not None and accountant_state is not None and state.get("delta") is not None:
+            accountant = create_accountant(accountant_state["mechanism"])
+            accountant.load_state_dict(accountant_state)
+            epsilon = accountant.get_epsilon(state["delta"])
+        name = accountant_state["mechanism"] if accountant_state else None
+        return cls(
+            method=state["method"],
+            private=spec is not None,
+            epsilon=epsilon,
+            target_epsilon=spec["epsilon"] if spec else None,
+            delta=state.get("delta"),
+            accountant=name,
+            adjacency=ADJACENCY.get(name, DEFAULT_ADJACENCY),
+            noise_multiplier=float(state.get("noise_multiplier") or 0.0),
+            sample_rate=state.get("sample_rate"),
+            expected_batch_size=state.get("expected_batch_size"),
+            private_steps=int(state.get("private_steps", 0)),
+            planned_steps=state.get("planned_steps"),
+            user_seeded=tuple(k for k, v in state.get("user_seeded", {}).items() if v),
+            secure_rng=bool(state.get("secure_rng", False)),
+        )
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> PrivacyReport:
+        """The report of a Lightning checkpoint written by a pl_dp method."""
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        if "pl_dp" not in checkpoint:
+            raise ValueError(f"{path} holds no pl_dp privacy state: it was not written by a pl_dp method.")
+        return cls.from_state(checkpoint["pl_dp"])
+
+    @property
+    def is_guarantee(self) -> bool:
+        """Whether ε holds against everyone: a private run whose secrets were never user-seeded."""
+        return self.private and not self.user_seeded
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"is_guarantee": self.is_guarantee}
+
+    def __str__(self) -> str:
+        if not self.private:
+            return f"pl_dp privacy report — {self.method}: non-private run (no privacy guarantee)."
+        noise = "SHAKE-256 cryptographic generator" if self.secure_rng else "torch generator"
+        lines = [
+            f"pl_dp privacy report — {self.method}",
+            f"  guarantee     ({self.epsilon:.4g}, {self.delta:.3g})-DP per example, {self.adjacency} adjacency"
+            + (f"; target epsilon {self.target_epsilon:g}" if self.target_epsilon is not None else ""),
+            f"  accountant    {self.accountant}; noise multiplier {self.noise_multiplier:.4g}; "
+            f"{self.private_steps} private steps" + (f" (planned {self.planned_steps})" if self.planned_steps else ""),
+        ]
+        if self.accountant == "tree":
+            lines.append("  sampling      a fixed partition of the private set (each example in one round per pass)")
+        elif self.sample_rate is not None:
+            lines.append(
+                f"  sampling      Poisson, rate {self.sample_rate:.4g} (expected batch {self.expected_batch_size:.4g})"
+            )
+        if self.user_seeded:
+            lines.append(
+                f"  secrets       USER-SEEDED ({', '.join(self.user_seeded)}): epsilon is NO guarantee against "
+                "anyone who knows those seeds (config, hparams)"
+            )
+        else:
+            lines.append(
+                "  secrets       noise and sampling drawn from OS entropy, held in memory only, fresh at every resume"
+            )
+        lines.append(f"  noise         {noise}" + ("" if self.secure_rng else " (not cryptographic)"))
+        lines.append(f"  protects      {PROTECTED}")
+        not_protected = list(NOT_PROTECTED)
+        if not self.secure_rng:
+            not_protected.append("floating-point attacks on the noise generator (secure_rng=False)")
+        lines.append("  not protected " + "; ".join(not_protected))
+        return "\n".join(lines)
