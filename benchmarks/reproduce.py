@@ -140,7 +140,8 @@ def build_config(job: dict[str, Any]) -> dict[str, Any]:
         trainer["max_steps"] = job["max_steps"]
     trainer.update(num_sanity_val_steps=0, check_val_every_n_epoch=10_000)  # one evaluation, after fit
     config["seed_everything"] = job["seed"]
-    config["data"]["init_args"]["seed"] = job["seed"]
+    # reproduction mode (both secrets seeded): a benchmark's runs must be rerunnable, not private
+    config["data"]["init_args"].update(seed=job["seed"], sampling_seed=2_000 + job["seed"])
     model["lr"] = job["lr"]
     if "privacy" in model and model["privacy"] is not None and "noise_seed" not in model:
         model["noise_seed"] = 1_000 + job["seed"]
