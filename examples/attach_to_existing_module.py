@@ -1,9 +1,10 @@
 """Train *your own* LightningModule privately with DPZero, on your own data.
 
 The user's module below knows nothing about privacy: it is an ordinary regression model on
-scikit-learn's bundled diabetes data (442 patients, 10 features). pl_dp wraps it as the `net`
-of a DPZero run, Poisson-samples the training set, calibrates the noise for ε = 3 and stops
-before the budget would be exceeded.
+scikit-learn's bundled diabetes data (442 patients, 10 features), with its own validation and
+test steps that log a torchmetrics metric. pl_dp wraps it as the `net` of a DPZero run: the private
+method replaces training only (Poisson sampling, noise calibrated for ε = 3, a stop before the
+budget would be exceeded); the module's own evaluation, metrics and predict step run as written.
 
     python examples/attach_to_existing_module.py
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+import torchmetrics
 from sklearn.datasets import load_diabetes
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -28,14 +30,26 @@ class DiabetesRegressor(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.val_mae = torchmetrics.MeanAbsoluteError()
+        self.test_mse = torchmetrics.MeanSquaredError()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
+        return self.body(x).squeeze(1)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_mae(self(x), y)
+        self.log("val_mae", self.val_mae, prog_bar=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.test_mse(self(x), y)
+        self.log("test_mse", self.test_mse)
 
 
 def per_example_squared_error(net: nn.Module, batch) -> torch.Tensor:
     x, y = batch
-    return (net(x).squeeze(1) - y) ** 2  # one value per example: the contract pl_dp enforces
+    return (net(x) - y) ** 2  # one value per example: the contract pl_dp enforces
 
 
 def diabetes_splits(seed: int = 0):
@@ -72,8 +86,17 @@ def main(epochs: int = 40) -> dict[str, float]:
     )
     baseline = float(((test.tensors[1] - train.tensors[1].mean()) ** 2).mean())
     trainer.fit(model, data)
-    mse = trainer.test(model, data, verbose=False)[0]["test/loss"]
-    result = {"test_mse": mse, "predict_mean_mse": baseline, "epsilon": model.epsilon, "delta": model.delta}
+    val_mae = float(trainer.callback_metrics["val_mae"])  # logged by the user's own validation_step
+    mse = trainer.test(model, data, verbose=False)[0]["test_mse"]  # logged by the user's own test_step
+    predictions = torch.cat(trainer.predict(model, data))  # the user's forward, on the test set
+    result = {
+        "test_mse": mse,
+        "predict_mean_mse": baseline,
+        "val_mae": val_mae,
+        "predictions": predictions,
+        "epsilon": model.epsilon,
+        "delta": model.delta,
+    }
     print(
         f"private test MSE {mse:.3f} (predicting the mean: {baseline:.3f}) | "
         f"epsilon {model.epsilon:.3f} at delta {model.delta:.2e}"

@@ -234,7 +234,7 @@ class _StepTrials:
         alpha = 1 - self.confidence
         lower, fpr, fnr = epsilon_lower_bound(null[half:], alternative[half:], threshold, delta, alpha)
         with np.errstate(divide="ignore"):  # Opacus' PRV takes log(1 − q) = −inf at q = 1 harmlessly
-            claimed = create_accountant(module.privacy.accountant).epsilon_after(delta, 1, sigma, 1.0)
+            claimed = create_accountant(module.accountant_name).epsilon_after(delta, 1, sigma, 1.0)
         spread = float(torch.cat([null, alternative - alternative.mean() + null.mean()]).std())
         return AuditResult(
             method=type(module).__name__,
@@ -291,7 +291,7 @@ def audit(
     """
     if getattr(model, "privacy", None) is None:
         raise ValueError("the audit needs a private model (privacy=PrivacySpec(...)).")
-    if model.privacy.accountant == "tree":
+    if model.accountant_name == "tree":
         raise ValueError("the audit covers Poisson-sampled Gaussian steps; O2NC's tree mechanism is not supported.")
     trials = _positive_integer("trials", trials)
     if trials < 20:

@@ -7,7 +7,10 @@ final model and prints the test accuracy next to the ε spent (disable with
 
 After ``fit`` it also prints the run's privacy report (:meth:`PrivateModule.privacy_report`:
 ε, δ, σ, q, steps, accountant, adjacency, whether the secrets were user-seeded, and what is and is
-not protected). ``pl-dp report PATH.ckpt`` prints the same report for a checkpoint.
+not protected); ``pl-dp validate`` and ``pl-dp test`` print it for the model they evaluate (with
+``--ckpt_path``: the checkpoint's), and ``pl-dp report PATH.ckpt`` for a checkpoint alone.
+``--optimizer`` and ``--lr_scheduler`` configure the optimizer and LR schedule (first-order methods
+take any optimizer; methods that write their own update accept plain SGD only).
 
 ``pl-dp audit --config ...`` builds the same model, data and Trainer from a config and runs
 :func:`pl_dp.audit.audit` on the method's private step instead of training (options under
@@ -31,14 +34,24 @@ class PlDpCLI(LightningCLI):
             "--test_after_fit", type=bool, default=True, help="test the model after fit and print a report"
         )
 
+    def after_validate(self) -> None:
+        self._print_privacy_report()
+
+    def after_test(self) -> None:
+        self._print_privacy_report()
+
+    def _print_privacy_report(self) -> None:
+        """The ε of the model evaluated (restored from ``--ckpt_path`` when one is given)."""
+        if self.trainer.is_global_zero and hasattr(self.model, "privacy_report"):
+            print(self.model.privacy_report())
+
     def after_fit(self) -> None:
         if not self.config[self.subcommand].get("test_after_fit", True) or self.trainer.interrupted:
             return
         results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         if self.trainer.is_global_zero:
             print(report(self.model, results[0] if results else {}))
-            if hasattr(self.model, "privacy_report"):
-                print(self.model.privacy_report())
+        self._print_privacy_report()
 
 
 class AuditCLI(PlDpCLI):
@@ -56,7 +69,7 @@ def report(model, test_metrics: dict) -> str:
         parts.append(f"test accuracy {test_metrics['test/acc']:.4f}")
     if getattr(model, "privacy", None) is not None and getattr(model, "delta", None) is not None:
         parts.append(
-            f"epsilon {model.epsilon:.3f} (delta {model.delta:.2e}, {model.privacy.accountant} accountant, "
+            f"epsilon {model.epsilon:.3f} (delta {model.delta:.2e}, {model.accountant_name} accountant, "
             f"noise multiplier {model.noise_multiplier:.4f}, {model.private_steps} private steps)"
         )
     elif hasattr(model, "privacy"):
@@ -94,7 +107,6 @@ def main(args: list[str] | None = None) -> None:
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
     )
 
 

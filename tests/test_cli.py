@@ -32,7 +32,13 @@ def test_fit_tiny_config_prints_accuracy_epsilon_and_the_privacy_report(tmp_path
     (checkpoint,) = tmp_path.rglob("*.ckpt")
     report = _run("report", str(checkpoint))
     assert report.returncode == 0, report.stderr[-3000:]
-    assert report.stdout.splitlines()[1] in out.stdout  # the same guarantee line, recomputed from the checkpoint
+    guarantee = report.stdout.splitlines()[1]
+    assert guarantee in out.stdout  # the same guarantee line, recomputed from the checkpoint
+    tested = _run("test", "--config", str(path), "--ckpt_path", str(checkpoint))
+    assert tested.returncode == 0, tested.stderr[-3000:]
+    assert guarantee in tested.stdout  # pl-dp test prints the checkpoint's epsilon
+    predicted = _run("predict", "--config", str(path), "--ckpt_path", str(checkpoint))
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
 
 
 _PARSE_ALL = """
@@ -79,3 +85,21 @@ def test_audit_subcommand_prints_the_bound_next_to_the_claim():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pl-dp audit: DPSGD, 60 trials" in out.stdout
     assert "claimed epsilon" in out.stdout and "consistent" in out.stdout
+
+
+def test_the_wandb_sweep_example_resolves_for_every_value(capsys):
+    import pytest
+
+    from pl_dp.cli import main
+
+    sweep = yaml.safe_load((ROOT / "examples/wandb_sweep.yaml").read_text())
+    fixed = [arg for arg in sweep["command"] if not arg.startswith("${")]
+    assert sweep["program"] == "pl-dp" and sweep["metric"]["name"] == "val/acc"
+    for name, spec in sweep["parameters"].items():
+        for value in spec["values"]:
+            with pytest.raises(SystemExit) as exit:
+                main([*fixed, f"--{name}={value}", "--print_config"])
+            assert exit.value.code in (0, None)
+            resolved = yaml.safe_load(capsys.readouterr().out)
+            assert resolved["model"]["init_args"]["lr"] == value
+            assert resolved["trainer"]["logger"]["class_path"].endswith("WandbLogger")

@@ -16,4 +16,6 @@ def _load(name):
 def test_attach_to_existing_module_learns_privately():
     result = _load("attach_to_existing_module").main(epochs=40)
     assert result["epsilon"] <= 3.0
-    assert result["test_mse"] < 0.8 * result["predict_mean_mse"]
+    assert result["test_mse"] < 0.8 * result["predict_mean_mse"]  # from the user's own test_step and metric
+    assert 0 < result["val_mae"] < 1  # the user's validation_step ran during fit
+    assert result["predictions"].shape == (92,)  # trainer.predict on the test split

@@ -7,8 +7,10 @@ from typing import Any
 
 import lightning as L
 
+from pl_dp.callbacks.protocol import PrivacyCallback
 
-class AlphaSchedule(L.Callback):
+
+class AlphaSchedule(PrivacyCallback):
     """Sets ``pl_module.alpha`` before every step: α_t = 1 − cos(π t / (2K)), clamped to [0, 1].
 
     This is the linear-combination form of DPMD (Amid et al.) used by the Coupling paper. t is the
@@ -19,6 +21,9 @@ class AlphaSchedule(L.Callback):
     Works with any module with a settable ``alpha`` (e.g. :class:`~pl_dp.methods.Coupling`). The
     schedule is data-independent: it costs no privacy, and the plan's σ counts every step as private.
     """
+
+    requires = ("alpha",)
+    requires_description = "a method with a settable public weight alpha (Coupling, PAZO-M)"
 
     def __init__(self, anneal_factor: float = 2.0, anneal_steps: int | None = None) -> None:
         if anneal_steps is not None and not anneal_steps > 0:
@@ -38,10 +43,6 @@ class AlphaSchedule(L.Callback):
         return min(1.0, max(0.0, 1.0 - math.cos(math.pi * step / (2.0 * period))))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        if not hasattr(pl_module, "alpha"):
-            raise TypeError(
-                f"AlphaSchedule needs a module with a settable 'alpha'; {type(pl_module).__name__} has none."
-            )
         pl_module.setup_privacy()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:

@@ -7,10 +7,11 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
+from pl_dp.callbacks.protocol import PrivacyCallback
 from pl_dp.privacy.budget import StepBudget
 
 
-class PrivacyBudget(L.Callback):
+class PrivacyBudget(PrivacyCallback):
     """Stops training *before* the private step that would push ε past ``epsilon``.
 
     Works with any module implementing the privacy protocol (``setup_privacy()``,

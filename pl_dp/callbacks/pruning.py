@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from pl_dp.callbacks.protocol import PrivacyCallback
 from pl_dp.callbacks.stagewise import StagewiseSchedule
 from pl_dp.privacy.losses import split_inputs_targets
 from pl_dp.privacy.seeding import derive_seed
@@ -29,7 +30,7 @@ from pl_dp.zo.pruning import importance_matrix, path_norm_scores
 _STRATEGIES = ("static", "dynamic", "incremental")
 
 
-class PruningSchedule(L.Callback):
+class PruningSchedule(PrivacyCallback):
     """DP-ZOPO's masked directions for DPZero and PAZO-M (any module with ``set_direction_mask``).
 
     Args:
@@ -49,6 +50,9 @@ class PruningSchedule(L.Callback):
         input_shape: shape of the constant all-ones input, batch dimension included, for models that
             set no ``example_input_array`` and datamodules without a public, validation or test set.
     """
+
+    requires = ("set_direction_mask",)
+    requires_description = "a zeroth-order pl_dp method with coordinate masks (DPZero, PAZO-M)"
 
     def __init__(
         self,
@@ -145,11 +149,6 @@ class PruningSchedule(L.Callback):
 
     # ---- hooks -------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        if not hasattr(pl_module, "set_direction_mask"):
-            raise TypeError(
-                f"PruningSchedule needs a zeroth-order pl_dp method with coordinate masks (DPZero, PAZO-M); "
-                f"{type(pl_module).__name__} has no set_direction_mask."
-            )
         stagewise = self._stagewise(trainer)
         stages = 1 if stagewise is None else stagewise.stages
         if len(self.rates) not in (1, stages):

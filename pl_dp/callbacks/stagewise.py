@@ -6,6 +6,9 @@ parameters taken when the stage starts. η_0 and β_0 are the module's ``lr`` an
 Stage 0 uses them unchanged (the released code's indexing; Alg. 1 would already halve η in stage 1,
 spec A6).
 
+An LR scheduler (``configure_optimizers``, ``--lr_scheduler``) together with this callback is refused
+at fit start: both would set η.
+
 Privacy: the schedule is data-independent. σ is calibrated for the module's planned steps, which
 Σ_s T_s fills exactly, so every stage is accounted.
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+
+from pl_dp.callbacks.protocol import PrivacyCallback
 
 
 def stage_lengths(planned_steps: int, stages: int, steps_growth: float, first_stage_steps: int | None) -> list[int]:
@@ -35,7 +40,7 @@ def stage_lengths(planned_steps: int, stages: int, steps_growth: float, first_st
     return lengths
 
 
-class StagewiseSchedule(L.Callback):
+class StagewiseSchedule(PrivacyCallback):
     """DP-ZOSO's stagewise schedule for any pl_dp method with settable ``lr`` (and ``smoothing``).
 
     Args:
@@ -47,6 +52,9 @@ class StagewiseSchedule(L.Callback):
         proximal: 1/λ, the coefficient of the proximal gradient (1/λ)(θ − θ^{s−1}); the paper's
             "regularization 5e-4" (spec A27). ``None`` or 0 disables it.
     """
+
+    requires = ("lr", "set_proximal_anchor")
+    requires_description = "a pl_dp method with a settable step size and a proximal anchor"
 
     def __init__(
         self,
@@ -107,6 +115,12 @@ class StagewiseSchedule(L.Callback):
         self.stage = stage
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.lr_scheduler_configs:
+            raise ValueError(
+                "StagewiseSchedule sets the step size at every stage (eta_s = lr_decay^s * lr); an LR scheduler "
+                "would overwrite it between stages and the two schedules would fight. Use one of them: drop "
+                "the scheduler, or drop StagewiseSchedule and express the stages as the scheduler."
+            )
         pl_module.setup_privacy()
         self._module = pl_module
         self.lengths = stage_lengths(pl_module.planned_steps, self.stages, self.steps_growth, self.first_stage_steps)

@@ -28,6 +28,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
+from pl_dp.callbacks.protocol import PrivacyCallback
+
 _BLOCK = 32768
 
 
@@ -100,7 +102,7 @@ def privacy_config(pl_module: Any) -> dict[str, Any]:
                 "privacy/sample_rate": pl_module.sample_rate,
                 "privacy/delta": pl_module.delta,
                 "privacy/planned_steps": pl_module.planned_steps,
-                "privacy/accountant": spec.accountant,
+                "privacy/accountant": pl_module.accountant_name,
                 "privacy/expected_batch_size": pl_module.expected_batch_size,
             }
         )
@@ -113,7 +115,7 @@ def privacy_config(pl_module: Any) -> dict[str, Any]:
     return config
 
 
-class WandbPrivacyLogger(L.Callback):
+class WandbPrivacyLogger(PrivacyCallback):
     """Logs the privacy configuration once and a privacy/utility summary at the end (see module doc)."""
 
     def __init__(self) -> None:

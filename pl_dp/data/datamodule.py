@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from pl_dp.data.collate import PaddingCollate
 from pl_dp.privacy.sampling import poisson_loader
 
 
@@ -22,12 +25,14 @@ class PrivatePublicDataModule(L.LightningDataModule):
       Under data parallelism each rank gets its shard of the same global Poisson batch.
     * ``public_batches(k)`` draws k disjoint public batches per call, without end; public
       batches never consume privacy.
-    * ``val``/``test`` are ordinary loaders.
+    * ``val``/``test``/``predict`` are ordinary loaders; ``predict`` defaults to the test set, and
+      examples may be (x, y) or x alone.
 
     Args:
         private: the private training set.
         public: optional public set (PAZO, Coupling).
         val, test: optional evaluation sets.
+        predict: optional set for ``trainer.predict`` (``None``: the test set).
         batch_size: expected private batch size b (sample rate b/n).
         public_batch_size: public batch size b′ (defaults to ``batch_size``).
         seed: seed of the public shuffling. Public: it decides nothing about private data.
@@ -40,6 +45,13 @@ class PrivatePublicDataModule(L.LightningDataModule):
         merge_public: treat the public examples as private too (the "FullPriv" and "NonPriv"
             baselines of the Coupling paper): ``private ∪ public`` is Poisson-sampled and there is
             no public set.
+        collate_fn: how examples become a batch, for every loader; ``None`` uses
+            :class:`~pl_dp.data.collate.PaddingCollate` (``default_collate``, padding variable-length
+            1-D tensors such as tokenized text). Empty Poisson batches are handled either way.
+        num_workers, pin_memory: as in ``torch.utils.data.DataLoader``, for every loader. Worker
+            processes load examples only: the Poisson batches are drawn in the main process.
+
+    Use :meth:`from_datamodule` to make an existing LightningDataModule private.
     """
 
     def __init__(
@@ -54,19 +66,64 @@ class PrivatePublicDataModule(L.LightningDataModule):
         eval_batch_size: int = 512,
         merge_public: bool = False,
         sampling_seed: int | None = None,
+        predict: Dataset | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
     ) -> None:
         super().__init__()
         if merge_public and public is not None:
             private, public = ConcatDataset([private, public]), None
         self.private, self.public, self.val, self.test = private, public, val, test
+        self.predict = predict
         self.batch_size = batch_size
         self.public_batch_size = public_batch_size or batch_size
         self.seed = seed
         self.sampling_seed = sampling_seed
         self.eval_batch_size = eval_batch_size
+        self.collate_fn = collate_fn if collate_fn is not None else PaddingCollate()
+        self.loader_kwargs = {"num_workers": num_workers, "pin_memory": pin_memory}
         self._public_generator = torch.Generator().manual_seed(seed + 1)
         if private is not None:
             self._validate()
+
+    @classmethod
+    def from_datamodule(
+        cls,
+        datamodule: L.LightningDataModule,
+        batch_size: int | None = None,
+        public: Dataset | None = None,
+        **kwargs: Any,
+    ) -> PrivatePublicDataModule:
+        """A private version of a user's LightningDataModule: its training set Poisson-sampled.
+
+        Runs the module's ``prepare_data`` and ``setup`` and takes the datasets behind its loaders
+        (train → private; val, test, predict when it has them), its training loader's ``collate_fn``,
+        ``num_workers`` and ``pin_memory``, and its training batch size as the expected batch size
+        (``batch_size`` overrides it). Its own sampling and shuffling are not used: the private set
+        is Poisson-sampled.
+        """
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        train = datamodule.train_dataloader()
+        found: dict[str, Any] = {}
+        for stage in ("val", "test", "predict"):
+            if not is_overridden(f"{stage}_dataloader", datamodule):
+                continue
+            if stage != "val":
+                datamodule.setup(stage)
+            loader = getattr(datamodule, f"{stage}_dataloader")()
+            loader = loader[0] if isinstance(loader, (list, tuple)) and loader else loader
+            if isinstance(loader, DataLoader):
+                found[stage] = loader.dataset
+        options = dict(
+            collate_fn=train.collate_fn if train.collate_fn is not default_collate else None,
+            num_workers=train.num_workers,
+            pin_memory=train.pin_memory,
+        )
+        return cls(
+            train.dataset, public=public, batch_size=batch_size or train.batch_size, **found, **(options | kwargs)
+        )
 
     @classmethod
     def from_splits(cls, splits: dict[str, Dataset], public_batch_size: int, **kwargs: Any) -> dict[str, Any]:
@@ -123,13 +180,23 @@ class PrivatePublicDataModule(L.LightningDataModule):
             steps_per_epoch=steps,
             num_replicas=world,
             rank=rank,
+            collate_fn=self.collate_fn,
+            **self.loader_kwargs,
         )
 
+    def _loader(self, dataset: Dataset | None) -> DataLoader | list:
+        if dataset is None:
+            return []
+        return DataLoader(dataset, batch_size=self.eval_batch_size, collate_fn=self.collate_fn, **self.loader_kwargs)
+
     def val_dataloader(self) -> DataLoader | list:
-        return DataLoader(self.val, batch_size=self.eval_batch_size) if self.val is not None else []
+        return self._loader(self.val)
 
     def test_dataloader(self) -> DataLoader | list:
-        return DataLoader(self.test, batch_size=self.eval_batch_size) if self.test is not None else []
+        return self._loader(self.test)
+
+    def predict_dataloader(self) -> DataLoader | list:
+        return self._loader(self.predict if self.predict is not None else self.test)
 
     def public_batches(self, k: int = 1) -> list[Any]:
         """``k`` disjoint public batches of ``public_batch_size`` (PAZO spec A7).
@@ -140,7 +207,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         need = self.check_public(k)
         order = torch.randperm(len(self.public), generator=self._public_generator)[:need].tolist()
         chunks = [order[c * self.public_batch_size : (c + 1) * self.public_batch_size] for c in range(k)]
-        return [default_collate([self.public[i] for i in chunk]) for chunk in chunks]
+        return [self.collate_fn([self.public[i] for i in chunk]) for chunk in chunks]
 
     def check_public(self, k: int = 1) -> int:
         """Raise a clear error unless ``k`` disjoint public batches can be drawn; returns k·b′."""

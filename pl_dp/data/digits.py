@@ -45,7 +45,8 @@ def digits_splits(public_fraction: float = 0.04, val_fraction: float = 0.1, test
 class DigitsDataModule(PrivatePublicDataModule):
     """Digits as private/public/val/test splits (see :func:`digits_splits`).
 
-    With the defaults: 1,208 private, 50 public, 180 validation and 359 test examples. Arguments as
+    With the defaults: 1,208 private, 50 public, 180 validation and 359 test examples; public batches
+    of 16, so that PAZO-P's default k = 3 disjoint public batches fit the 50 public examples. Arguments as
     :class:`~pl_dp.data.PrivatePublicDataModule`; ``sampling_seed`` (secret Poisson sampling) stays
     ``None`` unless reproducing a run.
     """
@@ -54,7 +55,7 @@ class DigitsDataModule(PrivatePublicDataModule):
         self,
         batch_size: int = 64,
         public_fraction: float = 0.04,
-        public_batch_size: int = 32,
+        public_batch_size: int = 16,
         seed: int = 0,
         merge_public: bool = False,
         sampling_seed: int | None = None,

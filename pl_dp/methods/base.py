@@ -26,6 +26,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -38,6 +39,7 @@ from pl_dp.privacy.losses import (
     check_per_sample,
     cross_entropy,
     forward,
+    prediction_inputs,
     resolve_loss,
     split_inputs_targets,
 )
@@ -62,6 +64,41 @@ def _positive_integer(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
     return int(value)
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """Refuse, at fit start, a Lightning strategy pl_dp does not support yet (single device and DDP are).
+
+    FSDP and DeepSpeed shard parameters, gradients and optimizer state across ranks: the per-step
+    clipped sum, the one noise draw per logical step shared by every replica (invariant 3) and the
+    zeroth-order sweeps are implemented for whole replicas only. Refusing is better than a run whose
+    noise or sensitivity silently differs from what is accounted.
+    """
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        raise NotImplementedError(
+            f"pl_dp supports the single-device and DDP strategies; got {type(strategy).__name__}. FSDP and "
+            "DeepSpeed shard parameters and gradients, for which one noise draw per logical step and the "
+            "per-example clipped sums are not implemented yet: use strategy='ddp' (or one device)."
+        )
+
+
+def refuse_unless_plain_sgd(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``optimizer`` is ``torch.optim.SGD`` without momentum, weight decay or Nesterov.
+
+    For methods that write their update themselves (zeroth-order, O2NC): the optimizer holds η only.
+    """
+    plain = isinstance(optimizer, torch.optim.SGD) and all(
+        not group.get("momentum") and not group.get("weight_decay") and not group.get("nesterov")
+        for group in optimizer.param_groups
+    )
+    if not plain:
+        raise ValueError(
+            f"{type(module).__name__} applies its own update (it writes no gradient for an optimizer), so it "
+            "accepts only torch.optim.SGD without momentum, weight decay or Nesterov, which holds the step size "
+            f"for LR schedulers; got {type(optimizer).__name__} with {optimizer.defaults}. Remove --optimizer "
+            "(or configure_optimizers' override), or use a first-order method (DPSGD, Coupling) for Adam-style "
+            "updates on the privatized gradient."
+        )
 
 
 class PrivateModule(L.LightningModule):
@@ -98,6 +135,19 @@ class PrivateModule(L.LightningModule):
     allow_privacy_change: bool = False
     #: whether DP noise comes from the cryptographic generator unless ``secure_rng`` says otherwise
     secure_rng_default: bool = False
+    #: whether the method writes its update itself (zeroth-order, O2NC): its optimizer holds η only, so
+    #: only plain SGD is accepted; first-order methods hand the privatized gradient to any optimizer
+    applies_own_update: bool = False
+
+    #: the accountant of ``PrivacySpec(accountant=None)``: the one this method's sampling calls for
+    default_accountant: str = "prv"
+
+    @property
+    def accountant_name(self) -> str | None:
+        """The accountant in use: the spec's, or the method's own when the spec names none."""
+        if self.privacy is None:
+            return None
+        return self.privacy.accountant or self.default_accountant
 
     @property
     def touches_private_data(self) -> bool:
@@ -135,7 +185,12 @@ class PrivateModule(L.LightningModule):
         # data-independent randomness (ZO directions, exploration noise): reproducible under
         # seed_everything, never shared with the DP noise
         self.direction_seed = derive_seed(torch.initial_seed(), _DIRECTION_TAG)
-        self.accountant: Accountant | None = create_accountant(privacy.accountant) if privacy else None
+        if self.accountant_name == "tree" and self.default_accountant != "tree":
+            raise ValueError(
+                f"the tree accountant analyses O2NC's tree-aggregated releases over a data partition; "
+                f"{type(self).__name__} Poisson-samples: leave PrivacySpec(accountant=None) for its own ('prv')."
+            )
+        self.accountant: Accountant | None = create_accountant(self.accountant_name) if privacy else None
         self.log_private_metrics = log_private_metrics
         # privacy plan (set in setup_privacy, restored from checkpoints)
         self.noise_multiplier: float = 0.0
@@ -217,10 +272,43 @@ class PrivateModule(L.LightningModule):
         return trainer.optimizers[0]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # Holds the step size (for LR schedulers) and advances Lightning's global_step. Zeroth-order
-        # methods write their update themselves and leave .grad empty; first-order methods put the
-        # privatized gradient in .grad for this optimizer.
+        """Plain SGD at ``lr``. It holds the step size (read by ``lr``, changed by LR schedulers and schedule
+        callbacks) and advances ``global_step``. Methods that write their update themselves leave .grad
+        empty; first-order methods put the privatized gradient in .grad for whatever optimizer is
+        configured (their ``optimizer=`` argument, an override, or the CLI's ``--optimizer``)."""
         return torch.optim.SGD(self.trainable_parameters(), lr=self._lr)
+
+    def _step_lr_schedulers(self, interval: str) -> None:
+        """Step the LR schedulers of ``configure_optimizers`` (or the CLI's ``--lr_scheduler``).
+
+        Lightning steps schedulers itself only under automatic optimization; under manual
+        optimization the module must (Lightning docs, "Manual Optimization: Learning Rate
+        Scheduling"). Each scheduler steps on its ``interval`` ("step": after every optimizer step;
+        "epoch": at the end of every training epoch, after validation) every ``frequency`` of them;
+        ``ReduceLROnPlateau`` steps with its ``monitor`` metric. Schedules change η only: the noise
+        and the accounting do not depend on it.
+        """
+        trainer = self.trainer
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != interval:
+                continue
+            count = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+            if count % config.frequency:
+                continue
+            if not config.reduce_on_plateau:
+                config.scheduler.step()
+                continue
+            value = trainer.callback_metrics.get(config.monitor)
+            if value is not None:
+                config.scheduler.step(value)
+            elif config.strict:
+                available = ", ".join(sorted(trainer.callback_metrics)) or "none"
+                raise ValueError(
+                    f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged; available: {available}."
+                )
+
+    def on_train_epoch_end(self) -> None:
+        self._step_lr_schedulers("epoch")
 
     # ---- privacy plan ------------------------------------------------------------------------
     def private_loader(self, dataset: Any, seed: int) -> Any:
@@ -265,10 +353,11 @@ class PrivateModule(L.LightningModule):
         self._plan_ready = True
         self.user_seeded["noise"] |= self.noise.seeded
         self.user_seeded["sampling"] |= bool(getattr(sampler, "seeded", False))
-        if isinstance(sampler, CountingBatchSampler):
-            self._sampler = sampler
+        if hasattr(sampler, "sample_rate"):  # pl_dp's samplers, Opacus' Poisson sampler
             self.sample_rate = sampler.sample_rate
             self.expected_batch_size = sampler.expected_batch_size
+        self._sampler = sampler if isinstance(sampler, CountingBatchSampler) else None
+        if self._sampler is not None:  # its position is checkpointed, so a resume continues the epoch
             if restored is not None and "sampler" in restored:
                 sampler.load_state_dict(restored["sampler"])
             self._sampler_start = sampler.position
@@ -320,6 +409,7 @@ class PrivateModule(L.LightningModule):
             )
 
     def on_fit_start(self) -> None:
+        check_strategy(self.trainer.strategy)
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
         self._nonfinite_warned = False
@@ -448,7 +538,17 @@ class PrivateModule(L.LightningModule):
         state["user_seeded"] = {**self.user_seeded, "noise": self.user_seeded["noise"] or self.noise.seeded}
         return PrivacyReport.from_state(state)
 
+    def on_fit_end(self) -> None:
+        """Log the privacy report to every logger (``privacy_report`` in its hyperparameters or config)."""
+        if self.trainer.loggers and self.privacy is not None:
+            report = self.privacy_report().to_dict()
+            for logger in self.trainer.loggers:
+                logger.log_hyperparams({"privacy_report": report})
+                logger.save()
+
     def on_train_start(self) -> None:
+        if self.applies_own_update:
+            refuse_unless_plain_sgd(self, self.optimizers(use_pl_optimizer=False))
         self.setup_privacy()
         if self.requires_public_data:
             self._public_source().check_public(self.public_batches_per_step)  # fail now, not at step 1
@@ -472,6 +572,7 @@ class PrivateModule(L.LightningModule):
         self._batches_consumed += 1
         opt.step()  # applies .grad where a first-order method set it; otherwise only advances global_step
         opt.zero_grad(set_to_none=True)
+        self._step_lr_schedulers("step")
         self._log_step(stats, batch_size)
         if self.log_private_metrics:
             self._log_private_metrics(batch)
@@ -540,9 +641,10 @@ class PrivateModule(L.LightningModule):
         logits = targets = None
         try:
             inputs, targets = split_inputs_targets(batch)
+        except (KeyError, TypeError):  # a batch the built-in losses do not know: the user's loss decides
+            inputs = None
+        if inputs is not None:
             logits = forward(self.net, inputs)
-        except (KeyError, TypeError):
-            pass
         if self.loss_fn is cross_entropy and logits is not None:
             losses = F.cross_entropy(logits.float(), targets, reduction="none")
         else:
@@ -583,11 +685,57 @@ class PrivateModule(L.LightningModule):
         )
         return private_grad
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._evaluate(batch, "val")
+    def _user_hook(self, name: str) -> Any:
+        """``net``'s own ``name`` hook when ``net`` is a LightningModule that defines it, else None.
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._evaluate(batch, "test")
+        The private method replaces training only: a user's module keeps its evaluation and
+        prediction, its metrics and its logging, run as written (Lightning hands the Trainer to
+        child modules; the hook runs under this module's current hook name so ``self.log`` works).
+        """
+        net = self.net
+        if not isinstance(net, L.LightningModule) or getattr(type(net), name) is getattr(L.LightningModule, name):
+            return None
+
+        def call(*args: Any) -> Any:
+            net._current_fx_name = self._current_fx_name
+            try:
+                return getattr(net, name)(*args)
+            finally:
+                net._current_fx_name = None
+
+        return call
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        own = self._user_hook("validation_step")
+        return own(batch, batch_idx) if own else self._evaluate(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        own = self._user_hook("test_step")
+        return own(batch, batch_idx) if own else self._evaluate(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """``net``'s outputs (logits for classifiers) on the inputs of ``batch``: (x, y), x-only or a dict."""
+        own = self._user_hook("predict_step")
+        if own:
+            return own(batch, batch_idx)
+        return forward(self.net, prediction_inputs(batch))
+
+    def on_validation_epoch_start(self) -> None:
+        self._run_user_hook("on_validation_epoch_start")
+
+    def on_validation_epoch_end(self) -> None:
+        self._run_user_hook("on_validation_epoch_end")
+
+    def on_test_epoch_start(self) -> None:
+        self._run_user_hook("on_test_epoch_start")
+
+    def on_test_epoch_end(self) -> None:
+        self._run_user_hook("on_test_epoch_end")
+
+    def _run_user_hook(self, name: str) -> None:
+        own = self._user_hook(name)
+        if own:
+            own()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.net(*args, **kwargs)
@@ -697,6 +845,7 @@ class PrivateModule(L.LightningModule):
         self.direction_seed = int(state["direction_seed"])
         self.noise_multiplier = float(state["noise_multiplier"])
         self.sample_rate = state["sample_rate"]
+        self.expected_batch_size = state.get("expected_batch_size")
         self.delta = state["delta"]
         self.planned_steps = state["planned_steps"]
         for secret, seeded in state.get("user_seeded", {}).items():

@@ -192,8 +192,9 @@ class FirstOrderModule(PrivateModule):
 
     @staticmethod
     def set_gradients(params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """``.grad`` ← the privatized gradient, in each parameter's dtype (noise was added in fp32)."""
         for p, g in zip(params, grads):
-            p.grad = g
+            p.grad = g.to(p.dtype)
 
 
 class DPSGD(FirstOrderModule):

@@ -225,6 +225,7 @@ class PAZOS(PrivateModule):
 
     requires_public_data = True
     secure_rng_default = True  # k + 1 noisy scalars a step
+    applies_own_update = True
 
     def __init__(
         self,

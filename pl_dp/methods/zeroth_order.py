@@ -40,6 +40,7 @@ class ZerothOrderModule(PrivateModule):
     """
 
     secure_rng_default = True
+    applies_own_update = True
 
     def __init__(
         self,

@@ -107,11 +107,15 @@ def clipped_sum(
     """Σ_i c(‖g_i‖)·g_i per parameter, with the flat per-example norm over all parameters (spec E-30).
 
     A non-finite per-example gradient gets weight 0 (its contribution stays within the bound) and is
-    counted. Returns the sums, the per-example norms and the non-finite count.
+    counted. Returns the sums (fp32), the per-example norms (fp32) and the non-finite count.
     """
-    # per-parameter norms first: no temporary the size of the per-example gradients
-    per_param = torch.stack([torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1) for g in per_sample], dim=1)
-    norms = torch.linalg.vector_norm(per_param.float(), dim=1)
+    # per-parameter norms first: no temporary the size of the per-example gradients. Norms and sums are
+    # accumulated in fp32 whatever the gradients' dtype (bf16/fp16 under autocast): a norm rounded low in
+    # half precision would let a clipped contribution exceed C, breaking the sensitivity bound.
+    per_param = torch.stack(
+        [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float32) for g in per_sample], dim=1
+    )
+    norms = torch.linalg.vector_norm(per_param, dim=1)
     finite = torch.isfinite(norms)
     nonfinite = (~finite).sum()
     weights = torch.where(finite, clip_fn.weights(torch.where(finite, norms, torch.zeros_like(norms))), 0.0)
@@ -120,5 +124,5 @@ def clipped_sum(
     for g in per_sample:
         if masked:
             g = torch.where(finite.view(-1, *[1] * (g.dim() - 1)), g, torch.zeros((), dtype=g.dtype, device=g.device))
-        sums.append(torch.einsum("b,b...->...", weights.to(g.dtype), g))
+        sums.append(torch.einsum("b,b...->...", weights, g if g.dtype == torch.float32 else g.float()))
     return sums, norms, nonfinite

@@ -49,6 +49,15 @@ def split_inputs_targets(batch: Any) -> tuple[Any, torch.Tensor]:
     raise TypeError("the built-in losses need a batch (inputs, targets) or a dict with 'labels'.")
 
 
+def prediction_inputs(batch: Any) -> Any:
+    """The inputs of a batch for prediction: ``x`` of (x, y) or of an x-only [x], a dict without ``labels``."""
+    if isinstance(batch, Mapping):
+        return {k: v for k, v in batch.items() if k != "labels"}
+    if isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) in (1, 2):
+        return batch[0]
+    return batch
+
+
 def forward(net: nn.Module, inputs: Any) -> torch.Tensor:
     """Call ``net`` on inputs (a tensor or keyword mapping); unwrap Hugging Face outputs to logits."""
     out = net(**inputs) if isinstance(inputs, Mapping) else net(inputs)

@@ -93,7 +93,8 @@ class PrivacyReport:
         return self.private and not self.user_seeded
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"is_guarantee": self.is_guarantee}
+        """Plain data (for loggers' hyperparameters, YAML, JSON)."""
+        return asdict(self) | {"user_seeded": list(self.user_seeded), "is_guarantee": self.is_guarantee}
 
     def __str__(self) -> str:
         if not self.private:
@@ -109,9 +110,8 @@ class PrivacyReport:
         if self.accountant == "tree":
             lines.append("  sampling      a fixed partition of the private set (each example in one round per pass)")
         elif self.sample_rate is not None:
-            lines.append(
-                f"  sampling      Poisson, rate {self.sample_rate:.4g} (expected batch {self.expected_batch_size:.4g})"
-            )
+            expected = "" if self.expected_batch_size is None else f" (expected batch {self.expected_batch_size:.4g})"
+            lines.append(f"  sampling      Poisson, rate {self.sample_rate:.4g}{expected}")
         if self.user_seeded:
             lines.append(
                 f"  secrets       USER-SEEDED ({', '.join(self.user_seeded)}): epsilon is NO guarantee against "

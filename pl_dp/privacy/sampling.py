@@ -237,15 +237,50 @@ def partition_loader(
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs)
 
 
-def poisson_sampler_of(loader: Any) -> PoissonBatchSampler:
-    """The Poisson sampler behind a private loader, or a clear error (invariant 1)."""
+class OpacusPoissonSampling:
+    """Opacus' ``UniformWithReplacementSampler`` (behind its ``DPDataLoader``) read as Poisson sampling.
+
+    It includes each example independently with probability ``sample_rate``, as the accountants
+    assume. Its randomness must be secret too: a sampler without a generator draws from torch's
+    global RNG, which ``seed_everything`` makes public, so it gets a generator seeded from OS
+    entropy here. A user-supplied generator is kept and counted as user-seeded (secret only if its
+    seed is). It has no position to checkpoint: Poisson batches are independent, so a resumed epoch
+    that draws new ones leaves the distribution unchanged.
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self.sample_rate = float(sampler.sample_rate)
+        self.num_samples = int(sampler.num_samples)
+        self.seeded = sampler.generator is not None
+        if sampler.generator is None:
+            sampler.generator = torch.Generator().manual_seed(entropy_seed())
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sample_rate * self.num_samples
+
+
+def poisson_sampler_of(loader: Any) -> PoissonBatchSampler | OpacusPoissonSampling:
+    """The Poisson sampler behind a private loader, or a clear error (invariant 1).
+
+    Accepts pl_dp's :class:`PoissonBatchSampler` and Opacus' ``UniformWithReplacementSampler``
+    (``opacus.data_loader.DPDataLoader``), which it wraps in :class:`OpacusPoissonSampling`.
+    """
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
     sampler = getattr(loader, "batch_sampler", None)
     if isinstance(sampler, PoissonBatchSampler):
         return sampler
+    if type(sampler) is UniformWithReplacementSampler:  # not the distributed variant: it shuffles and shards
+        return OpacusPoissonSampling(sampler)
+    found = type(sampler).__name__ if sampler is not None else type(loader).__name__
+    if found == "BatchSampler":
+        inner = getattr(sampler, "sampler", None)
+        found = f"BatchSampler over {type(inner).__name__} (fixed-size batches, shuffled or in order)"
     raise ValueError(
-        "the private training loader must Poisson-sample (pl_dp.privacy.PoissonBatchSampler, e.g. "
-        "via PrivatePublicDataModule or pl_dp.privacy.poisson_loader): the accountant assumes each "
-        f"example joins each batch independently with probability b/n. Got a loader with "
-        f"{type(sampler).__name__ if sampler is not None else type(loader).__name__}; a loader "
-        "that shuffles fixed-size batches would make the reported ε wrong."
+        "the private training loader must Poisson-sample: the accountant assumes each example joins each "
+        "batch independently with probability b/n. Use pl_dp.data.PrivatePublicDataModule, "
+        "pl_dp.privacy.poisson_loader, or Opacus' DPDataLoader. Got a loader with " + found + ": fixed-size "
+        "batches would make the reported epsilon wrong."
     )

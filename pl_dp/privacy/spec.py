@@ -18,9 +18,10 @@ class PrivacySpec:
         epsilon: target ε of the whole fit (every private step of every stage).
         delta: target δ; ``None`` means ``1 / n_private``, fixed once the private set size is
             known at fit start.
-        accountant: ``"prv"`` (Opacus PRV, the default: tightest), ``"rdp"`` (conservative
-            cross-check), ``"gdp"`` (Opacus marks it experimental) or ``"tree"`` (O2NC's tree
-            mechanism over a data partition; only for :class:`~pl_dp.methods.O2NC`).
+        accountant: ``None`` (default) means the method's own: ``"prv"`` for the Poisson-sampled
+            methods, ``"tree"`` for :class:`~pl_dp.methods.O2NC`. Or name one: ``"prv"`` (Opacus PRV:
+            tight), ``"rdp"`` (conservative cross-check), ``"gdp"`` (Opacus marks it experimental) or
+            ``"tree"`` (O2NC's tree mechanism over a data partition; only for O2NC).
         noise_multiplier: σ. ``None`` means calibrated at fit start from (ε, δ, sample rate,
             planned private steps). If given, fit refuses to start when σ cannot meet ε for
             the planned steps.
@@ -28,7 +29,7 @@ class PrivacySpec:
 
     epsilon: float
     delta: float | None = None
-    accountant: str = "prv"
+    accountant: str | None = None
     noise_multiplier: float | None = None
 
     def __post_init__(self) -> None:
@@ -44,7 +45,7 @@ class PrivacySpec:
             )
         if self.delta is not None and not (0 < self.delta < 1):
             raise ValueError(f"PrivacySpec.delta must lie in (0, 1), got {self.delta!r}.")
-        if self.accountant not in ACCOUNTANTS:
+        if self.accountant is not None and self.accountant not in ACCOUNTANTS:
             raise ValueError(f"PrivacySpec.accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}.")
         if self.noise_multiplier is not None and not self.noise_multiplier > 0:
             raise ValueError(f"PrivacySpec.noise_multiplier must be > 0, got {self.noise_multiplier!r}.")
