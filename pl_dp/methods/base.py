@@ -251,6 +251,7 @@ class PrivateModule(L.LightningModule):
         spec = self.privacy
         n = sampler.num_samples
         self.delta = spec.resolve_delta(n)
+        self.prepare_accounting(sampler)
         if self._restored is not None:
             self._check_restored_plan()
         elif spec.noise_multiplier is not None:
@@ -269,6 +270,13 @@ class PrivateModule(L.LightningModule):
             )
         self._budget = StepBudget(self.accountant, spec.epsilon, self.delta, horizon=self.planned_steps)
         self._tracker = EpsilonTracker(self.accountant, self.delta, self.planned_steps)
+
+    def prepare_accounting(self, sampler: CountingBatchSampler) -> None:
+        """Wire the accountant to this fit's private sampler, before σ is planned (explicit, once per plan).
+
+        Called after the sampler's position is restored. Poisson accountants need nothing; O2NC checks its
+        partition against the checkpoint and tells the tree accountant where the next leaf comes from.
+        """
 
     def _check_restored_plan(self) -> None:
         saved = self._restored

@@ -3,7 +3,15 @@
 Plain torch + Opacus; no Lightning imports.
 """
 
-from pl_dp.privacy.accountants import GDP, PRV, RDP, Accountant, create_accountant, register_accountant
+from pl_dp.privacy.accountants import (
+    GDP,
+    PRV,
+    RDP,
+    Accountant,
+    accountant_names,
+    create_accountant,
+    register_accountant,
+)
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.clipping import clip_per_example
@@ -12,7 +20,7 @@ from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
 from pl_dp.privacy.spec import PrivacySpec
-from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, tree_multiplicity, tree_nodes
+from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, TreeLeaf, tree_multiplicity, tree_nodes
 
 __all__ = [
     "GDP",
@@ -28,7 +36,9 @@ __all__ = [
     "StepBudget",
     "TreeAccountant",
     "TreeAggregatedGaussian",
+    "TreeLeaf",
     "SubsampledGaussian",
+    "accountant_names",
     "batch_size_of",
     "calibrate_noise_multiplier",
     "check_per_sample",

@@ -35,7 +35,7 @@ class Accountant:
     mechanism: str = ""
 
     def __init__(self) -> None:
-        self.history: History = []
+        self.history: list = []
         self._cache: tuple[tuple, float] | None = None
 
     # ---- recording -------------------------------------------------------------------------
@@ -69,7 +69,7 @@ class Accountant:
         history = _append(list(self.history), float(noise_multiplier), float(sample_rate), int(num_steps))
         return self._epsilon(history, delta) if history else 0.0
 
-    def _epsilon(self, history: History, delta: float) -> float:
+    def _epsilon(self, history: list, delta: float) -> float:
         raise NotImplementedError
 
     @property
@@ -86,8 +86,13 @@ class Accountant:
             raise ValueError(
                 f"cannot load a {state.get('mechanism')!r} accountant state into a {self.mechanism!r} accountant."
             )
-        self.history = [(float(s), float(q), int(n)) for s, q, n in state["history"]]
+        self.history = [self._entry(row) for row in state["history"]]
         self._cache = None
+
+    def _entry(self, row: Sequence[Any]) -> Any:
+        """One saved history row as a history entry."""
+        sigma, rate, steps = row
+        return float(sigma), float(rate), int(steps)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(steps={self.steps})"
@@ -171,76 +176,11 @@ class GDP(Accountant):
         return True
 
 
-def tree_multiplicity(steps: int) -> int:
-    """⌊log₂ T⌋ + 1: the most released nodes of a T-leaf tree that contain one leaf (spec §5.2 step 5).
-
-    The paper's 2 ln T is smaller for T ∈ {1, 2, 4} (0 noise at T = 1), so it is not used.
-    """
-    if steps < 1:
-        raise ValueError(f"the tree needs at least one leaf, got {steps}.")
-    return steps.bit_length()
-
-
-class TreeAccountant(Accountant):
-    """(ε, δ) of a run of tree-aggregated releases over a partition of the data (o2nc spec §3.4–3.8).
-
-    Configure with :meth:`configure` before use: ``tree_length`` T (leaves per tree; 1 for
-    independent per-step releases, the naive baseline) and ``steps_per_pass`` (leaves that use
-    the whole data once). After n recorded leaves with multiplier z, an example sits in at most
-    c(n) = ⌊log₂ min(n, T)⌋ + 1 released nodes per pass, and passes compose:
-    ρ² = P·c/z² with P the number of passes begun. The run is (α, αρ²/2)-RDP for every α > 1
-    (Theorem 4.3), converted to (ε, δ) with Opacus' RDP conversion (Balle et al. 2020).
-    """
-
-    mechanism = "tree"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tree_length: int | None = None
-        self.steps_per_pass: int | None = None
-
-    def configure(self, tree_length: int, steps_per_pass: int) -> None:
-        if tree_length < 1 or steps_per_pass < tree_length:
-            raise ValueError(f"need 1 <= tree_length <= steps_per_pass, got {tree_length}, {steps_per_pass}.")
-        self.tree_length, self.steps_per_pass = int(tree_length), int(steps_per_pass)
-        self._cache = None
-
-    def rho(self, noise_multiplier: float, steps: int) -> float:
-        """ρ after ``steps`` leaves with multiplier z."""
-        if self.tree_length is None:
-            raise ValueError("the tree accountant is not configured (tree_length, steps_per_pass).")
-        if steps < 1:
-            return 0.0
-        passes = math.ceil(steps / self.steps_per_pass)
-        nodes = tree_multiplicity(min(steps, self.tree_length))
-        return math.sqrt((passes if passes > 1 else 1) * nodes) / noise_multiplier
-
-    def _epsilon(self, history: History, delta: float) -> float:
-        if len({s for s, _, _ in history}) > 1:
-            raise ValueError("the tree accountant supports one noise multiplier per run.")
-        sigma, steps = history[0][0], sum(n for _, _, n in history)
-        rho = self.rho(sigma, steps)
-        orders = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
-        eps, _ = rdp_analysis.get_privacy_spent(orders=orders, rdp=orders * rho**2 / 2, delta=delta)
-        return float(eps)
-
-    @property
-    def is_cheap(self) -> bool:
-        return True
-
-    def state_dict(self) -> dict[str, Any]:
-        return super().state_dict() | {"tree_length": self.tree_length, "steps_per_pass": self.steps_per_pass}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.tree_length, self.steps_per_pass = state["tree_length"], state["steps_per_pass"]
-
-
-_BACKENDS: dict[str, type[Accountant]] = {"rdp": RDP, "prv": PRV, "gdp": GDP, "tree": TreeAccountant}
+_BACKENDS: dict[str, type[Accountant]] = {"rdp": RDP, "prv": PRV, "gdp": GDP}
 
 
 def create_accountant(name: str) -> Accountant:
-    """The accountant called ``name`` (``"prv"``, ``"rdp"``, ``"gdp"`` or ``"tree"``)."""
+    """The accountant called ``name`` (one of :func:`accountant_names`)."""
     try:
         return _BACKENDS[name]()
     except KeyError:
@@ -253,4 +193,5 @@ def register_accountant(name: str, cls: type[Accountant]) -> None:
 
 
 def accountant_names() -> Sequence[str]:
+    """The accountants on offer."""
     return tuple(_BACKENDS)
