@@ -1,10 +1,10 @@
 """Privacy core: spec, accountants, calibration, mechanisms, clipping, sampling, noise.
 
-Plain torch + Opacus; no Lightning imports.
+Plain torch, Opacus and dp-accounting; no Lightning imports.
 """
 
 from pl_dp.privacy.accountants import (
-    GDP,
+    PLD,
     PRV,
     RDP,
     Accountant,
@@ -23,7 +23,7 @@ from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, TreeLeaf, tree_multiplicity, tree_nodes
 
 __all__ = [
-    "GDP",
+    "PLD",
     "PRV",
     "RDP",
     "Accountant",
