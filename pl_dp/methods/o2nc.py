@@ -21,7 +21,7 @@ from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
-from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, TreeLeaf, tree_multiplicity
+from pl_dp.privacy.tree import TreeAggregatedGaussian, TreeLeaf, tree_multiplicity
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import per_sample_evaluator
 
@@ -194,8 +194,7 @@ class O2NC(PrivateModule):
                 "of a pass would reuse examples. Resume with the checkpoint's data, batch sizes, inner_steps, "
                 "variant and datamodule seed, or start a new run."
             )
-        if isinstance(self.accountant, TreeAccountant):
-            self.accountant.plan(sampler.name, sampler.steps_per_epoch, self.tree_length, self._position)
+        self.accountant.plan(sampler.name, sampler.steps_per_epoch, self.tree_length, self._position)
 
     def mechanism(self, batch_size: int) -> TreeAggregatedGaussian:
         """The tree (or, for the naive variant, a length-1 tree: fresh noise every round)."""

@@ -198,7 +198,7 @@ class TreeAccountant(Accountant):
     terms, so the grouping never under-counts. (3) Each node adds N(0, (z·s)²I) to a sum in which
     one example changes only its own leaf, by at most s (Zhang et al. 2024, Lemmas 3.1–3.2 with
     clipping), whatever the earlier releases were: a Gaussian mechanism with RDP α/(2z²) (Mironov
-    2017, Prop. 7); adaptive composition (Mironov 2017, Prop. 1; Zhang et al. 2024, Thm. 4.3) over
+    2017); adaptive composition (Mironov 2017, Prop. 1; Zhang et al. 2024, Thm. 4.3) over
     the at most N nodes that contain the example gives αN/(2z²); nodes with different z add
     1/z² each, which the per-run z keeps. The released sums are post-processing of the nodes. ∎
 

@@ -1,5 +1,7 @@
 """O2NC: the learner stays in its ball, the toy problem is solved, resume never leaks the running sum."""
 
+import dp_accounting
+import dp_accounting.rdp
 import lightning as L
 import pytest
 import torch
@@ -73,6 +75,7 @@ def test_nonsmooth_toy_nonprivate_reaches_the_optimum_and_private_makes_progress
     make_trainer(max_epochs=3).fit(private, PrivatePublicDataModule(data, batch_size=1))
     assert _objective(private.net.x, data) < start - 0.3 * (start - optimum)
     assert private.epsilon <= 50.0 and private.accountant.steps == private.private_steps
+    assert private.epsilon == pytest.approx(50.0, rel=0.01)  # the calibration's plan is what the ledger recorded
 
 
 def test_naive_variant_runs_and_is_accounted_per_step():
@@ -92,6 +95,14 @@ def test_sensitivity_and_clear_errors():
         _model(PrivacySpec(epsilon=1.0))
     with pytest.raises(ValueError, match="too few for one block"):
         make_trainer(max_epochs=1).fit(_model(), PrivatePublicDataModule(_data(10), batch_size=1))
+
+
+def test_reading_the_private_sampler_changes_no_state():
+    model = _model(PrivacySpec(epsilon=5.0, accountant="tree"))
+    loader = model.private_loader(_data(400), seed=0)
+    before = dict(vars(model.accountant))
+    assert model.private_sampler_of(loader) is loader.batch_sampler
+    assert vars(model.accountant) == before
 
 
 def test_resume_at_an_epoch_boundary_is_exact_and_mid_epoch_skips_to_the_next(tmp_path):
@@ -195,8 +206,6 @@ def _worst_example_nodes(rounds, first_batch_size):
 
 def _epsilon_of_nodes(nodes, z, delta):
     """ε of ``nodes`` Gaussian releases with multiplier z (dp-accounting's RDP accountant, independent of pl_dp)."""
-    import dp_accounting.rdp
-
     accountant = dp_accounting.rdp.RdpAccountant()
     accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), nodes))
     return accountant.get_epsilon(delta)
