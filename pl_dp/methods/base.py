@@ -367,6 +367,7 @@ class PrivateModule(L.LightningModule):
         spec = self.privacy
         if self.delta is None:  # fixed by the first plan (or the checkpoint): ε of every fit is at one δ
             self.delta = spec.resolve_delta(sampler.num_samples)
+        self.prepare_accounting(sampler, restored)
         spent = self.accountant.get_epsilon(self.delta)
         if restored is not None:
             self._check_restored_plan(restored, steps_left)
@@ -413,6 +414,14 @@ class PrivateModule(L.LightningModule):
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
         self._nonfinite_warned = False
+
+    def prepare_accounting(self, sampler: Any, restored: dict[str, Any] | None) -> None:
+        """Wire the accountant to this fit's private sampler, before σ is planned (explicit, once per plan).
+
+        Called after the sampler's position is restored, with the checkpoint's privacy state when the fit
+        resumes one. Poisson accountants need nothing; O2NC checks its partition against the checkpoint
+        and tells the tree accountant where the next leaf comes from.
+        """
 
     def _check_restored_plan(self, saved: dict[str, Any], steps_left: int) -> None:
         changes = []

@@ -16,13 +16,12 @@ import torch
 from torch import nn
 
 from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
-from pl_dp.privacy.accountants import TreeAccountant
 from pl_dp.privacy.clipping import clip_per_example
 from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
-from pl_dp.privacy.tree import TreeAggregatedGaussian
+from pl_dp.privacy.tree import TreeAggregatedGaussian, TreeLeaf, tree_multiplicity
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import per_sample_evaluator
 
@@ -50,7 +49,8 @@ class O2NC(PrivateModule):
     the unit sphere of all d trainable coordinates. The clips make Λ (``clip``) the per-example
     Lipschitz bound the sensitivities need (spec §5.3 (B)): s₁ = 2dΛ/B₁ and s_t ≤ 4dΛ/(B₂T) since
     ‖w_t − w_{t−1}‖ ≤ 2D (the projection is exact). Every node of the tree gets noise std
-    z·max(s₁, s_t) per coordinate; the :class:`TreeAccountant` turns z into ε (replace-one adjacency).
+    z·max(s₁, s_t) per coordinate; each release is recorded as a leaf (pass, tree, leaf) in the
+    :class:`~pl_dp.privacy.tree.TreeAccountant`'s ledger, which turns z into ε (replace-one adjacency).
 
     Deviations from the paper, all privacy-neutral (the sensitivity bounds hold for every draw):
     ``directions_per_sample`` m directions instead of d (``"d"`` restores the paper; variance grows
@@ -72,8 +72,11 @@ class O2NC(PrivateModule):
 
     The private set is partitioned (not Poisson-sampled): each example is used in one round per pass.
     The datamodule's ``batch_size`` is not used. Mid-epoch checkpoints resume at the next epoch: the
-    noise-free running sum and the tree's node noises are never saved (spec item 22). One process
-    only: the partition sampler does not shard yet, so multi-process runs are refused.
+    noise-free running sum and the tree's node noises are never saved (spec item 22), and the cut tree
+    stays in the ledger with the leaves it released. A resume must find the same partition (private
+    set size, B₁, B₂, T, variant and partition seed; the seed is not a secret, see
+    :class:`~pl_dp.privacy.sampling.PartitionBatchSampler`) or it is refused. One process only: the
+    partition sampler does not shard yet, so multi-process runs are refused.
     """
 
     supports_data_parallel = False
@@ -160,6 +163,11 @@ class O2NC(PrivateModule):
     def private_loader(self, dataset: Any, seed: int) -> Any:
         return partition_loader(dataset, self.first_batch_size, self.batch_size, self.inner_steps, seed)
 
+    @property
+    def tree_length(self) -> int:
+        """Leaves per tree: T, or 1 for the naive variant (fresh noise every round)."""
+        return 1 if self.variant == "naive" else self.inner_steps
+
     def private_sampler_of(self, loader: Any) -> PartitionBatchSampler | None:
         sampler = getattr(loader, "batch_sampler", None)
         if not isinstance(sampler, PartitionBatchSampler) or (
@@ -170,10 +178,28 @@ class O2NC(PrivateModule):
                 "O2NC's accounting needs its own disjoint partition of the private set: train with a "
                 "PrivatePublicDataModule (which asks the method for its loader) or O2NC.private_loader(dataset, seed)."
             )
-        if isinstance(self.accountant, TreeAccountant):
-            tree_length = 1 if self.variant == "naive" else self.inner_steps
-            self.accountant.configure(tree_length, sampler.steps_per_epoch)
         return sampler
+
+    def _layout(self, sampler: PartitionBatchSampler) -> dict[str, int]:
+        return sampler.layout | {"tree_length": self.tree_length}
+
+    def prepare_accounting(self, sampler: PartitionBatchSampler, restored: dict[str, Any] | None) -> None:
+        """Refuse a resume over another partition; plan the tree accountant's leaves from the next round on."""
+        saved = (restored or {}).get("partition")
+        layout = self._layout(sampler)
+        if saved is not None and saved != layout:
+            changes = ", ".join(
+                f"{key} {saved.get(key)} -> {layout.get(key)}"
+                for key in sorted(saved.keys() | layout.keys())
+                if saved.get(key) != layout.get(key)
+            )
+            raise ValueError(
+                f"O2NC cannot resume over another partition of the private set ({changes}): the checkpoint's "
+                "ledger counts released nodes per block of its own partition, and a new partition in the middle "
+                "of a pass would reuse examples. Resume with the checkpoint's data, batch sizes, inner_steps, "
+                "variant and datamodule seed, or start a new run."
+            )
+        self.accountant.plan(sampler.name, sampler.steps_per_epoch, self.tree_length, self._position)
 
     def mechanism(self, batch_size: int) -> TreeAggregatedGaussian:
         """The tree (or, for the naive variant, a length-1 tree: fresh noise every round)."""
@@ -189,7 +215,7 @@ class O2NC(PrivateModule):
 
     def log_noise_scale(self) -> None:
         """Expected ‖TREE(t)‖ at its worst next to the clip Λ (spec §5.2 step 8): is the run noise-dominated?"""
-        nodes = 1 if self.variant == "naive" else self.inner_steps.bit_length()
+        nodes = tree_multiplicity(self.tree_length)
         expected = math.sqrt(nodes * self.dim) * self.noise_multiplier * self.sensitivity()
         if expected > 100 * self.clip:
             warnings.warn(
@@ -242,9 +268,20 @@ class O2NC(PrivateModule):
         return out, nonfinite
 
     # ---- one round --------------------------------------------------------------------------
+    @property
+    def _position(self) -> int:
+        """The sampler position of this round (the loader may have drawn batches ahead of it)."""
+        return self._sampler_start + self._batches_consumed
+
     def _round(self) -> tuple[int, int, int]:
-        index = self._sampler_start + self._batches_consumed
-        return self._sampler.locate(index) if self._sampler is not None else (0, 0, 0)
+        return self._sampler.locate(self._position) if self._sampler is not None else (0, 0, 0)
+
+    def _leaf(self, passes: int, block: int, t: int) -> TreeLeaf:
+        """The leaf released in round t of block k: leaf t+1 of tree k, or (naive) a one-leaf tree per round."""
+        name = self._sampler.name if self._sampler is not None else ""
+        if self.variant == "naive":
+            return TreeLeaf(name, passes, block * self.inner_steps + t, 1, 1)
+        return TreeLeaf(name, passes, block, self.inner_steps, t + 1)
 
     def private_step(self, batch: Any, batch_size: int, mechanism: TreeAggregatedGaussian) -> dict[str, torch.Tensor]:
         passes, block, t = self._round()
@@ -270,7 +307,7 @@ class O2NC(PrivateModule):
             gap = min(_norm([a - b for a, b in zip(w, st["w_prev"])]), 2 * self.radius)
             increment, nonfinite = self._oracle(evaluate, batch_size, key, w, st["w_prev"], self.clip * gap)
             st["running"] = [r + inc for r, inc in zip(st["running"], increment)]
-        noisy = mechanism.release(1 if self.variant == "naive" else t + 1, st["running"], self.noise)
+        noisy = mechanism.release(self._leaf(passes, block, t), st["running"], self.noise)
         # x_{t+1} = x_t + Δ_t; then the learner's Δ_{t+1} = Π_D(Δ_t − η g̃_t)
         self._set([xi + di for xi, di in zip(x, st["delta"])])
         noisy_norm = _norm(noisy)
@@ -322,6 +359,8 @@ class O2NC(PrivateModule):
         state = super().privacy_state_dict()
         # only post-processing of released values: never the noise-free running sum or the node noises
         state["o2nc"] = {k: v for k, v in self._state.items() if k in self._SAVED}
+        if isinstance(self._sampler, PartitionBatchSampler):
+            state["partition"] = self._layout(self._sampler)
         return state
 
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:

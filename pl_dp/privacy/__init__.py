@@ -1,9 +1,17 @@
 """Privacy core: spec, accountants, calibration, mechanisms, clipping, sampling, noise.
 
-Plain torch + Opacus; no Lightning imports.
+Plain torch, Opacus and dp-accounting; no Lightning imports.
 """
 
-from pl_dp.privacy.accountants import GDP, PRV, RDP, Accountant, create_accountant, register_accountant
+from pl_dp.privacy.accountants import (
+    PLD,
+    PRV,
+    RDP,
+    Accountant,
+    accountant_names,
+    create_accountant,
+    register_accountant,
+)
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.clipping import clip_per_example
@@ -13,10 +21,10 @@ from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
 from pl_dp.privacy.spec import PrivacySpec
-from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, tree_multiplicity, tree_nodes
+from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, TreeLeaf, tree_multiplicity, tree_nodes
 
 __all__ = [
-    "GDP",
+    "PLD",
     "PRV",
     "RDP",
     "Accountant",
@@ -30,7 +38,9 @@ __all__ = [
     "StepBudget",
     "TreeAccountant",
     "TreeAggregatedGaussian",
+    "TreeLeaf",
     "SubsampledGaussian",
+    "accountant_names",
     "batch_size_of",
     "calibrate_noise_multiplier",
     "check_per_sample",

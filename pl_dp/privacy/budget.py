@@ -116,7 +116,7 @@ class StepBudget:
 class EpsilonTracker:
     """A per-step ε for logging that costs (almost) nothing.
 
-    For cheap accountants (RDP with its cached curve, GDP) it is the exact ε. For PRV it is the
+    For cheap accountants (RDP with its cached curve, the tree ledger) it is the exact ε. For PRV and PLD it is the
     exact ε at the next multiple of ``stride`` steps — an upper bound on the ε spent so far
     (ε grows with the step count), exact every ``stride`` steps and recomputed at most
     ``planned / stride`` times per fit.

@@ -107,13 +107,16 @@ class PoissonBatchSampler(CountingBatchSampler):
 
 
 class PartitionBatchSampler(CountingBatchSampler):
-    """Disjoint fixed-size batches: each example is used in exactly one step per pass (O2NC, o2nc spec §3.2).
+    """Disjoint fixed-size batches: each example is used in exactly one step per pass (O2NC).
 
-    A seeded, data-independent permutation of the private set is cut into K blocks of
-    ``first_batch_size + batch_size·(block_steps − 1)`` examples (B₁ + B₂(T − 1)); block k yields
-    one batch of B₁ then T − 1 batches of B₂. The remainder (fewer than one block) is never used.
-    A new pass re-permutes with a new seed. There is no sampling amplification (``sample_rate``
-    is 1): the accountant for this sampler is :class:`~pl_dp.privacy.accountants.TreeAccountant`.
+    Zhang, Tran & Cutkosky (2024), Algorithm 4: a seeded, data-independent permutation of the private
+    set is cut into K blocks of ``first_batch_size + batch_size·(block_steps − 1)`` examples
+    (B₁ + B₂(T − 1)); block k yields one batch of B₁ then T − 1 batches of B₂. The remainder (fewer
+    than one block) is never used. A new pass re-permutes with a new seed. There is no sampling
+    amplification (``sample_rate`` is 1): the accountant for this sampler is
+    :class:`~pl_dp.privacy.tree.TreeAccountant`. Because the analysis never relies on the
+    permutation being hidden, the ``seed`` is not a secret: it may be saved with a checkpoint, and
+    :attr:`layout` (with the seed) is what a resume must find unchanged.
     """
 
     sample_rate = 1.0
@@ -147,6 +150,22 @@ class PartitionBatchSampler(CountingBatchSampler):
     @property
     def expected_batch_size(self) -> float:
         return float(self.batch_size)
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """What fixes the blocks of every pass: n, B₁, B₂, T and the seed."""
+        return {
+            "num_samples": self.num_samples,
+            "first_batch_size": self.first_batch_size,
+            "batch_size": self.batch_size,
+            "block_steps": self.block_steps,
+            "seed": self.seed,
+        }
+
+    @property
+    def name(self) -> str:
+        """The partition's name for the tree accountant's ledger: equal names mean equal blocks in every pass."""
+        return " ".join(f"{key}={value}" for key, value in self.layout.items())
 
     def locate(self, index: int) -> tuple[int, int, int]:
         """(pass, block k, step t in the block, 0-based) of batch ``index``."""

@@ -7,7 +7,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-ACCOUNTANTS = ("prv", "rdp", "gdp", "tree")
+from pl_dp.privacy.accountants import REMOVED_ACCOUNTANTS, accountant_names
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,11 @@ class PrivacySpec:
         delta: target δ; ``None`` means ``1 / n_private``, fixed once the private set size is
             known at fit start.
         accountant: ``None`` (default) means the method's own: ``"prv"`` for the Poisson-sampled
-            methods, ``"tree"`` for :class:`~pl_dp.methods.O2NC`. Or name one: ``"prv"`` (Opacus PRV:
-            tight), ``"rdp"`` (conservative cross-check), ``"gdp"`` (Opacus marks it experimental) or
-            ``"tree"`` (O2NC's tree mechanism over a data partition; only for O2NC).
+            methods, ``"tree"`` for :class:`~pl_dp.methods.O2NC`. Or name one: ``"prv"`` (Opacus PRV),
+            ``"pld"`` (Google's dp-accounting privacy loss distribution, pessimistic: tight and sound),
+            ``"rdp"`` (conservative cross-check) or ``"tree"`` (O2NC's tree mechanism over a data
+            partition; only for O2NC). Each reports an upper bound on ε; approximations such as
+            Gaussian DP (``"gdp"``, removed) are not offered.
         noise_multiplier: σ. ``None`` means calibrated at fit start from (ε, δ, sample rate,
             planned private steps). If given, fit refuses to start when σ cannot meet ε for
             the planned steps.
@@ -45,8 +47,13 @@ class PrivacySpec:
             )
         if self.delta is not None and not (0 < self.delta < 1):
             raise ValueError(f"PrivacySpec.delta must lie in (0, 1), got {self.delta!r}.")
-        if self.accountant is not None and self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"PrivacySpec.accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}.")
+        if self.accountant in REMOVED_ACCOUNTANTS:
+            raise ValueError(f"PrivacySpec.accountant: {REMOVED_ACCOUNTANTS[self.accountant]}.")
+        if self.accountant is not None and self.accountant not in accountant_names():
+            raise ValueError(
+                f"PrivacySpec.accountant must be None (the method's own) or one of {tuple(accountant_names())}, "
+                f"got {self.accountant!r}."
+            )
         if self.noise_multiplier is not None and not self.noise_multiplier > 0:
             raise ValueError(f"PrivacySpec.noise_multiplier must be > 0, got {self.noise_multiplier!r}.")
 

@@ -53,7 +53,7 @@ def test_module_refuses_a_spec_whose_sigma_cannot_meet_its_own_epsilon():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    accountant=st.sampled_from(["rdp", "gdp"]),
+    accountant=st.sampled_from(["rdp", "pld"]),
     epsilon=st.floats(0.3, 8.0),
     target_fraction=st.floats(0.2, 1.0),
     batch_size=st.integers(5, 60),
@@ -88,7 +88,7 @@ _METHODS = {
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     method=st.sampled_from(sorted(_METHODS)),
-    accountant=st.sampled_from(["rdp", "gdp"]),  # PRV costs ~7 s per fit here; the demo and CLI tests run it
+    accountant=st.sampled_from(["rdp", "pld"]),  # PRV costs ~7 s per fit here; the demo and CLI tests run it
     epsilon=st.floats(0.2, 8.0),
     batch_size=st.integers(4, 40),
     plan=st.one_of(

@@ -1,5 +1,7 @@
 """O2NC: the learner stays in its ball, the toy problem is solved, resume never leaks the running sum."""
 
+import dp_accounting
+import dp_accounting.rdp
 import lightning as L
 import pytest
 import torch
@@ -73,13 +75,15 @@ def test_nonsmooth_toy_nonprivate_reaches_the_optimum_and_private_makes_progress
     make_trainer(max_epochs=3).fit(private, PrivatePublicDataModule(data, batch_size=1))
     assert _objective(private.net.x, data) < start - 0.3 * (start - optimum)
     assert private.epsilon <= 50.0 and private.accountant.steps == private.private_steps
+    assert private.epsilon == pytest.approx(50.0, rel=0.01)  # the calibration's plan is what the ledger recorded
 
 
 def test_naive_variant_runs_and_is_accounted_per_step():
     model = _model(PrivacySpec(epsilon=50.0, accountant="tree"), variant="naive")
     make_trainer(max_epochs=1).fit(model, PrivatePublicDataModule(_data(400), batch_size=1))
     assert model.first_batch_size == model.batch_size == 2
-    assert model.accountant.tree_length == 1 and model.epsilon <= 50.0
+    assert {run.tree_length for run in model.accountant.history} == {1} and model.epsilon <= 50.0
+    assert model.accountant.steps == model.private_steps
 
 
 def test_sensitivity_and_clear_errors():
@@ -87,10 +91,19 @@ def test_sensitivity_and_clear_errors():
     d, lam = 4, 2.0
     assert model.first_batch_size == 8  # ceil(T * B2 / 2): the least B1 with s1 <= s_t
     assert model.sensitivity() == pytest.approx(max(2 * d * lam / 8, 4 * d * lam / (2 * 8)))
-    with pytest.raises(ValueError, match="accountant='tree'"):
-        _model(PrivacySpec(epsilon=1.0))
+    assert _model(PrivacySpec(epsilon=1.0)).accountant_name == "tree"  # the method's own accountant by default
+    with pytest.raises(ValueError, match=r"accountant=None\) \(its own, 'tree'\)"):
+        _model(PrivacySpec(epsilon=1.0, accountant="prv"))
     with pytest.raises(ValueError, match="too few for one block"):
         make_trainer(max_epochs=1).fit(_model(), PrivatePublicDataModule(_data(10), batch_size=1))
+
+
+def test_reading_the_private_sampler_changes_no_state():
+    model = _model(PrivacySpec(epsilon=5.0, accountant="tree"))
+    loader = model.private_loader(_data(400), seed=0)
+    before = dict(vars(model.accountant))
+    assert model.private_sampler_of(loader) is loader.batch_sampler
+    assert vars(model.accountant) == before
 
 
 def test_resume_at_an_epoch_boundary_is_exact_and_mid_epoch_skips_to_the_next(tmp_path):
@@ -150,3 +163,96 @@ def test_oracles_stay_within_their_sensitivity_on_adversarial_losses():
         ]
         change = float(torch.cat([(a - b).reshape(-1) for a, b in zip(*outs)]).norm())
         assert 0 < change <= limit * (1 + 1e-5)
+
+
+# ---- accounting across resumes: what was released, never re-derived from today's config ----------------------------
+
+
+def _indexed_data(n=400):
+    """The toy data with each example's index as its target, so a callback can see which examples a round used."""
+    data = _data(n)
+    return TensorDataset(data.tensors[0], torch.arange(n))
+
+
+class Releases(L.Callback):
+    """Records (private step, example indices) of every round and the epsilon after it."""
+
+    def __init__(self):
+        self.rounds, self.epsilons = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rounds.append((pl_module.private_steps, batch[1].tolist()))
+        self.epsilons.append(pl_module.epsilon)
+
+
+def _worst_example_nodes(rounds, first_batch_size):
+    """The most released tree nodes that contain one example, counted from the rounds that ran.
+
+    A round of B1 examples starts a tree (GRAD); the B2-rounds after it are its next leaves. After n leaves of a
+    tree the released nodes are the dyadic intervals (b - lowbit(b) + 1, b) for b = 1..n (Zhang et al. 2024, Alg. 5).
+    """
+    trees = []
+    for examples in rounds:
+        if len(examples) == first_batch_size:
+            trees.append([])
+        trees[-1].append(examples)
+    count = {}
+    for leaves in trees:
+        nodes = [(b - (b & -b) + 1, b) for b in range(1, len(leaves) + 1)]
+        for leaf, examples in enumerate(leaves, start=1):
+            for example in examples:
+                count[example] = count.get(example, 0) + sum(a <= leaf <= b for a, b in nodes)
+    return max(count.values())
+
+
+def _epsilon_of_nodes(nodes, z, delta):
+    """ε of ``nodes`` Gaussian releases with multiplier z (dp-accounting's RDP accountant, independent of pl_dp)."""
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), nodes))
+    return accountant.get_epsilon(delta)
+
+
+def test_a_mid_epoch_resume_accounts_every_node_the_worst_example_is_in(tmp_path):
+    """The audit's first case: kill inside a tree, resume (the rest of that tree is skipped), and run 3 rounds into
+    the second pass. The worst example then sits in 4 + 2 released nodes; counting passes from the number of steps
+    (which lags the sampler by the skipped rounds) said 4."""
+    spec = PrivacySpec(epsilon=50.0, accountant="tree", noise_multiplier=2.0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    crashed = Releases()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_steps=142, callbacks=[crashed, ckpt, Crash(20)], enable_checkpointing=True).fit(
+            _model(spec), PrivatePublicDataModule(_indexed_data(), batch_size=1)
+        )
+    saved = torch.load(tmp_path / "step=19.ckpt", weights_only=False)["pl_dp"]
+    resumed, after = _model(spec), Releases()
+    with pytest.warns(UserWarning, match="next epoch"):
+        make_trainer(max_steps=142, callbacks=[after]).fit(
+            resumed, PrivatePublicDataModule(_indexed_data(), batch_size=1), ckpt_path=str(tmp_path / "step=19.ckpt")
+        )
+    assert resumed.private_steps == 142  # 19 before the crash, then rounds 24..146 of the partition (144 per pass)
+    released = [examples for step, examples in crashed.rounds if step <= saved["private_steps"]]
+    released += [examples for _, examples in after.rounds]
+    worst = _worst_example_nodes(released, resumed.first_batch_size)
+    assert worst > 4  # the run is the audit's case
+    assert resumed.epsilon >= _epsilon_of_nodes(worst, 2.0, resumed.delta)
+    before = crashed.epsilons[saved["private_steps"] - 1]
+    assert all(b >= a for a, b in zip([before, *after.epsilons], after.epsilons))  # epsilon never decreases
+
+
+def test_a_resume_with_another_inner_steps_is_refused_and_epsilon_never_decreases(tmp_path):
+    """The audit's second case: resuming a T = 8 run with T = 2 re-counted the whole history with 2 nodes per tree
+    instead of 4, and epsilon went down. The released trees are in the ledger; another partition is refused."""
+    spec = PrivacySpec(epsilon=50.0, accountant="tree", noise_multiplier=2.0)
+    first, releases = _model(spec), Releases()
+    trainer = make_trainer(max_epochs=1, callbacks=[releases])
+    trainer.fit(first, PrivatePublicDataModule(_indexed_data(), batch_size=1))
+    trainer.save_checkpoint(tmp_path / "pass1.ckpt")
+    spent = first.epsilon
+    assert spent >= _epsilon_of_nodes(_worst_example_nodes([r for _, r in releases.rounds], 8), 2.0, first.delta)
+    resumed = _model(spec, inner_steps=2)
+    with pytest.raises(ValueError, match="another partition.*block_steps 8 -> 2"):
+        make_trainer(max_epochs=2).fit(
+            resumed, PrivatePublicDataModule(_indexed_data(), batch_size=1), ckpt_path=str(tmp_path / "pass1.ckpt")
+        )
+    assert resumed.private_steps == first.private_steps  # refused before any private step
+    assert resumed.epsilon >= spent
