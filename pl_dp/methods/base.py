@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.accountants import Accountant, create_accountant
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
+from pl_dp.privacy.independence import probe_examples, probe_independence, refuse_batch_mixing_modules
 from pl_dp.privacy.losses import (
     LossSpec,
     batch_size_of,
@@ -84,6 +85,9 @@ class PrivateModule(L.LightningModule):
     #: accept a checkpoint trained under another privacy spec or sample rate (set by
     #: :class:`~pl_dp.callbacks.AllowPrivacySpecChange`): the saved history is kept and σ re-planned
     allow_privacy_change: bool = False
+    #: the modes in which the method evaluates private losses, probed at fit start (invariant 8): "train"
+    #: (training mode, autograd: first-order) and/or "eval" (eval mode, inference mode: zeroth-order)
+    private_loss_modes: tuple[str, ...] = ("train", "eval")
 
     @property
     def touches_private_data(self) -> bool:
@@ -248,6 +252,7 @@ class PrivateModule(L.LightningModule):
             self._batches_consumed = 0
         if self.privacy is None:
             return
+        self.check_independence()
         spec = self.privacy
         n = sampler.num_samples
         self.delta = spec.resolve_delta(n)
@@ -269,6 +274,14 @@ class PrivateModule(L.LightningModule):
             )
         self._budget = StepBudget(self.accountant, spec.epsilon, self.delta, horizon=self.planned_steps)
         self._tracker = EpsilonTracker(self.accountant, self.delta, self.planned_steps)
+
+    def check_independence(self) -> None:
+        """Invariant 8, once per private fit before any step: refuse batch-mixing layers, then probe the net and loss
+        on a few examples (public, else validation, else private by index) in ``private_loss_modes``."""
+        refuse_batch_mixing_modules(self.net)
+        examples, source = probe_examples(getattr(self.trainer, "datamodule", None), self.trainer.train_dataloader)
+        examples = self.transfer_batch_to_device(examples, self.device, 0)
+        probe_independence(self.net, self.loss_fn, examples, self.private_loss_modes, source)
 
     def _check_restored_plan(self) -> None:
         saved = self._restored

@@ -77,6 +77,7 @@ class O2NC(PrivateModule):
     """
 
     supports_data_parallel = False
+    private_loss_modes = ("eval",)  # per_sample_evaluator
 
     def __init__(
         self,

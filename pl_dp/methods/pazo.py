@@ -220,6 +220,7 @@ class PAZOS(PrivateModule):
     """
 
     requires_public_data = True
+    private_loss_modes = ("eval",)  # per_sample_evaluator
 
     def __init__(
         self,

@@ -38,6 +38,8 @@ class ZerothOrderModule(PrivateModule):
     reproducible) and a step counter; they never share a generator with the DP noise.
     """
 
+    private_loss_modes = ("eval",)  # per_sample_evaluator
+
     def __init__(
         self,
         net: nn.Module,
