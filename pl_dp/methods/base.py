@@ -277,9 +277,11 @@ class PrivateModule(L.LightningModule):
 
     def check_independence(self) -> None:
         """Invariant 8, once per private fit before any step: refuse batch-mixing layers, then probe the net and loss
-        on a few examples (public, else validation, else private by index) in ``private_loss_modes``."""
+        on a few examples (public if the method uses it, else validation, else private by index) in each of the
+        method's ``private_loss_modes``."""
         refuse_batch_mixing_modules(self.net)
-        examples, source = probe_examples(getattr(self.trainer, "datamodule", None), self.trainer.train_dataloader)
+        datamodule, loader = getattr(self.trainer, "datamodule", None), self.trainer.train_dataloader
+        examples, source = probe_examples(datamodule, loader, public=self.requires_public_data)
         examples = self.transfer_batch_to_device(examples, self.device, 0)
         probe_independence(self.net, self.loss_fn, examples, self.private_loss_modes, source)
 

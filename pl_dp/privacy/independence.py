@@ -116,13 +116,17 @@ def refuse_batch_mixing_modules(net: nn.Module) -> None:
         )
 
 
-def probe_examples(datamodule: Any, private_loader: Any, size: int = PROBE_SIZE) -> tuple[Any, str]:
+def probe_examples(
+    datamodule: Any, private_loader: Any, public: bool = True, size: int = PROBE_SIZE
+) -> tuple[Any, str]:
     """Up to ``size + 1`` collated examples for :func:`probe_independence`, and where they come from.
 
     The first examples, by index, of the first of these with at least three: the datamodule's ``public``
-    dataset, its ``val`` dataset (the attribute names of :class:`~pl_dp.data.PrivatePublicDataModule`; any
-    object without them is skipped), then the private loader's ``dataset``. They are collated with the private
-    loader's ``collate_fn``, so the probe sees batches shaped like the private ones.
+    dataset (only with ``public=True``: pass it for methods that train on public data, whose public set goes
+    through the same net and loss; another method's public set need not fit them), its ``val`` dataset (the
+    attribute names of :class:`~pl_dp.data.PrivatePublicDataModule`; any object without them is skipped),
+    then the private loader's ``dataset``. They are collated with the private loader's ``collate_fn``, so the
+    probe sees batches shaped like the private ones.
 
     Private examples are read only when neither public nor validation data exists, and then by index —
     never through the private loader or its sampler, whose randomness is a secret of the run and whose
@@ -135,7 +139,7 @@ def probe_examples(datamodule: Any, private_loader: Any, size: int = PROBE_SIZE)
     """
     collate = getattr(private_loader, "collate_fn", None) or default_collate
     candidates = (
-        ("public", getattr(datamodule, "public", None)),
+        ("public", getattr(datamodule, "public", None) if public else None),
         ("validation", getattr(datamodule, "val", None)),
         ("private", getattr(private_loader, "dataset", None)),
     )

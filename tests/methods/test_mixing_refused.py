@@ -77,6 +77,6 @@ def test_a_forward_that_writes_a_buffer_is_refused_at_fit_start(cls):
 
 def test_dropout_in_train_mode_passes_the_probe_and_trains():
     model = DPSGD(_net(nn.Dropout(0.3)), clip=1.0, privacy=SPEC, noise_seed=0)
-    _fit(model, public=blobs(20, seed=5))
+    _fit(model)
     assert model.private_steps == 2
     assert model.net.training and model.net.norm.training  # modes as Lightning left them

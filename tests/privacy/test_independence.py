@@ -153,14 +153,15 @@ def test_shipped_nets_pass_in_both_modes():
 def test_probe_examples_prefer_public_then_validation_then_private_by_index():
     private, public, val = blobs(40, seed=1), blobs(20, seed=2), blobs(20, seed=3)
     loader = poisson_loader(private, 0.25, seed=0)
-    for kwargs, source, dataset in [
-        ({"public": public, "val": val}, "public", public),
-        ({"val": val}, "validation", val),
-        ({}, "private", private),
-        ({"public": blobs(2), "public_batch_size": 2}, "private", private),  # too few public examples
+    for kwargs, use_public, source, dataset in [
+        ({"public": public, "val": val}, True, "public", public),
+        ({"public": public, "val": val}, False, "validation", val),  # a method that does not use public data
+        ({"val": val}, True, "validation", val),
+        ({}, True, "private", private),
+        ({"public": blobs(2), "public_batch_size": 2}, True, "private", private),  # too few public examples
     ]:
         datamodule = PrivatePublicDataModule(private, batch_size=10, **kwargs)
-        (x, y), found = probe_examples(datamodule, loader)
+        (x, y), found = probe_examples(datamodule, loader, public=use_public)
         assert found == source
         assert torch.equal(x, dataset.tensors[0][:9]) and torch.equal(y, dataset.tensors[1][:9])
     assert loader.batch_sampler.position == 0  # the Poisson sampler (a secret) was not consulted
