@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny real datasets and a quiet Trainer factory."""
+"""Shared fixtures: tiny real datasets, a quiet Trainer factory, and modules that break per-example independence."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import TensorDataset
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -37,6 +38,37 @@ def blobs(n: int = 200, dim: int = 4, classes: int = 3, seed: int = 0) -> Tensor
     y = torch.randint(0, classes, (n,), generator=g)
     x = centers[y] + torch.randn(n, dim, generator=g)
     return TensorDataset(x, y)
+
+
+class SubtractBatchMean(nn.Module):
+    """No parameters, in no known list: subtracts ``strength`` times the batch mean (BatchNorm-like mixing)."""
+
+    def __init__(self, strength: float = 1.0) -> None:
+        super().__init__()
+        self.strength = strength
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - self.strength * x.mean(dim=0, keepdim=True)
+
+
+class RunningInputMean(nn.Module):
+    """Records the batch mean of its input in forward: in place, by reassignment, or into a frozen parameter."""
+
+    def __init__(self, width: int, how: str) -> None:
+        super().__init__()
+        self.how = how
+        if how == "frozen parameter":
+            self.seen = nn.Parameter(torch.zeros(width), requires_grad=False)
+        else:
+            self.register_buffer("seen", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.how == "reassign":
+                self.seen = 0.9 * self.seen + 0.1 * x.mean(dim=0)
+            else:
+                self.seen.mul_(0.9).add_(x.mean(dim=0), alpha=0.1)
+        return x
 
 
 @pytest.fixture

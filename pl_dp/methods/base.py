@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.accountants import Accountant, create_accountant
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
+from pl_dp.privacy.independence import probe_examples, probe_independence, refuse_batch_mixing_modules
 from pl_dp.privacy.losses import (
     LossSpec,
     batch_size_of,
@@ -148,6 +149,10 @@ class PrivateModule(L.LightningModule):
         if self.privacy is None:
             return None
         return self.privacy.accountant or self.default_accountant
+
+    #: the modes in which the method evaluates private losses, probed at fit start (invariant 8): "train"
+    #: (training mode, autograd: first-order) and/or "eval" (eval mode, inference mode: zeroth-order)
+    private_loss_modes: tuple[str, ...] = ("train", "eval")
 
     @property
     def touches_private_data(self) -> bool:
@@ -364,6 +369,7 @@ class PrivateModule(L.LightningModule):
             self._batches_consumed = 0
         if self.privacy is None:
             return
+        self.check_independence()
         spec = self.privacy
         if self.delta is None:  # fixed by the first plan (or the checkpoint): ε of every fit is at one δ
             self.delta = spec.resolve_delta(sampler.num_samples)
@@ -422,6 +428,16 @@ class PrivateModule(L.LightningModule):
         resumes one. Poisson accountants need nothing; O2NC checks its partition against the checkpoint
         and tells the tree accountant where the next leaf comes from.
         """
+
+    def check_independence(self) -> None:
+        """Invariant 8, once per private fit before any step: refuse batch-mixing layers, then probe the net and loss
+        on a few examples (public if the method uses it, else validation, else private by index) in each of the
+        method's ``private_loss_modes``."""
+        refuse_batch_mixing_modules(self.net)
+        datamodule, loader = getattr(self.trainer, "datamodule", None), self.trainer.train_dataloader
+        examples, source = probe_examples(datamodule, loader, public=self.requires_public_data)
+        examples = self.transfer_batch_to_device(examples, self.device, 0)
+        probe_independence(self.net, self.loss_fn, examples, self.private_loss_modes, source)
 
     def _check_restored_plan(self, saved: dict[str, Any], steps_left: int) -> None:
         changes = []

@@ -45,6 +45,8 @@ class FirstOrderModule(PrivateModule):
         quantile_lr: η_C of the geometric update.
     """
 
+    private_loss_modes = ("train",)  # per-example gradients in training mode
+
     def __init__(
         self,
         net: nn.Module,

@@ -83,6 +83,7 @@ class O2NC(PrivateModule):
     default_accountant = "tree"
     secure_rng_default = True  # node noises of a few thousand coordinates at most
     applies_own_update = True
+    private_loss_modes = ("eval",)  # per_sample_evaluator
 
     def __init__(
         self,

@@ -226,6 +226,7 @@ class PAZOS(PrivateModule):
     requires_public_data = True
     secure_rng_default = True  # k + 1 noisy scalars a step
     applies_own_update = True
+    private_loss_modes = ("eval",)  # per_sample_evaluator
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ class ZerothOrderModule(PrivateModule):
 
     secure_rng_default = True
     applies_own_update = True
+    private_loss_modes = ("eval",)  # per_sample_evaluator
 
     def __init__(
         self,

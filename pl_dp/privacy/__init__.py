@@ -1,4 +1,4 @@
-"""Privacy core: spec, accountants, calibration, mechanisms, clipping, sampling, noise.
+"""Privacy core: spec, accountants, calibration, mechanisms, clipping, sampling, noise, per-example independence.
 
 Plain torch, Opacus and dp-accounting; no Lightning imports.
 """
@@ -15,6 +15,13 @@ from pl_dp.privacy.accountants import (
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.clipping import clip_per_example
+from pl_dp.privacy.independence import (
+    IndependenceError,
+    batch_mixing_modules,
+    probe_examples,
+    probe_independence,
+    refuse_batch_mixing_modules,
+)
 from pl_dp.privacy.losses import batch_size_of, check_per_sample, resolve_loss
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
@@ -31,6 +38,7 @@ __all__ = [
     "ClipFunction",
     "EmptySafeCollate",
     "EpsilonTracker",
+    "IndependenceError",
     "NoiseSource",
     "PoissonBatchSampler",
     "PrivacyReport",
@@ -41,6 +49,7 @@ __all__ = [
     "TreeLeaf",
     "SubsampledGaussian",
     "accountant_names",
+    "batch_mixing_modules",
     "batch_size_of",
     "calibrate_noise_multiplier",
     "check_per_sample",
@@ -48,6 +57,9 @@ __all__ = [
     "create_accountant",
     "poisson_loader",
     "poisson_sampler_of",
+    "probe_examples",
+    "probe_independence",
+    "refuse_batch_mixing_modules",
     "register_accountant",
     "resolve_loss",
     "tree_multiplicity",

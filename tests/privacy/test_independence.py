@@ -1,0 +1,169 @@
+"""Invariant 8 without Lightning: batch-mixing modules are refused by type, and the probe catches mixing, backward
+mixing and buffer writes by behaviour while leaving the net and the random stream as it found them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.nets import MLP
+from pl_dp.nets.transformer import TinyTransformerClassifier
+from pl_dp.privacy import poisson_loader
+from pl_dp.privacy.independence import (
+    IndependenceError,
+    batch_mixing_modules,
+    probe_examples,
+    probe_independence,
+    refuse_batch_mixing_modules,
+)
+from pl_dp.privacy.losses import cross_entropy
+from tests.conftest import RunningInputMean, SubtractBatchMean, blobs
+
+
+class BackwardOnlyMixing(nn.Module):
+    """Per-example values, but the gradient flows through the batch mean: x + (m − m.detach()) = x."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=0, keepdim=True)
+        return x + (mean - mean.detach())
+
+
+def _net(middle: nn.Module, width: int = 16) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), middle, nn.ReLU(), nn.Linear(width, 3))
+
+
+def _examples(n: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    return blobs(n).tensors
+
+
+def _squared_error(net: nn.Module, batch) -> torch.Tensor:
+    """A callable per-example loss (not a built-in name)."""
+    x, y = batch
+    return (net(x) - F.one_hot(y, 3).float()).square().sum(dim=1)
+
+
+# ---- known modules, by type ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("track_running_stats", [False, True])
+def test_batchnorm_is_refused_whatever_its_options(affine, track_running_stats):
+    net = _net(nn.BatchNorm1d(16, affine=affine, track_running_stats=track_running_stats))
+    with pytest.raises(IndependenceError, match=r"'1' \(BatchNorm1d\).*GroupNorm.*ModuleValidator\.fix"):
+        refuse_batch_mixing_modules(net)
+
+
+def test_every_known_mixing_module_is_named_in_one_error():
+    net = nn.ModuleDict(
+        {
+            "features": nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)),
+            "lazy": nn.LazyBatchNorm1d(),
+            "sync": nn.SyncBatchNorm(4, affine=False),
+            "instance_tracked": nn.InstanceNorm1d(4, track_running_stats=True),
+            "instance": nn.InstanceNorm1d(4),
+            "group": nn.GroupNorm(2, 4),
+            "layer": nn.LayerNorm(4),
+        }
+    )
+    found = batch_mixing_modules(net)
+    assert [line.split(":")[0] for line in found] == [
+        "'features.1' (BatchNorm2d)",
+        "'lazy' (LazyBatchNorm1d)",
+        "'sync' (SyncBatchNorm)",
+        "'instance_tracked' (InstanceNorm1d)",
+    ]
+    assert "track_running_stats=False" in found[-1]
+    with pytest.raises(IndependenceError) as error:
+        refuse_batch_mixing_modules(net)
+    assert all(line in str(error.value) for line in found)
+
+
+# ---- the probe, by behaviour --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("strength", [1.0, 0.01])
+def test_probe_catches_an_unknown_parameter_free_mixing_module(mode, strength):
+    # here a 1 % batch-mean subtraction moves the other losses by ~5e-4 of the largest (a parameter-free
+    # BatchNorm over 8 examples: ~4e-2), well above the 1e-5 tolerance; a per-example net moves them by exactly 0
+    net = _net(SubtractBatchMean(strength))
+    with pytest.raises(IndependenceError, match=r"position 4 changed the losses of the examples at positions \[0, 1"):
+        probe_independence(net, _squared_error, _examples(), (mode,), "public")
+
+
+def test_probe_catches_mixing_in_the_loss_itself():
+    def relative_loss(net: nn.Module, batch) -> torch.Tensor:
+        losses = cross_entropy(net, batch)
+        return losses / losses.mean()
+
+    with pytest.raises(IndependenceError, match="changed the losses"):
+        probe_independence(_net(nn.Identity()), relative_loss, _examples(), ("eval",), "public")
+
+
+def test_backward_only_mixing_is_caught_where_gradients_are_taken():
+    net = _net(BackwardOnlyMixing())
+    probe_independence(net, cross_entropy, _examples(), ("eval",), "public")  # losses are per example
+    with pytest.raises(IndependenceError, match="summed gradient of the other examples.*backward pass mixes"):
+        probe_independence(net, cross_entropy, _examples(), ("train",), "public")
+
+
+@pytest.mark.parametrize("how", ["in place", "reassign", "frozen parameter"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_forward_that_writes_state_is_refused_and_undone(how, mode):
+    net = _net(RunningInputMean(16, how))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    seen = net[1].seen
+    with pytest.raises(IndependenceError, match=r"the forward pass wrote \['1\.seen'\].*un-noised"):
+        probe_independence(net, cross_entropy, _examples(), (mode,), "private")
+    if how != "frozen parameter":  # buffers come back (object and values); parameters are never restored
+        assert net[1].seen is seen
+        assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_dropout_in_train_mode_passes_and_the_probe_leaves_net_and_random_stream_as_found():
+    net = nn.Sequential(nn.Linear(4, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 3))
+    net[3].eval()  # a mixed-mode net: modes are restored module by module
+    modes = [m.training for m in net.modules()]
+    weights = [p.detach().clone() for p in net.parameters()]
+    torch.manual_seed(123)
+    expected = torch.rand(5)
+    torch.manual_seed(123)
+    probe_independence(net, cross_entropy, _examples(), ("eval", "train"), "public")  # train's dropout draws last
+    assert torch.equal(torch.rand(5), expected)
+    assert [m.training for m in net.modules()] == modes
+    assert all(torch.equal(p, w) for p, w in zip(net.parameters(), weights))
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_mixing_behind_dropout_is_still_caught_in_train_mode():
+    # every pass starts from the same random state, so dropout masks match and do not hide the mixing as noise
+    net = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), SubtractBatchMean(), nn.ReLU(), nn.Linear(16, 3))
+    with pytest.raises(IndependenceError, match="training mode with autograd.*changed the losses"):
+        probe_independence(net, cross_entropy, _examples(), ("train",), "public")
+
+
+def test_shipped_nets_pass_in_both_modes():
+    probe_independence(MLP(4, (8,), 3), cross_entropy, _examples(), ("train", "eval"), "public")
+    tokens = torch.randint(0, 50, (9, 6), generator=torch.Generator().manual_seed(0))
+    transformer = TinyTransformerClassifier(vocab_size=50, width=16, depth=1, heads=2, max_length=6, dropout=0.1)
+    probe_independence(transformer, cross_entropy, (tokens, torch.arange(9) % 2), ("train", "eval"), "public")
+
+
+# ---- which examples ---------------------------------------------------------------------------------------------
+def test_probe_examples_prefer_public_then_validation_then_private_by_index():
+    private, public, val = blobs(40, seed=1), blobs(20, seed=2), blobs(20, seed=3)
+    loader = poisson_loader(private, 0.25, seed=0)
+    for kwargs, use_public, source, dataset in [
+        ({"public": public, "val": val}, True, "public", public),
+        ({"public": public, "val": val}, False, "validation", val),  # a method that does not use public data
+        ({"val": val}, True, "validation", val),
+        ({}, True, "private", private),
+        ({"public": blobs(2), "public_batch_size": 2}, True, "private", private),  # too few public examples
+    ]:
+        datamodule = PrivatePublicDataModule(private, batch_size=10, **kwargs)
+        (x, y), found = probe_examples(datamodule, loader, public=use_public)
+        assert found == source
+        assert torch.equal(x, dataset.tensors[0][:9]) and torch.equal(y, dataset.tensors[1][:9])
+    assert loader.batch_sampler.position == 0  # the Poisson sampler (a secret) was not consulted
+    with pytest.raises(IndependenceError, match="at least 3 examples"):
+        probe_examples(None, poisson_loader(blobs(2), 0.5))
