@@ -39,11 +39,13 @@ NeurIPS 2023):
    post-processing of the run's outputs and public inputs, so the bound is valid whatever it
    finds. A lower bound above the run's claimed ε (its accountant's, at its δ) is a violation.
 
-What it caught, in ``tests/test_audit_run.py``: a sampling seed in the config (the adversary
-knows which steps included each canary: no amplification), a noise seed in the config (the noise
-is removed exactly), and noise state written to a checkpoint and restored on resume (the noise
-after the checkpoint is removed exactly) each give a lower bound of 4.5–6 against a claim of 2;
-the honest run, with a kill-and-resume, stays near 0.3–0.5.
+What it caught, in ``tests/test_audit_run.py`` (m = 1000 canaries, T = 1000 steps, claimed ε = 2 at
+δ = 1e-5, five runs each): a sampling seed in the config (the adversary knows which steps included
+each canary: no amplification) gives a lower bound of 4.3–4.8; a noise seed in the config (the
+noise is removed exactly) 5.3–5.8; noise state written to a checkpoint and restored on resume (the
+noise after the checkpoint is removed exactly) 4.8–5.2. The honest run, with a kill-and-resume,
+gives 0.1–0.6 (0.5–0.85 with σ calibrated by PRV instead of RDP). With m canaries no audit can
+show more than the bound for m right guesses out of m (5.8 here), whatever the true leak.
 
 What it does not check: the audit drives first-order methods with plain SGD (the step's release
 is read off the parameter change), on its own linear canary model and loss, on one CPU process;
@@ -52,7 +54,7 @@ exercised (they share the sampler, noise source, accountant and checkpoint code 
 exercise). The replay finds a secret only if the code itself re-derives it from public inputs;
 a secret merely *written* to a checkpoint or log but never read back is caught by inspecting
 the artifacts (``tests/methods/test_checkpoint.py``), not here. It is a lower bound: one run with
-m canaries cannot reach the claimed ε of a correct implementation (about 0.5 of 2 here), so
+m canaries cannot reach the claimed ε of a correct implementation (at most about 0.85 of 2 here), so
 passing is evidence against large leaks, not a proof of the claim. Floating-point attacks on the
 Gaussian sampler (Mironov 2012) are out of its reach.
 """
@@ -79,7 +81,6 @@ from torch.utils.data import TensorDataset
 
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD
-from pl_dp.methods.base import _positive_integer
 from pl_dp.methods.first_order import FirstOrderModule
 from pl_dp.privacy.spec import PrivacySpec
 
@@ -165,7 +166,7 @@ def canary_scores(
         expected amount more than the others; each score is then the exact log-likelihood ratio
         of a sampled Gaussian signal under those findings.
     """
-    steps, classes, m = releases.shape
+    _, classes, m = releases.shape
     label_rows = np.zeros((classes, m), dtype=bool)
     label_rows[labels, np.arange(m)] = True
     residual = releases - replay_noise
@@ -182,8 +183,11 @@ def canary_scores(
     for segment in segments:
         index = np.arange(segment.start, segment.stop)
         sampled = replay_sampled[index]
-        moved = evidence[index][sampled].mean() - evidence[index][~sampled].mean()
-        matched = bool(sampled.any() and moved > signal / 4)  # ≈ signal/2 when matched, ≈ 0 when not
+        matched = bool(  # the sampled canaries moved by ≈ signal/2 more than the others when matched, ≈ 0 when not
+            sampled.any()
+            and (~sampled).any()
+            and evidence[index][sampled].mean() - evidence[index][~sampled].mean() > signal / 4
+        )
         matched_segments.append(matched)
         if matched:  # the target's batches are known: only the steps that sampled a canary speak
             scores += np.where(sampled, log_ratio[index], 0.0).sum(axis=0)
@@ -393,15 +397,15 @@ class RunAuditResult:
         )
 
 
-def _canary_data(canaries: int, included: np.ndarray, real_examples: int, clip: float, seed: int) -> TensorDataset:
-    """Real blobs (public) then one slot per canary: C·e_{d+j} when included, a blank (zeros) when not."""
+def _canary_data(canaries: int, included: np.ndarray, real_examples: int, scale: float, seed: int) -> TensorDataset:
+    """Real blobs (public) then one slot per canary: ``scale``·e_{d+j} when included, a blank (zeros) when not."""
     generator = torch.Generator().manual_seed(seed)
     centers = torch.randn(CLASSES, FEATURES, generator=generator) * 3
     real_labels = torch.randint(0, CLASSES, (real_examples,), generator=generator)
     real = torch.zeros(real_examples, FEATURES + canaries)
     real[:, :FEATURES] = centers[real_labels] + torch.randn(real_examples, FEATURES, generator=generator)
     slots = torch.zeros(canaries, FEATURES + canaries)
-    slots[:, FEATURES:] = torch.diag(torch.as_tensor(included, dtype=torch.float32) * clip)
+    slots[:, FEATURES:] = torch.diag(torch.as_tensor(included, dtype=torch.float32) * scale)
     labels = torch.cat([real_labels, canary_labels(canaries)])
     return TensorDataset(torch.cat([real, slots]), labels)
 
@@ -442,9 +446,10 @@ def audit_run(
         checkpoint_at: the step at which the run writes its checkpoint (default T/2).
         resume: kill the run at the checkpoint and resume it from the checkpoint (a new module and
             Trainer), as a crashed job would be.
-        noise_seed, sampling_seed: the run's config seeds (``noise_seed=`` of the method,
-            ``sampling_seed=`` of :class:`~pl_dp.data.PrivatePublicDataModule`); ``None`` leaves the
-            secrets to OS entropy. The adversary's replay uses the same config.
+        noise_seed: the method's ``noise_seed=`` in the run's config; ``None`` (default) leaves the noise
+            key to OS entropy. The adversary's replay uses the same config, seeds included.
+        sampling_seed: :class:`~pl_dp.data.PrivatePublicDataModule`'s ``sampling_seed=`` in the config;
+            ``None`` (default) leaves the Poisson sampling seed to OS entropy.
         seed: the run's global ``seed_everything`` (public, like everything in a config).
         inclusion_seed: seed of the auditor's coin flips (secret from the run; ``None``: OS entropy).
         confidence: 1 − β, the confidence of the lower bound.
@@ -454,46 +459,27 @@ def audit_run(
         workdir: where the checkpoint is written (default: a temporary directory).
     """
     kwargs = dict(method_kwargs or {})
-    _check_request(method, kwargs, confidence)
-    canaries = _positive_integer("canaries", canaries)
-    steps = _positive_integer("steps", steps)
-    checkpoint_at = steps // 2 if checkpoint_at is None else _positive_integer("checkpoint_at", checkpoint_at)
-    if not 1 <= checkpoint_at < steps:
-        raise ValueError(f"checkpoint_at must lie in [1, steps), got {checkpoint_at} for {steps} steps.")
+    checkpoint_at = _check_request(method, kwargs, confidence, canaries, steps, real_examples, checkpoint_at)
     privacy = privacy or PrivacySpec(epsilon=2.0, delta=1e-5)
     config = _RunConfig(method, kwargs, privacy, noise_seed, sampling_seed, batch_size, steps, seed)
     coins = np.random.default_rng(secrets.randbits(64) if inclusion_seed is None else inclusion_seed)
     included = coins.random(canaries) < 0.5
-    clip = float(kwargs.get("clip", 1.0))
+    canary_scale = float(kwargs.get("clip", 1.0))  # ‖canary gradient‖ = C: saturates constant clipping exactly
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = Path(workdir or scratch) / "audit-run.ckpt"
-        target = _ReleaseRecorder(FEATURES)
-        data = _canary_data(canaries, included, real_examples, clip, seed)
-        module = _fit(config, data, canaries, [target, _CheckpointAt(checkpoint_at, checkpoint, kill=resume)])
-        if resume:
-            module = _fit(config, data, canaries, [target], ckpt_path=checkpoint)
-        # the adversary: the same config on every canary, to the checkpoint, then from the target's checkpoint
-        everything = _canary_data(canaries, np.ones(canaries, dtype=bool), real_examples, clip, seed)
-        batches, noise = _BatchRecorder(FEATURES), {}
-        _fit(config, everything, canaries, [batches, _CheckpointAt(checkpoint_at, None, kill=True)], None, noise)
-        _fit(config, everything, canaries, [batches], checkpoint, noise)
-    if module.private_steps != steps or len(target.weights) != steps + 1:
-        raise RuntimeError(f"the audited run made {module.private_steps} of its {steps} planned private steps.")
+    seen = _run_and_replay(config, included, real_examples, canary_scale, checkpoint_at, resume, workdir)
+    module = seen.module
     sensitivity = module.clip_function.sensitivity
-    weights = torch.stack([target.weights[t] for t in range(steps + 1)]).numpy()
-    releases = -(weights[1:] - weights[:-1]) * module.expected_batch_size / (module.lr * sensitivity)
-    canary_norm = torch.tensor([clip])
-    signal = float(module.clip_function.weights(canary_norm) * canary_norm) / sensitivity
+    releases = -np.diff(seen.weights, axis=0) * module.expected_batch_size / (module.lr * sensitivity)
+    canary_norm = torch.tensor([canary_scale])
     scores, reproduced, matched = canary_scores(
         releases,
-        torch.stack([noise[t] for t in range(steps)]).numpy() / sensitivity,
-        torch.stack([batches.sampled[t] for t in range(steps)]).numpy(),
+        seen.noise / sensitivity,
+        seen.sampled,
         canary_labels(canaries).numpy(),
         [range(0, checkpoint_at), range(checkpoint_at, steps)],
         module.noise_multiplier,
         module.sample_rate,
-        signal,
+        signal=float(module.clip_function.weights(canary_norm) * canary_norm) / sensitivity,
     )
     delta = module.delta
     chosen, guess_in = choose_guesses(scores, delta, confidence)
@@ -520,7 +506,59 @@ def audit_run(
     )
 
 
-def _check_request(method: type, kwargs: dict[str, Any], confidence: float) -> None:
+@dataclass(frozen=True)
+class _Observations:
+    """What the adversary holds after the run and its replay."""
+
+    module: FirstOrderModule  # the target's last process (its accountant makes the claim)
+    weights: np.ndarray  # [T + 1, classes, m]: the canary columns of every released model
+    noise: np.ndarray  # [T, classes, m]: the replay's noise on those coordinates
+    sampled: np.ndarray  # [T, m]: which canaries the replay's batches held
+
+
+def _run_and_replay(
+    config: _RunConfig,
+    included: np.ndarray,
+    real_examples: int,
+    canary_scale: float,
+    checkpoint_at: int,
+    resume: bool,
+    workdir: str | Path | None,
+) -> _Observations:
+    """The target run (checkpoint, optional kill-and-resume), then the adversary's instrumented replay."""
+    canaries, steps = len(included), config.steps
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = Path(workdir or scratch) / "audit-run.ckpt"
+        target = _ReleaseRecorder(FEATURES)
+        data = _canary_data(canaries, included, real_examples, canary_scale, config.seed)
+        module = _fit(config, data, canaries, [target, _CheckpointAt(checkpoint_at, checkpoint, kill=resume)])
+        if resume:
+            module = _fit(config, data, canaries, [target], ckpt_path=checkpoint)
+        # the adversary: the same config on every canary, to the checkpoint, then from the target's checkpoint
+        everything = _canary_data(canaries, np.ones(canaries, dtype=bool), real_examples, canary_scale, config.seed)
+        batches, noise = _BatchRecorder(FEATURES), {}
+        _fit(config, everything, canaries, [batches, _CheckpointAt(checkpoint_at, None, kill=True)], None, noise)
+        _fit(config, everything, canaries, [batches], checkpoint, noise)
+    if module.private_steps != steps or len(target.weights) != steps + 1:
+        raise RuntimeError(f"the audited run made {module.private_steps} of its {steps} planned private steps.")
+    return _Observations(
+        module=module,
+        weights=torch.stack([target.weights[t] for t in range(steps + 1)]).numpy(),
+        noise=torch.stack([noise[t] for t in range(steps)]).numpy(),
+        sampled=torch.stack([batches.sampled[t] for t in range(steps)]).numpy(),
+    )
+
+
+def _check_request(
+    method: type,
+    kwargs: dict[str, Any],
+    confidence: float,
+    canaries: int,
+    steps: int,
+    real_examples: int,
+    checkpoint_at: int | None,
+) -> int:
+    """Refuse what the audit cannot read; returns the checkpoint step."""
     if not (isinstance(method, type) and issubclass(method, FirstOrderModule)) or method.requires_public_data:
         raise ValueError(
             f"the run audit drives first-order methods without public data (DPSGD and subclasses); got {method!r}."
@@ -536,3 +574,10 @@ def _check_request(method: type, kwargs: dict[str, Any], confidence: float) -> N
             raise ValueError(f"{name} is set by the run audit (pass privacy= and noise_seed= to audit_run itself).")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}.")
+    for name, value, minimum in (("canaries", canaries, 1), ("steps", steps, 2), ("real_examples", real_examples, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    checkpoint_at = steps // 2 if checkpoint_at is None else checkpoint_at
+    if isinstance(checkpoint_at, bool) or not isinstance(checkpoint_at, int) or not 1 <= checkpoint_at < steps:
+        raise ValueError(f"checkpoint_at must be an integer in [1, steps), got {checkpoint_at!r} for {steps} steps.")
+    return checkpoint_at
