@@ -262,32 +262,35 @@ class _ReleaseRecorder(Callback):
         self._record(pl_module)
 
 
-def _tap_noise(module: FirstOrderModule, first_canary_column: int, draws: dict[int, torch.Tensor]) -> None:
-    """The replay's instrumentation: keep the canary columns of the weight's noise draw of every step.
+class _ReplayRecorder(Callback):
+    """The replay's instrumentation: which canaries each step's Poisson batch held, and the noise it drew.
 
-    The module's own noise source still draws; its ``normal`` is wrapped on this instance only.
+    The noise is read by wrapping ``normal`` of the noise source the module uses at its first batch
+    (on that instance only); the source still draws. Kept: the canary columns of the weight's draw.
     """
-    noise, draw = module.noise, module.noise.normal
-    shape = tuple(module.net.weight.shape)
-
-    def normal(*args: Any, **kwargs: Any) -> torch.Tensor:
-        out = draw(*args, **kwargs)
-        if tuple(out.shape) == shape:
-            draws[module.private_steps] = out.detach()[:, first_canary_column:].double().clone()
-        return out
-
-    noise.normal = normal
-
-
-class _BatchRecorder(Callback):
-    """The replay's instrumentation: which canaries each step's Poisson batch held."""
 
     def __init__(self, first_canary_column: int) -> None:
         self.column = first_canary_column
         self.sampled: dict[int, torch.Tensor] = {}
+        self.noise: dict[int, torch.Tensor] = {}
+        self._tapped: Any = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
         self.sampled[pl_module.private_steps] = (batch[0][:, self.column :] != 0).any(dim=0).cpu()
+        if pl_module.noise is not self._tapped:
+            self._tap(pl_module)
+
+    def _tap(self, pl_module: L.LightningModule) -> None:
+        source = self._tapped = pl_module.noise
+        draw, shape = source.normal, tuple(pl_module.net.weight.shape)
+
+        def normal(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = draw(*args, **kwargs)
+            if tuple(out.shape) == shape:
+                self.noise[pl_module.private_steps] = out.detach()[:, self.column :].double().clone()
+            return out
+
+        source.normal = normal
 
 
 @dataclass(frozen=True)
@@ -328,20 +331,10 @@ class _RunConfig:
 
 
 def _fit(
-    config: _RunConfig,
-    private: TensorDataset,
-    canaries: int,
-    callbacks: list[Callback],
-    ckpt_path: Path | None = None,
-    noise_draws: dict[int, torch.Tensor] | None = None,
+    config: _RunConfig, private: TensorDataset, canaries: int, callbacks: list[Callback], ckpt_path: Path | None = None
 ) -> FirstOrderModule:
-    """One process of a run: a fresh module and Trainer, from scratch or from ``ckpt_path``.
-
-    With ``noise_draws`` (the replay), the module's noise draws are recorded there.
-    """
+    """One process of a run: a fresh module and Trainer, from scratch or from ``ckpt_path``."""
     module = config.module(canaries)
-    if noise_draws is not None:
-        _tap_noise(module, FEATURES, noise_draws)
     with contextlib.suppress(_Killed):
         config.trainer(callbacks).fit(
             module, config.datamodule(private), ckpt_path=None if ckpt_path is None else str(ckpt_path)
@@ -537,16 +530,16 @@ def _run_and_replay(
             module = _fit(config, data, canaries, [target], ckpt_path=checkpoint)
         # the adversary: the same config on every canary, to the checkpoint, then from the target's checkpoint
         everything = _canary_data(canaries, np.ones(canaries, dtype=bool), real_examples, canary_scale, config.seed)
-        batches, noise = _BatchRecorder(FEATURES), {}
-        _fit(config, everything, canaries, [batches, _CheckpointAt(checkpoint_at, None, kill=True)], None, noise)
-        _fit(config, everything, canaries, [batches], checkpoint, noise)
+        replay = _ReplayRecorder(FEATURES)
+        _fit(config, everything, canaries, [replay, _CheckpointAt(checkpoint_at, None, kill=True)])
+        _fit(config, everything, canaries, [replay], ckpt_path=checkpoint)
     if module.private_steps != steps or len(target.weights) != steps + 1:
         raise RuntimeError(f"the audited run made {module.private_steps} of its {steps} planned private steps.")
     return _Observations(
         module=module,
         weights=torch.stack([target.weights[t] for t in range(steps + 1)]).numpy(),
-        noise=torch.stack([noise[t] for t in range(steps)]).numpy(),
-        sampled=torch.stack([batches.sampled[t] for t in range(steps)]).numpy(),
+        noise=torch.stack([replay.noise[t] for t in range(steps)]).numpy(),
+        sampled=torch.stack([replay.sampled[t] for t in range(steps)]).numpy(),
     )
 
 
