@@ -16,16 +16,24 @@ take any optimizer; methods that write their own update accept plain SGD only).
 :func:`pl_dp.audit.audit` on the method's private step instead of training (options under
 ``--audit.*``, e.g. ``--audit.trials 2000``); it prints the empirical lower bound on ε next to the
 accountant's claim and exits with status 1 when the bound exceeds the claim.
+
+``pl-dp audit --run [--canaries 1000 --steps 1000 --sampling_seed ... ...]`` audits a whole run
+instead (:func:`pl_dp.audit_run.audit_run`: one real training run with canaries, a checkpoint and
+a kill-and-resume, and an adversary that replays the public config); the options are the
+function's arguments, the output and exit status as for ``audit``.
 """
 
 from __future__ import annotations
 
 import sys
 
+from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from pl_dp.audit import audit
+from pl_dp.audit_run import audit_run
 from pl_dp.privacy.report import PrivacyReport
+from pl_dp.privacy.spec import PrivacySpec
 
 
 class PlDpCLI(LightningCLI):
@@ -77,6 +85,18 @@ def report(model, test_metrics: dict) -> str:
     return "pl-dp: " + " | ".join(parts)
 
 
+def run_audit(args: list[str]) -> int:
+    """``pl-dp audit --run ...``: :func:`~pl_dp.audit_run.audit_run` with its arguments as options; 1 on a violation."""
+    parser = ArgumentParser(prog="pl-dp audit --run", description="Audit a whole private training run (one run).")
+    parser.add_function_arguments(audit_run)
+    options = parser.parse_args(args).as_dict()
+    if options["privacy"] is not None:
+        options["privacy"] = PrivacySpec(**options["privacy"])
+    result = audit_run(**options)
+    print(result)
+    return 1 if result.violated else 0
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["report"]:
@@ -84,6 +104,8 @@ def main(args: list[str] | None = None) -> None:
             raise SystemExit("usage: pl-dp report PATH.ckpt")
         print(PrivacyReport.from_checkpoint(argv[1]))
         return
+    if argv[:2] == ["audit", "--run"]:
+        raise SystemExit(run_audit(argv[2:]))
     if argv[:1] == ["audit"]:
         if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
             sys.argv = sys.argv[:1] + sys.argv[2:]

@@ -103,3 +103,16 @@ def test_the_wandb_sweep_example_resolves_for_every_value(capsys):
             resolved = yaml.safe_load(capsys.readouterr().out)
             assert resolved["model"]["init_args"]["lr"] == value
             assert resolved["trainer"]["logger"]["class_path"].endswith("WandbLogger")
+
+
+_SMALL_RUN_AUDIT = ("--canaries", "100", "--steps", "100", "--real_examples", "100", "--inclusion_seed", "0")
+_SMALL_RUN_PRIVACY = ("--privacy.epsilon", "2", "--privacy.delta", "1e-5", "--privacy.accountant", "rdp")
+
+
+def test_audit_run_mode_passes_an_honest_run_and_exits_1_on_a_leak():
+    honest = _run("audit", "--run", *_SMALL_RUN_AUDIT, *_SMALL_RUN_PRIVACY)
+    assert honest.returncode == 0, honest.stderr[-3000:]
+    assert "pl-dp run audit: DPSGD, 100 canaries" in honest.stdout and "consistent" in honest.stdout
+    leaky = _run("audit", "--run", *_SMALL_RUN_AUDIT, *_SMALL_RUN_PRIVACY, "--noise_seed", "7")
+    assert leaky.returncode == 1, leaky.stderr[-3000:]
+    assert "the replay reproduced the noise of 100 steps" in leaky.stdout and "VIOLATION" in leaky.stdout

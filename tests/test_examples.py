@@ -19,3 +19,9 @@ def test_attach_to_existing_module_learns_privately():
     assert result["test_mse"] < 0.8 * result["predict_mean_mse"]  # from the user's own test_step and metric
     assert 0 < result["val_mae"] < 1  # the user's validation_step ran during fit
     assert result["predictions"].shape == (92,)  # trainer.predict on the test split
+
+
+def test_audit_a_whole_run_flags_reproduction_seeds_and_passes_the_default():
+    results = _load("audit_a_whole_run").main(canaries=100, steps=100, accountant="rdp")
+    default, reproduction = results.values()
+    assert not default.violated and reproduction.violated, results
