@@ -103,7 +103,7 @@ class _RecordingMechanism:
         self.released.append(out.detach().flatten().double().cpu())
         return out
 
-    def account(self, accountant: Any) -> None:  # trials are not training steps
+    def account(self, *accountants: Any) -> None:  # trials are not training steps
         return None
 
     def vector(self) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 
 import lightning as L
@@ -17,8 +18,12 @@ warnings.filterwarnings("ignore", message=".*Optimal order is the largest alpha.
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
 
+_ROOT_DIR = tempfile.mkdtemp(prefix="pl_dp_tests_")  # Lightning's and pl_dp's default files, out of the repo
+
+
 def make_trainer(**kwargs) -> L.Trainer:
     defaults = dict(
+        default_root_dir=_ROOT_DIR,
         accelerator="cpu",
         devices=1,
         logger=False,

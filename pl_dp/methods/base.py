@@ -18,8 +18,10 @@ draws afresh (invariants 2 and 5).
 from __future__ import annotations
 
 import math
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -34,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pl_dp.privacy.accountants import Accountant, create_accountant
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.independence import probe_examples, probe_independence, refuse_batch_mixing_modules
+from pl_dp.privacy.journal import PrivacyJournal
 from pl_dp.privacy.losses import (
     LossSpec,
     batch_size_of,
@@ -209,6 +212,12 @@ class PrivateModule(L.LightningModule):
         self._nonfinite_warned = False
         # which secrets were ever user-seeded in this run (sticky across fits and resumes)
         self.user_seeded = {"noise": False, "sampling": False}
+        # the write-ahead journal of released steps (a lineage is a run and all its resumes; each fit of a
+        # process is one segment with an accountant of its own steps): see pl_dp.privacy.journal
+        self.lineage: str | None = None
+        self._segment_id = ""
+        self._segment: Accountant | None = None
+        self._journal: PrivacyJournal | None = None
         self.privacy_exhausted = False
         self.collective_bytes = 0
         self._sampler: CountingBatchSampler | None = None
@@ -373,6 +382,7 @@ class PrivateModule(L.LightningModule):
         spec = self.privacy
         if self.delta is None:  # fixed by the first plan (or the checkpoint): ε of every fit is at one δ
             self.delta = spec.resolve_delta(sampler.num_samples)
+        self._open_journal(restored)
         self.prepare_accounting(sampler, restored)
         spent = self.accountant.get_epsilon(self.delta)
         if restored is not None:
@@ -420,6 +430,55 @@ class PrivateModule(L.LightningModule):
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
         self._nonfinite_warned = False
+
+    def _open_journal(self, restored: dict[str, Any] | None) -> None:
+        """Start this fit's journal segment; on a resume, account every step the lineage ever released.
+
+        A resumed accountant is the composition of every segment in the journal — which holds all the
+        checkpoint holds, plus what a crashed run logged after it and what other resumes of the same
+        checkpoint released. Without the journal (moved or deleted) the checkpoint's history is used
+        and a warning says what cannot be counted. The journal is written only for runs that can be
+        resumed (a checkpoint callback, a saved checkpoint, or a resume), next to their checkpoints.
+        """
+        self._segment_id = uuid.uuid4().hex
+        self._segment = create_accountant(self.accountant_name)
+        if restored is not None:
+            self.lineage = restored.get("lineage") or self.lineage
+            path = restored.get("journal")
+            journal = PrivacyJournal(path) if path else None
+            composed = self._broadcast(journal.composed(self.accountant.mechanism).state_dict() if journal else None)
+            released = create_accountant(self.accountant_name)
+            if composed is not None:
+                released.load_state_dict(composed)
+            if released.steps >= self.accountant.steps and released.history:
+                self.accountant.load_state_dict(composed)
+            else:
+                warnings.warn(
+                    f"no privacy journal of this run was found{f' at {path}' if path else ''}: epsilon counts "
+                    "the steps the checkpoint holds. Steps that an earlier run released after this checkpoint "
+                    "(logged metrics before a crash, another resume of the same checkpoint) cannot be counted; "
+                    "if there were any, epsilon is under-reported.",
+                    stacklevel=2,
+                )
+            self._journal = journal
+        if self.lineage is None:
+            self.lineage = uuid.uuid4().hex
+        if self._journal is None and self.trainer.checkpoint_callbacks:
+            directory = getattr(self.trainer.checkpoint_callback, "dirpath", None) or self.trainer.default_root_dir
+            self._journal = PrivacyJournal.of(Path(directory) / "pl_dp_journal", self.lineage)
+
+    def _write_journal(self) -> None:
+        """Record this segment's released steps, before something leaves the process (rank 0 writes)."""
+        if self._segment is None or not self._segment.history:
+            return
+        if self._journal is None:  # a checkpoint saved without a checkpoint callback: journal beside the root dir
+            self._journal = PrivacyJournal.of(Path(self.trainer.default_root_dir) / "pl_dp_journal", self.lineage)
+        if self.trainer.is_global_zero:
+            self._journal.record(self._segment_id, self._segment)
+
+    def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (identity on one process)."""
+        return self.trainer.strategy.broadcast(obj, src=0) if self.data_parallel else obj
 
     def prepare_accounting(self, sampler: Any, restored: dict[str, Any] | None) -> None:
         """Wire the accountant to this fit's private sampler, before σ is planned (explicit, once per plan).
@@ -564,7 +623,9 @@ class PrivateModule(L.LightningModule):
         return PrivacyReport.from_state(state)
 
     def on_fit_end(self) -> None:
-        """Log the privacy report to every logger (``privacy_report`` in its hyperparameters or config)."""
+        """Record the fit's releases in the journal; log the privacy report to every logger."""
+        if self._journal is not None:
+            self._write_journal()
         if self.trainer.loggers and self.privacy is not None:
             report = self.privacy_report().to_dict()
             for logger in self.trainer.loggers:
@@ -592,7 +653,7 @@ class PrivateModule(L.LightningModule):
         self.noise.start_step(self.private_steps)
         stats = self.private_step(batch, batch_size, mechanism)
         if self.touches_private_data:
-            mechanism.account(self.accountant)
+            mechanism.account(self.accountant, self._segment)
             self.private_steps += 1
         self._batches_consumed += 1
         opt.step()  # applies .grad where a first-order method set it; otherwise only advances global_step
@@ -608,6 +669,8 @@ class PrivateModule(L.LightningModule):
             self._count_nonfinite(int(nonfinite))
         if not self._logging_step():
             return
+        if self.trainer.loggers and self._journal is not None:
+            self._write_journal()  # this step's outputs are about to be logged
         for name, value in stats.items():
             self.log(name, value, on_step=True, on_epoch=False)
         if self.log_private_metrics:
@@ -848,6 +911,8 @@ class PrivateModule(L.LightningModule):
             "direction_seed": self.direction_seed,
             "user_seeded": dict(self.user_seeded),
             "secure_rng": self.noise.secure,
+            "lineage": self.lineage,
+            "journal": str(self._journal.path) if self._journal is not None else None,
         }
         if self._sampler is not None:
             state["sampler"] = {"position": self._sampler_start + self._batches_consumed}
@@ -881,6 +946,8 @@ class PrivateModule(L.LightningModule):
         self._plan_ready = False  # setup_privacy re-reads the loader and checks it against the checkpoint
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.privacy is not None and self.lineage is not None:
+            self._write_journal()  # before the checkpoint exists: a resume from it finds every step released
         checkpoint["pl_dp"] = self.privacy_state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

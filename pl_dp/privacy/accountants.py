@@ -68,6 +68,13 @@ class Accountant:
         """Total number of recorded private steps."""
         return sum(n for _, _, n in self.history)
 
+    def compose(self, other: Accountant) -> None:
+        """Append ``other``'s history to this one: the releases of both, composed (adaptive composition)."""
+        if other.mechanism != self.mechanism:
+            raise ValueError(f"cannot compose a {other.mechanism!r} history with a {self.mechanism!r} accountant.")
+        self.history.extend(other.history)
+        self._cache = None
+
     # ---- queries ---------------------------------------------------------------------------
     def get_epsilon(self, delta: float) -> float:
         """ε spent so far at ``delta`` (memoized on the history)."""

@@ -99,7 +99,8 @@ class SubsampledGaussian:
                 t.add_(noise.normal(t.shape, self.noise_std, t.device, t.dtype))
             t.div_(self.expected_batch_size)
 
-    def account(self, accountant: Accountant | None) -> None:
-        """Record one step of this mechanism (nothing for a non-private run)."""
-        if self.is_private and accountant is not None:
-            accountant.step(self.noise_multiplier, self.sample_rate)
+    def account(self, *accountants: Accountant | None) -> None:
+        """Record one step of this mechanism with each accountant given (nothing for a non-private run)."""
+        for accountant in accountants:
+            if self.is_private and accountant is not None:
+                accountant.step(self.noise_multiplier, self.sample_rate)

@@ -347,15 +347,18 @@ class TreeAggregatedGaussian:
         self._released = leaf
         return [g + xi for g, xi in zip(running_sum, self.noise(leaf.leaf, running_sum, noise))]
 
-    def account(self, accountant: Accountant | None) -> None:
-        """Record the leaf just released with the tree accountant (nothing for a non-private run)."""
+    def account(self, *accountants: Accountant | None) -> None:
+        """Record the leaf just released with each tree accountant given (nothing for a non-private run)."""
         leaf, self._released = self._released, None
-        if self.noise_multiplier > 0 and accountant is not None:
-            if leaf is None:
-                raise RuntimeError("TreeAggregatedGaussian.account() without a release: nothing to record.")
-            if not isinstance(accountant, TreeAccountant):
-                raise ValueError(f"tree-aggregated releases need the tree accountant, got {type(accountant).__name__}.")
-            accountant.record(self.noise_multiplier, leaf)
+        for accountant in accountants:
+            if self.noise_multiplier > 0 and accountant is not None:
+                if leaf is None:
+                    raise RuntimeError("TreeAggregatedGaussian.account() without a release: nothing to record.")
+                if not isinstance(accountant, TreeAccountant):
+                    raise ValueError(
+                        f"tree-aggregated releases need the tree accountant, got {type(accountant).__name__}."
+                    )
+                accountant.record(self.noise_multiplier, leaf)
 
 
 __all__ = [

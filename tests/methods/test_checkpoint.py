@@ -113,10 +113,11 @@ def test_a_resume_draws_fresh_noise_so_a_checkpoint_cannot_replay_or_remove_it(t
     make_trainer(max_steps=4, callbacks=[ckpt], enable_checkpointing=True).fit(original, dm())
     start = torch.load(tmp_path / "step=2.ckpt", weights_only=False)["state_dict"]["net.weight"]
     updates = [original.net.weight.detach() - start]
-    for _ in range(2):
+    for resume in (1, 2):
         resumed = model()
         make_trainer(max_steps=4).fit(resumed, dm(), ckpt_path=str(tmp_path / "step=2.ckpt"))
-        assert resumed.epsilon == original.epsilon and resumed.accountant.history == original.accountant.history
+        # every continuation released is accounted (the journal): 4 original steps + 2 per resume
+        assert resumed.accountant.steps == 4 + 2 * resume and resumed.epsilon > original.epsilon
         updates.append(resumed.net.weight.detach() - start)
     expected_std = math.sqrt(2) * 1.0 * 1.0 * 1.0 / 20  # two steps of lr·σ·C/b per coordinate
     for u in updates:
@@ -360,3 +361,61 @@ def test_later_fits_are_calibrated_on_what_earlier_fits_spent():
     with pytest.raises(ValueError, match="already spent"):
         make_trainer(max_steps=12).fit(fixed, _dm())
     assert fixed.private_steps == 12
+
+
+def _journal_run(tmp_path, crash_at=None, ckpt_path=None, max_steps=16, spec=None):
+    """DPSGD with a checkpoint every 4 steps and every step logged; optionally crashed or resumed."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    spec = spec or PrivacySpec(epsilon=50.0, accountant="rdp", noise_multiplier=1.0)
+    model = DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=spec)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    callbacks = [ckpt] + ([Crash(crash_at)] if crash_at else [])
+    trainer = make_trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        enable_checkpointing=True,
+        logger=CSVLogger(tmp_path / "logs"),
+        log_every_n_steps=1,
+    )
+    trainer.fit(model, _dm(), ckpt_path=ckpt_path)
+    return model
+
+
+def test_steps_a_crashed_run_logged_after_its_checkpoint_are_accounted_on_resume(tmp_path):
+    """The crashed run logged steps 9 and 10 after its step-8 checkpoint; the resume repeats them with fresh
+    noise. The adversary holds both, so the resumed run's ε composes 10 + 8 steps, not 16."""
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _journal_run(tmp_path, crash_at=10)
+    checkpoint = str(tmp_path / "ckpt" / "step=8.ckpt")
+    resumed = _journal_run(tmp_path, ckpt_path=checkpoint)
+    assert resumed.private_steps == 16 and resumed.accountant.steps == 18
+    expected = create_accountant("rdp")
+    expected.step(1.0, 1 / 6, 18)
+    assert resumed.epsilon == pytest.approx(expected.get_epsilon(resumed.delta))
+
+    again = _journal_run(tmp_path, ckpt_path=checkpoint)  # a second continuation of the same checkpoint
+    assert again.accountant.steps == 18 + 8
+    from pl_dp.privacy import PrivacyReport
+
+    assert PrivacyReport.from_checkpoint(checkpoint).private_steps == 8  # the checkpoint itself is unchanged
+
+
+def test_the_budget_guard_counts_the_journaled_steps(tmp_path):
+    spec = PrivacySpec(epsilon=4.0, accountant="rdp")  # sigma calibrated for 16 steps
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _journal_run(tmp_path, crash_at=10, spec=spec)
+    with pytest.warns(UserWarning, match="would spend epsilon"):
+        resumed = _journal_run(tmp_path, ckpt_path=str(tmp_path / "ckpt" / "step=8.ckpt"), spec=spec)
+    assert resumed.privacy_exhausted and resumed.epsilon <= 4.0
+    assert resumed.accountant.steps == 16 and resumed.private_steps == 14  # 2 steps of the plan went to the crash
+
+
+def test_a_resume_without_its_journal_says_what_it_cannot_count(tmp_path):
+    import shutil
+
+    _journal_run(tmp_path, max_steps=8)
+    shutil.rmtree(tmp_path / "ckpt" / "pl_dp_journal")
+    with pytest.warns(UserWarning, match="no privacy journal of this run was found"):
+        resumed = _journal_run(tmp_path, ckpt_path=str(tmp_path / "ckpt" / "step=8.ckpt"))
+    assert resumed.accountant.steps == 16
