@@ -63,10 +63,12 @@ Gaussian sampler (Mironov 2012) are out of its reach.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import secrets
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -305,6 +307,7 @@ class _RunConfig:
     batch_size: int
     steps: int
     seed: int
+    root_dir: str = "."
 
     def module(self, canaries: int) -> FirstOrderModule:
         L.seed_everything(self.seed, verbose=False)  # what a restarted job does first
@@ -319,6 +322,7 @@ class _RunConfig:
     def trainer(self, callbacks: list[Callback]) -> L.Trainer:
         return L.Trainer(
             max_steps=self.steps,
+            default_root_dir=self.root_dir,  # the privacy journal of the audited lineage goes here
             accelerator="cpu",
             devices=1,
             logger=False,
@@ -335,7 +339,8 @@ def _fit(
 ) -> FirstOrderModule:
     """One process of a run: a fresh module and Trainer, from scratch or from ``ckpt_path``."""
     module = config.module(canaries)
-    with contextlib.suppress(_Killed):
+    with contextlib.suppress(_Killed), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="no privacy journal of this run")  # the replay's copy
         config.trainer(callbacks).fit(
             module, config.datamodule(private), ckpt_path=None if ckpt_path is None else str(ckpt_path)
         )
@@ -522,6 +527,7 @@ def _run_and_replay(
     """The target run (checkpoint, optional kill-and-resume), then the adversary's instrumented replay."""
     canaries, steps = len(included), config.steps
     with tempfile.TemporaryDirectory() as scratch:
+        config = dataclasses.replace(config, root_dir=str(workdir or scratch))
         checkpoint = Path(workdir or scratch) / "audit-run.ckpt"
         target = _ReleaseRecorder(FEATURES)
         data = _canary_data(canaries, included, real_examples, canary_scale, config.seed)
@@ -532,7 +538,7 @@ def _run_and_replay(
         everything = _canary_data(canaries, np.ones(canaries, dtype=bool), real_examples, canary_scale, config.seed)
         replay = _ReplayRecorder(FEATURES)
         _fit(config, everything, canaries, [replay, _CheckpointAt(checkpoint_at, None, kill=True)])
-        _fit(config, everything, canaries, [replay], ckpt_path=checkpoint)
+        _fit(config, everything, canaries, [replay], ckpt_path=_without_journal(checkpoint, Path(scratch)))
     if module.private_steps != steps or len(target.weights) != steps + 1:
         raise RuntimeError(f"the audited run made {module.private_steps} of its {steps} planned private steps.")
     return _Observations(
@@ -541,6 +547,19 @@ def _run_and_replay(
         noise=torch.stack([replay.noise[t] for t in range(steps)]).numpy(),
         sampled=torch.stack([replay.sampled[t] for t in range(steps)]).numpy(),
     )
+
+
+def _without_journal(checkpoint: Path, scratch: Path) -> Path:
+    """A copy of ``checkpoint`` that does not point at its lineage's privacy journal.
+
+    The replay is the adversary's own computation, not a release of the audited run: resuming the
+    original would add it to the run's journal (as a second continuation) and budget it.
+    """
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state["pl_dp"]["journal"] = None
+    copy = scratch / "replay.ckpt"
+    torch.save(state, copy)
+    return copy
 
 
 def _check_request(

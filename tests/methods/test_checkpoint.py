@@ -35,6 +35,9 @@ def assert_resume_is_exact(tmp_path, make_model, make_dm, make_callbacks, max_st
     """Crash a run at ``crash_at`` private steps, resume from the checkpoint of ``resume_step`` in a new
     Trainer, and compare ε and every parameter with an uninterrupted run (bit for bit).
 
+    ``resume_step`` must be the last checkpoint before the crash: resuming from an older one repeats steps
+    a saved checkpoint already released, which the privacy journal (rightly) accounts a second time.
+
     Reproduction mode: ``make_model`` must pass ``noise_seed`` and ``make_dm`` a ``sampling_seed`` —
     the resumed run re-derives both secrets from the user's seeds, never from the checkpoint."""
     reference = make_model()
