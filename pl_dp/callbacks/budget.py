@@ -1,4 +1,4 @@
-"""PrivacyBudget: stop before the step that would take ε past the target (invariant 4)."""
+"""PrivacyBudget: stop before the step that would take ε past a target (invariant 4)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,15 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
 from pl_dp.callbacks.protocol import PrivacyCallback
-from pl_dp.privacy.budget import StepBudget
 
 
 class PrivacyBudget(PrivacyCallback):
     """Stops training *before* the private step that would push ε past ``epsilon``.
 
-    Works with any module implementing the privacy protocol (``setup_privacy()``,
-    ``accountant``, ``noise_multiplier``, ``sample_rate``, ``delta``, ``private_steps``,
-    ``planned_steps``, ``privacy``, ``privacy_exhausted``). Each check is a prospective ε
-    on a copy of the accountant's history; whole ranges of steps are verified at once, so a run
-    on plan costs one accountant evaluation.
+    The module's own guard already stops at its ``PrivacySpec.epsilon``; this callback registers a
+    target with it (``add_privacy_target``), so that one place — the module's privacy ledger —
+    decides every stop. Each check is a prospective ε on a copy of the accountant's history; whole
+    ranges of steps are verified at once, so a run on plan costs one accountant evaluation.
 
     Args:
         epsilon: the target; ``None`` uses the module's ``PrivacySpec.epsilon``. A target below
@@ -26,8 +24,13 @@ class PrivacyBudget(PrivacyCallback):
         delta: the δ of the target; ``None`` uses the module's δ.
 
     Raises at fit start when the module's noise multiplier was set explicitly and cannot meet the
-    target over the planned steps (a calibrated σ always meets the spec's own ε).
+    target over the planned steps (a calibrated σ always meets the spec's own ε); warns when a
+    calibrated plan would exceed a tighter target. ``stopped_at`` is the private step count at
+    which the guard stopped the run (None if it ran its plan).
     """
+
+    requires = ("add_privacy_target", "privacy_exhausted")
+    requires_description = "a pl_dp method (its privacy ledger holds the targets)"
 
     def __init__(self, epsilon: float | None = None, delta: float | None = None) -> None:
         if epsilon is not None and not epsilon > 0:
@@ -37,7 +40,6 @@ class PrivacyBudget(PrivacyCallback):
         self.epsilon = epsilon
         self.delta = delta
         self.stopped_at: int | None = None
-        self._budget: StepBudget | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         pl_module.setup_privacy()
@@ -45,32 +47,16 @@ class PrivacyBudget(PrivacyCallback):
             rank_zero_warn("PrivacyBudget is attached to a non-private run: there is no budget to guard.")
             return
         target = self.epsilon if self.epsilon is not None else pl_module.privacy.epsilon
-        delta = self.delta if self.delta is not None else pl_module.delta
-        self._budget = StepBudget(pl_module.accountant, target, delta, horizon=pl_module.planned_steps)
-        remaining = max(pl_module.planned_steps - pl_module.private_steps, 0)
-        planned_eps = pl_module.accountant.epsilon_after(
-            delta, remaining, pl_module.noise_multiplier, pl_module.sample_rate
-        )
-        if planned_eps > target:
-            if pl_module.privacy.noise_multiplier is not None:
-                raise ValueError(
-                    f"the planned {pl_module.planned_steps} private steps with noise_multiplier="
-                    f"{pl_module.noise_multiplier:g} would spend epsilon={planned_eps:.3f} > target {target:g}: "
-                    "refusing to start. Raise the noise multiplier or plan fewer steps."
-                )
+        planned = pl_module.add_privacy_target(target, self.delta)
+        if planned > target:
             rank_zero_warn(
-                f"the plan would spend epsilon={planned_eps:.3f} > PrivacyBudget target {target:g}: "
+                f"the plan would spend epsilon={planned:.3f} > PrivacyBudget target {target:g}: "
                 "training will stop early, before the step that would exceed it."
             )
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._budget is None:
-            return
-        if pl_module.privacy_exhausted or not self._budget.allows(pl_module.noise_multiplier, pl_module.sample_rate):
-            pl_module.privacy_exhausted = True
-            trainer.should_stop = True
-            if self.stopped_at is None:
-                self.stopped_at = pl_module.private_steps
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if getattr(pl_module, "privacy_exhausted", False) and self.stopped_at is None:
+            self.stopped_at = pl_module.private_steps
 
     def state_dict(self) -> dict[str, Any]:
         return {"epsilon": self.epsilon, "delta": self.delta, "stopped_at": self.stopped_at}

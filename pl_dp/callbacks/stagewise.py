@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 
 from pl_dp.callbacks.protocol import PrivacyCallback
 
@@ -40,6 +41,28 @@ def stage_lengths(planned_steps: int, stages: int, steps_growth: float, first_st
     return lengths
 
 
+class ProximalAnchor:
+    """The proximal term (1/λ)(θ − θ^{s−1}) of one stage: a real copy of θ taken when the stage starts.
+
+    The copy is real (the released DP-ZOPO code aliases it to the live weights, which makes the term
+    vanish). The step −η(1/λ)(θ − anchor) reads no data: no clipping, no noise (Liu et al. 2024,
+    DP-ZOSO, Algorithm 1 line 11). Zeroth-order methods apply it in the same sweep as the private
+    update, i.e. at θ − ηĝ (semi-implicit; it differs from the explicit step by O(η²/λ), and the
+    paper's analysis uses the implicit proximal step).
+    """
+
+    def __init__(self, coefficient: float, params: list[torch.Tensor]) -> None:
+        if not coefficient > 0:
+            raise ValueError(f"the proximal coefficient 1/lambda must be > 0, got {coefficient!r}.")
+        self.coefficient = float(coefficient)
+        self.anchor = [p.detach().clone() for p in params]
+
+    def terms(self, lr: float, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], float]]:
+        """−η(1/λ)(θ − anchor) as dense ``(tensors, coefficient)`` terms for a fused parameter sweep."""
+        step = lr * self.coefficient
+        return [(params, -step), (self.anchor, step)]
+
+
 class StagewiseSchedule(PrivacyCallback):
     """DP-ZOSO's stagewise schedule for any pl_dp method with settable ``lr`` (and ``smoothing``).
 
@@ -53,7 +76,7 @@ class StagewiseSchedule(PrivacyCallback):
             "regularization 5e-4" (spec A27). ``None`` or 0 disables it.
     """
 
-    requires = ("lr", "set_proximal_anchor")
+    requires = ("lr", "proximal")
     requires_description = "a pl_dp method with a settable step size and a proximal anchor"
 
     def __init__(
@@ -86,8 +109,8 @@ class StagewiseSchedule(PrivacyCallback):
         self.stage = -1
         self.base_lr: float | None = None
         self.base_smoothing: float | None = None
+        self.anchor: ProximalAnchor | None = None  # the current stage's, held by the module too
         self._saved_anchor: list[Any] | None = None
-        self._module: Any = None
 
     def stage_of(self, step: int) -> int:
         """The stage that step ``step`` (0-based) belongs to; steps past the plan stay in the last one."""
@@ -108,10 +131,11 @@ class StagewiseSchedule(PrivacyCallback):
     def _enter(self, pl_module: Any, stage: int, anchor: list[Any] | None = None) -> None:
         for name, value in self.values(stage).items():
             setattr(pl_module, name, value)
-        pl_module.set_proximal_anchor(self.proximal)
-        if anchor is not None and pl_module.proximal_anchor is not None:
-            for mine, saved in zip(pl_module.proximal_anchor, anchor):
+        self.anchor = ProximalAnchor(self.proximal, pl_module.trainable_parameters()) if self.proximal else None
+        if anchor is not None and self.anchor is not None:
+            for mine, saved in zip(self.anchor.anchor, anchor):
                 mine.copy_(saved)
+        pl_module.proximal = self.anchor
         self.stage = stage
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
@@ -122,7 +146,6 @@ class StagewiseSchedule(PrivacyCallback):
                 "the scheduler, or drop StagewiseSchedule and express the stages as the scheduler."
             )
         pl_module.setup_privacy()
-        self._module = pl_module
         self.lengths = stage_lengths(pl_module.planned_steps, self.stages, self.steps_growth, self.first_stage_steps)
         if self.base_lr is None:  # a fresh run; on resume these come from the checkpoint
             self.base_lr = pl_module.lr
@@ -138,10 +161,7 @@ class StagewiseSchedule(PrivacyCallback):
         pl_module.log("train/stage", float(stage), on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
-        module = self._module
-        anchor = (
-            None if module is None or module.proximal_anchor is None else [a.clone() for a in module.proximal_anchor]
-        )
+        anchor = None if self.anchor is None else [a.clone() for a in self.anchor.anchor]
         return {
             "stage": self.stage,
             "base_lr": self.base_lr,

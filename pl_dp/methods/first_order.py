@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pl_dp.methods.base import PrivateModule
+from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import PerSampleGradients, clipped_sum
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import LossSpec, check_per_sample
@@ -218,7 +219,7 @@ class DPSGD(FirstOrderModule):
         return stats
 
 
-class Coupling(FirstOrderModule):
+class Coupling(PublicDataMixin, FirstOrderModule):
     """Coupling of public and private gradients (Liu, Bu, Wang, Zha & Karypis), coupling_psac spec A.4.
 
         G = α · (1/b′) Σ_j ∇ℓ_j(θ)  +  (1 − α) · (Σ_i c(‖g_i‖) g_i + σR·Z) / b
@@ -245,7 +246,6 @@ class Coupling(FirstOrderModule):
     Coupling + :class:`~pl_dp.callbacks.AlphaSchedule`.
     """
 
-    requires_public_data = True
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
+from pl_dp.methods.public import PublicDataMixin
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
@@ -39,7 +40,7 @@ def _move(params: list[nn.Parameter], direction: list[torch.Tensor], alpha: floa
         p.add_(d, alpha=alpha)
 
 
-class PAZOM(ZerothOrderModule):
+class PAZOM(PublicDataMixin, ZerothOrderModule):
     """PAZO-M (Algorithm 1): θ ← θ − η(α·g_pub + (1−α)·g̃/q).
 
     g_pub is the mean-loss gradient of one public batch at θ_t (before any perturbation, spec
@@ -55,7 +56,6 @@ class PAZOM(ZerothOrderModule):
     public gradient + one parameter tensor.
     """
 
-    requires_public_data = True
 
     def __init__(
         self,
@@ -123,7 +123,7 @@ class PAZOM(ZerothOrderModule):
         return stats
 
 
-class PAZOP(ZerothOrderModule):
+class PAZOP(PublicDataMixin, ZerothOrderModule):
     """PAZO-P (Algorithm 2): zeroth-order search in the span of k public gradients.
 
     Per step: k disjoint public batches give g_1..g_k, turned into G (``orthonormalize=True``: an
@@ -138,7 +138,6 @@ class PAZOP(ZerothOrderModule):
     on another scale than DPZero's (‖v‖ ≈ √k, not √d; spec A9).
     """
 
-    requires_public_data = True
 
     def __init__(
         self,
@@ -204,7 +203,7 @@ class PAZOP(ZerothOrderModule):
         }
 
 
-class PAZOS(PrivateModule):
+class PAZOS(PublicDataMixin, PrivateModule):
     """PAZO-S (Algorithm 3): choose among k public gradients by private loss queries.
 
     Per step, with k disjoint public batches and their raw gradients g_1..g_k (at θ_t)::
@@ -223,7 +222,6 @@ class PAZOS(PrivateModule):
     memory inference + 2 parameter copies. Cost: k+1 private forwards, k public forward+backward.
     """
 
-    requires_public_data = True
     secure_rng_default = True  # k + 1 noisy scalars a step
     applies_own_update = True
     private_loss_modes = ("eval",)  # per_sample_evaluator

@@ -1,0 +1,317 @@
+"""The privacy ledger of a run: what was released, the plan it was released under, and the budget guard.
+
+:class:`PrivacyLedger` is the one object the guarantee depends on, kept apart from the training loop
+the way Opacus keeps its accountants apart from its engine (Lightning-free, testable alone):
+
+* the **plan** — δ, the sample rate q and expected batch size read from the sampler actually used
+  (invariant 1), σ calibrated for every planned step on top of the history already spent, or the
+  checkpoint's σ on a resume, checked against the spec (a change is refused unless allowed);
+* the **record** — the accountant history (what was released), the private-step count, which secrets
+  were ever user-seeded, and the lineage's write-ahead journal (:mod:`pl_dp.privacy.journal`), so that
+  ε is a function of this object alone and a resume composes everything the run ever released;
+* the **guard** — the budget targets (the spec's, and tighter ones registered by callbacks); one
+  place answers "may the next step run?" (invariant 4).
+
+Its ``state_dict`` is what a checkpoint holds for privacy; it never holds a secret (invariant 2).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pl_dp.privacy.accountants import Accountant, create_accountant
+from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
+from pl_dp.privacy.journal import PrivacyJournal
+from pl_dp.privacy.report import PrivacyReport
+from pl_dp.privacy.spec import PrivacySpec
+
+Broadcast = Callable[[Any], Any]
+
+
+class PrivacyLedger:
+    """The plan, the record and the budget guard of one module's private training (see the module doc).
+
+    Args:
+        spec: the privacy request; ``None`` for a non-private run (nothing is planned or accounted).
+        accountant: the accountant's name (the spec's, or the method's own).
+    """
+
+    def __init__(self, spec: PrivacySpec | None, accountant: str | None) -> None:
+        self.spec = spec
+        self.accountant: Accountant | None = create_accountant(accountant) if spec is not None else None
+        self.accountant_name = accountant if spec is not None else None
+        # the plan (set by plan(), restored from checkpoints)
+        self.noise_multiplier = 0.0
+        self.sample_rate: float | None = None
+        self.expected_batch_size: float | None = None
+        self.delta: float | None = None
+        self.planned_steps: int | None = None
+        # the record
+        self.private_steps = 0
+        self.user_seeded = {"noise": False, "sampling": False}  # sticky across fits and resumes
+        self.lineage: str | None = None
+        self.journal: PrivacyJournal | None = None
+        self._segment: Accountant | None = None  # this fit's own steps, for the journal
+        self._segment_id = ""
+        # the guard
+        self.exhausted = False
+        self._budgets: list[StepBudget] = []
+        self._tracker: EpsilonTracker | None = None
+
+    @property
+    def private(self) -> bool:
+        return self.spec is not None
+
+    # ---- the plan ----------------------------------------------------------------------------
+    def observe_sampler(self, sampler: Any, noise_seeded: bool) -> None:
+        """Read q and the expected batch size off the private sampler, and whether any secret is user-seeded."""
+        self.user_seeded["noise"] |= noise_seeded
+        self.user_seeded["sampling"] |= bool(getattr(sampler, "seeded", False))
+        if hasattr(sampler, "sample_rate"):  # pl_dp's samplers, Opacus' Poisson sampler
+            self.sample_rate = sampler.sample_rate
+            self.expected_batch_size = sampler.expected_batch_size
+
+    def fix_delta(self, num_samples: int) -> None:
+        """δ, fixed by the first plan (or the checkpoint): the ε of every fit is at one δ."""
+        if self.delta is None:
+            self.delta = self.spec.resolve_delta(num_samples)
+
+    def open_journal(self, restored: dict[str, Any] | None, directory: Path | None, broadcast: Broadcast) -> None:
+        """Start this fit's journal segment; on a resume, account every step the lineage ever released.
+
+        A resumed accountant is the composition of every segment in the journal — which holds all the
+        checkpoint holds, plus what a crashed run logged after it and what other resumes of the same
+        checkpoint released. Without the journal (moved or deleted) the checkpoint's history is kept
+        and a warning says what cannot be counted. ``directory`` is where a new lineage's journal goes
+        (next to the checkpoints); ``None`` defers it to the first checkpoint (:meth:`write_journal`).
+        ``broadcast`` gives every data-parallel rank rank 0's reading of the journal.
+        """
+        self._segment_id = uuid.uuid4().hex
+        self._segment = create_accountant(self.accountant_name)
+        if restored is not None:
+            self.lineage = restored.get("lineage") or self.lineage
+            path = restored.get("journal")
+            journal = PrivacyJournal(path) if path else None
+            composed = broadcast(journal.composed(self.accountant.mechanism).state_dict() if journal else None)
+            released = create_accountant(self.accountant_name)
+            if composed is not None:
+                released.load_state_dict(composed)
+            if released.history and released.steps >= self.accountant.steps:
+                self.accountant.load_state_dict(composed)
+            else:
+                warnings.warn(
+                    f"no privacy journal of this run was found{f' at {path}' if path else ''}: epsilon counts "
+                    "the steps the checkpoint holds. Steps that an earlier run released after this checkpoint "
+                    "(logged metrics before a crash, another resume of the same checkpoint) cannot be counted; "
+                    "if there were any, epsilon is under-reported.",
+                    stacklevel=3,
+                )
+            self.journal = journal
+        if self.lineage is None:
+            self.lineage = uuid.uuid4().hex
+        if self.journal is None and directory is not None:
+            self.journal = PrivacyJournal.of(directory, self.lineage)
+
+    def plan(
+        self, steps_left: int, restored: dict[str, Any] | None, allow_change: bool, planned_steps: int
+    ) -> None:
+        """σ for the ``steps_left`` steps of this fit, and the budget guard (after :meth:`open_journal`).
+
+        A new plan calibrates σ on top of the history already spent (or checks the spec's fixed σ)
+        and refuses to start when nothing is left; a resume takes the checkpoint's σ after checking
+        that the spec and q did not change (a change is refused unless ``allow_change``, and then σ
+        is re-planned for the rest on top of the kept history). A resumed plan that would exceed the
+        target warns: the guard will stop early.
+        """
+        spec = self.spec
+        self.planned_steps = planned_steps
+        spent = self.accountant.get_epsilon(self.delta)
+        if restored is not None:
+            self._resume_plan(restored, steps_left, allow_change)
+        elif spent >= spec.epsilon:
+            raise ValueError(
+                f"this module has already spent epsilon={spent:.3f} (delta={self.delta:.3g}) of its target "
+                f"epsilon={spec.epsilon:g} in earlier fits: there is no budget left for the {steps_left} steps "
+                "this fit plans. Epsilon composes across fits; train a fresh module, or raise the target on "
+                "purpose with pl_dp.callbacks.AllowPrivacySpecChange from a checkpoint."
+            )
+        elif spec.noise_multiplier is not None:
+            self.noise_multiplier = spec.noise_multiplier
+            eps = self.accountant.epsilon_after(self.delta, steps_left, self.noise_multiplier, self.sample_rate)
+            if eps > spec.epsilon:
+                raise ValueError(
+                    f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} "
+                    f"(delta={self.delta:.3g}) for the {steps_left} planned private steps at sample "
+                    f"rate {self.sample_rate:.4g}" + (f" on top of the {spent:.3f} already spent" if spent else "")
+                    + f": it would spend epsilon={eps:.3f}. Raise the noise multiplier, plan fewer steps, or "
+                    "leave noise_multiplier=None to calibrate."
+                )
+        else:
+            self.noise_multiplier = calibrate_noise_multiplier(
+                spec.epsilon, self.delta, self.sample_rate, max(steps_left, 1), self.accountant
+            )
+        horizon = self.accountant.steps + steps_left
+        self.exhausted = False
+        self._budgets = [StepBudget(self.accountant, spec.epsilon, self.delta, horizon=horizon)]
+        self._tracker = EpsilonTracker(self.accountant, self.delta, horizon)
+        if restored is None:  # a new plan meets the target by construction (calibrated, or checked above)
+            return
+        planned_epsilon = self.accountant.epsilon_after(self.delta, steps_left, self.noise_multiplier, self.sample_rate)
+        if planned_epsilon > spec.epsilon:
+            warnings.warn(
+                f"this fit plans {steps_left} more private steps, which at the checkpoint's noise multiplier "
+                f"{self.noise_multiplier:.4g} would spend epsilon={planned_epsilon:.3f} > the target "
+                f"{spec.epsilon:g}: training will stop before the step that would exceed it (privacy_exhausted). "
+                "To train longer, resume with a larger epsilon on purpose (pl_dp.callbacks.AllowPrivacySpecChange "
+                "re-plans sigma for the steps left).",
+                stacklevel=3,
+            )
+
+    def _resume_plan(self, saved: dict[str, Any], steps_left: int, allow_change: bool) -> None:
+        changes = []
+        if saved["privacy"] != self.spec.to_dict():
+            changes.append(
+                f"the checkpoint was trained with privacy={saved['privacy']} but this run asks for "
+                f"{self.spec.to_dict()}"
+            )
+        if not math.isclose(saved["sample_rate"], self.sample_rate, rel_tol=1e-12):
+            changes.append(
+                f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's {self.sample_rate:g}"
+            )
+        if not changes:
+            self.noise_multiplier = saved["noise_multiplier"]
+            return
+        if not allow_change:
+            raise ValueError(
+                "; ".join(changes) + ": resuming under a different privacy spec or sample rate is refused (the "
+                "accountant would no longer describe the run). To continue on purpose, with the saved history "
+                "kept and sigma re-planned for the rest, add the callback pl_dp.callbacks.AllowPrivacySpecChange."
+            )
+        self._replan_after_change(changes, steps_left)
+
+    def _replan_after_change(self, changes: list[str], steps_left: int) -> None:
+        """σ for the steps left, on top of the restored accountant history (never from zero)."""
+        spec = self.spec
+        remaining = max(1, steps_left)
+        spent = self.accountant.get_epsilon(self.delta) if self.accountant.history else 0.0
+        if spent >= spec.epsilon:
+            raise ValueError(
+                f"the checkpoint has already spent epsilon={spent:.3f} (delta={self.delta:.3g}); the new target "
+                f"epsilon={spec.epsilon:g} leaves nothing for the {remaining} steps left."
+            )
+        if spec.noise_multiplier is not None:
+            self.noise_multiplier = spec.noise_multiplier
+            total = self.accountant.epsilon_after(self.delta, remaining, self.noise_multiplier, self.sample_rate)
+            if total > spec.epsilon:
+                raise ValueError(
+                    f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} for the "
+                    f"{remaining} steps left on top of the checkpoint's spent epsilon={spent:.3f}: it would "
+                    f"reach {total:.3f}."
+                )
+        else:
+            self.noise_multiplier = calibrate_noise_multiplier(
+                spec.epsilon, self.delta, self.sample_rate, remaining, self.accountant
+            )
+        warnings.warn(
+            "; ".join(changes) + f". Continuing as allowed: epsilon spent so far {spent:.3f} is kept, and the "
+            f"{remaining} steps left use noise multiplier {self.noise_multiplier:.4g}.",
+            stacklevel=4,
+        )
+
+    # ---- the guard ---------------------------------------------------------------------------
+    def add_target(self, epsilon: float, delta: float | None = None) -> float:
+        """Register a budget tighter than (or equal to) the spec's; returns the ε this fit's plan would spend.
+
+        The guard then refuses the step that would take ε past ``epsilon`` at ``delta`` (default: the
+        run's δ). A fixed σ whose plan cannot meet the target is refused now; a calibrated plan that
+        exceeds it runs until the guard stops it.
+        """
+        delta = self.delta if delta is None else delta
+        steps_left = max(self._budgets[0].horizon - self.accountant.steps, 0) if self._budgets else 0
+        self._budgets.append(StepBudget(self.accountant, epsilon, delta, horizon=self.accountant.steps + steps_left))
+        planned = self.accountant.epsilon_after(delta, steps_left, self.noise_multiplier, self.sample_rate)
+        if planned > epsilon and self.spec.noise_multiplier is not None:
+            raise ValueError(
+                f"the {steps_left} planned private steps with noise_multiplier={self.noise_multiplier:g} would "
+                f"spend epsilon={planned:.3f} > target {epsilon:g}: refusing to start. Raise the noise multiplier "
+                "or plan fewer steps."
+            )
+        return planned
+
+    def allows_next_step(self) -> bool:
+        """Whether the next private step keeps ε within every target; once refused, stays refused this fit."""
+        if not self.exhausted:
+            self.exhausted = not all(b.allows(self.noise_multiplier, self.sample_rate) for b in self._budgets)
+        return not self.exhausted
+
+    # ---- the record --------------------------------------------------------------------------
+    def record(self, mechanism: Any) -> None:
+        """Record one private step of ``mechanism`` (a :class:`SubsampledGaussian` or tree release)."""
+        mechanism.account(self.accountant, self._segment)
+        self.private_steps += 1
+
+    def write_journal(self, directory: Path, writer: bool) -> None:
+        """Record this fit's released steps, before something leaves the process (only the ``writer`` rank).
+
+        ``directory`` is used when the lineage has no journal yet (a checkpoint saved without a
+        checkpoint callback).
+        """
+        if self._segment is None or not self._segment.history:
+            return
+        if self.journal is None:
+            self.journal = PrivacyJournal.of(directory, self.lineage)
+        if writer:
+            self.journal.record(self._segment_id, self._segment)
+
+    @property
+    def epsilon(self) -> float:
+        """Exact ε spent so far (0 for a non-private run)."""
+        if self.accountant is None or self.delta is None:
+            return 0.0
+        return self.accountant.get_epsilon(self.delta)
+
+    def logged_epsilon(self) -> float | None:
+        """A cheap per-step ε for logging, never below the true one (None before a plan)."""
+        return None if self._tracker is None else self._tracker.epsilon()
+
+    # ---- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds for ε to stay right — and nothing secret."""
+        return {
+            "privacy": self.spec.to_dict() if self.spec else None,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size,
+            "delta": self.delta,
+            "planned_steps": self.planned_steps,
+            "private_steps": self.private_steps,
+            "accountant": self.accountant.state_dict() if self.accountant else None,
+            "user_seeded": dict(self.user_seeded),
+            "lineage": self.lineage,
+            "journal": str(self.journal.path) if self.journal is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["privacy"] is None) != (self.spec is None):
+            raise ValueError("cannot resume a private run as a non-private one or the reverse.")
+        self.private_steps = int(state["private_steps"])
+        self.noise_multiplier = float(state["noise_multiplier"])
+        self.sample_rate = state["sample_rate"]
+        self.expected_batch_size = state.get("expected_batch_size")
+        self.delta = state["delta"]
+        self.planned_steps = state["planned_steps"]
+        for secret, seeded in state.get("user_seeded", {}).items():
+            self.user_seeded[secret] |= bool(seeded)
+        if self.accountant is not None:
+            self.accountant.load_state_dict(state["accountant"])
+
+    def report(self, method: str, secure_rng: bool, noise_seeded: bool) -> PrivacyReport:
+        """The privacy report of this record (the same one a checkpoint of it gives)."""
+        state = self.state_dict() | {"method": method, "secure_rng": secure_rng}
+        state["user_seeded"] = {**self.user_seeded, "noise": self.user_seeded["noise"] or noise_seeded}
+        return PrivacyReport.from_state(state)
