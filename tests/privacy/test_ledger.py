@@ -1,0 +1,73 @@
+"""PrivacyLedger alone, without Lightning: plan, record, guard and checkpoint state."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from pl_dp.privacy import PrivacySpec, SubsampledGaussian
+from pl_dp.privacy.ledger import PrivacyLedger
+
+
+def _sampler(rate=0.1, n=100, seeded=False):
+    return SimpleNamespace(sample_rate=rate, expected_batch_size=rate * n, num_samples=n, seeded=seeded)
+
+
+def _planned(spec, steps=50, restored=None, allow_change=False):
+    ledger = PrivacyLedger(spec, "rdp")
+    ledger.observe_sampler(_sampler(), noise_seeded=False)
+    ledger.fix_delta(100)
+    ledger.open_journal(restored, None, lambda obj: obj)
+    if restored is not None:
+        ledger.load_state_dict(restored)
+    ledger.plan(steps, restored, allow_change, steps)
+    return ledger
+
+
+def _step(ledger):
+    ledger.record(SubsampledGaussian(ledger.noise_multiplier, ledger.sample_rate, 1.0, ledger.expected_batch_size))
+
+
+def test_a_calibrated_plan_runs_to_its_end_and_the_guard_stops_the_step_after():
+    ledger = _planned(PrivacySpec(epsilon=2.0))
+    for _ in range(50):
+        assert ledger.allows_next_step()
+        _step(ledger)
+    assert ledger.private_steps == 50 and ledger.epsilon <= 2.0
+    ledger.add_target(ledger.epsilon)  # a target at exactly what was spent: no step fits
+    assert not ledger.allows_next_step() and ledger.exhausted
+
+
+def test_a_tighter_target_stops_early_and_a_fixed_sigma_over_it_is_refused():
+    ledger = _planned(PrivacySpec(epsilon=2.0))
+    assert ledger.add_target(1.0) > 1.0  # the plan would overshoot: the guard will stop it
+    steps = 0
+    while ledger.allows_next_step():
+        _step(ledger)
+        steps += 1
+    assert 0 < steps < 50 and ledger.epsilon <= 1.0
+    fixed = _planned(PrivacySpec(epsilon=50.0, noise_multiplier=1.0))
+    with pytest.raises(ValueError, match="refusing to start"):
+        fixed.add_target(0.5)
+
+
+def test_the_state_round_trips_and_a_resume_under_another_spec_is_refused_unless_allowed():
+    ledger = _planned(PrivacySpec(epsilon=2.0))
+    for _ in range(10):
+        _step(ledger)
+    state = ledger.state_dict()
+    assert "noise" not in state and "seed" not in state and "key" not in state  # never a secret
+    resumed = _planned(PrivacySpec(epsilon=2.0), steps=40, restored=state)
+    assert resumed.noise_multiplier == ledger.noise_multiplier and resumed.accountant.history == ledger.accountant.history
+    with pytest.raises(ValueError, match="different privacy spec"):
+        _planned(PrivacySpec(epsilon=3.0), steps=40, restored=state)
+    with pytest.warns(UserWarning, match="epsilon spent so far"):
+        changed = _planned(PrivacySpec(epsilon=3.0), steps=40, restored=state, allow_change=True)
+    assert changed.accountant.steps == 10 and changed.noise_multiplier < ledger.noise_multiplier
+
+
+def test_user_seeded_secrets_are_sticky_and_make_the_report_no_guarantee():
+    ledger = PrivacyLedger(PrivacySpec(epsilon=2.0), "rdp")
+    ledger.observe_sampler(_sampler(seeded=True), noise_seeded=False)
+    ledger.observe_sampler(_sampler(seeded=False), noise_seeded=False)
+    report = ledger.report("DPSGD", secure_rng=False, noise_seeded=True)
+    assert report.user_seeded == ("noise", "sampling") and not report.is_guarantee
