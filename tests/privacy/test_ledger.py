@@ -57,7 +57,8 @@ def test_the_state_round_trips_and_a_resume_under_another_spec_is_refused_unless
     state = ledger.state_dict()
     assert "noise" not in state and "seed" not in state and "key" not in state  # never a secret
     resumed = _planned(PrivacySpec(epsilon=2.0), steps=40, restored=state)
-    assert resumed.noise_multiplier == ledger.noise_multiplier and resumed.accountant.history == ledger.accountant.history
+    assert resumed.noise_multiplier == ledger.noise_multiplier
+    assert resumed.accountant.history == ledger.accountant.history
     with pytest.raises(ValueError, match="different privacy spec"):
         _planned(PrivacySpec(epsilon=3.0), steps=40, restored=state)
     with pytest.warns(UserWarning, match="epsilon spent so far"):
