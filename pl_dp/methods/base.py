@@ -119,6 +119,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             release a few noisy scalars or small vectors a step (zeroth-order, O2NC), where it
             costs microseconds; off for full gradients (first-order), where it costs seconds per
             step on a CPU for a 22.7M-parameter model (``benchmarks/secure_noise.py``).
+        max_physical_batch_size: split each logical Poisson batch into micro-batches of at most this
+            many examples for the forward/backward passes (as Opacus' ``BatchMemoryManager``):
+            per-example losses and clipped sums are accumulated across micro-batches and one noise
+            draw is added per logical step, so memory is bounded by the physical batch while the
+            release and its accounting are those of the logical batch. ``None``: one pass.
     """
 
     #: whether the method needs a public loader (PAZO, Coupling: :class:`~pl_dp.methods.public.PublicDataMixin`)
@@ -148,9 +153,13 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
         secure_rng: bool | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         _positive("lr", lr)
+        if max_physical_batch_size is not None:
+            max_physical_batch_size = _positive_integer("max_physical_batch_size", max_physical_batch_size)
+        self.max_physical_batch_size = max_physical_batch_size
         if isinstance(privacy, Mapping):  # as stored in hparams and checkpoints
             privacy = PrivacySpec(**privacy)
         if privacy is not None and not isinstance(privacy, PrivacySpec):

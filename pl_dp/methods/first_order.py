@@ -16,7 +16,7 @@ from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import PerSampleGradients, clipped_sum
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import LossSpec, check_per_sample
+from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.spec import PrivacySpec
 
@@ -67,8 +67,18 @@ class FirstOrderModule(PrivateModule):
         quantile_noise: float | None = None,
         quantile_lr: float = 0.2,
         secure_rng: bool | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
-        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics, secure_rng=secure_rng)
+        super().__init__(
+            net,
+            loss,
+            lr,
+            privacy,
+            noise_seed,
+            log_private_metrics,
+            secure_rng=secure_rng,
+            max_physical_batch_size=max_physical_batch_size,
+        )
         if clip_quantile is not None:
             if not 0.0 < clip_quantile < 1.0:
                 raise ValueError(f"clip_quantile must lie in (0, 1), got {clip_quantile!r}.")
@@ -119,20 +129,30 @@ class FirstOrderModule(PrivateModule):
     ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """(Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I)) / expected batch size, one tensor per parameter."""
         params = self.trainable_parameters()
+        sums = [torch.zeros_like(p) for p in params]
         if self.clip_function is None:  # non-private baseline: the plain mean gradient
-            with torch.enable_grad():
-                losses = check_per_sample(self.loss_fn(self.net, batch), batch_size)
-                grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
-            sums = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            for part in split_batch(batch, self.max_physical_batch_size):
+                with torch.enable_grad():
+                    losses = check_per_sample(self.loss_fn(self.net, part), batch_size_of(part))
+                    grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+                for s, g in zip(sums, grads):
+                    if g is not None:
+                        s.add_(g)
             sums, _ = self._sum_across_ranks(sums, torch.zeros(()))
             mechanism.privatize_(sums, self.noise)
             return sums, {}
-        if batch_size == 0:
-            sums, norms, nonfinite = [torch.zeros_like(p) for p in params], torch.zeros(0), torch.zeros(())
-        else:
-            per_example, _ = self._per_sample(batch)
-            sums, norms, nonfinite = clipped_sum(per_example, self.clip_function)
-            del per_example
+        device = params[0].device
+        norms, nonfinite = [torch.zeros(0, device=device)], torch.zeros((), dtype=torch.long, device=device)
+        if batch_size > 0:  # per-example gradients of one physical micro-batch at a time, clipped sums added up
+            for part in split_batch(batch, self.max_physical_batch_size):
+                per_example, _ = self._per_sample(part)
+                part_sums, part_norms, part_nonfinite = clipped_sum(per_example, self.clip_function)
+                del per_example
+                for s, t in zip(sums, part_sums):
+                    s.add_(t.to(s.dtype))
+                norms.append(part_norms)
+                nonfinite = nonfinite + part_nonfinite
+        norms = torch.cat(norms)
         sums, nonfinite = self._sum_across_ranks(sums, nonfinite)
         stats = {"nonfinite": nonfinite}
         if self.log_private_metrics and batch_size > 0:
@@ -268,6 +288,7 @@ class Coupling(PublicDataMixin, FirstOrderModule):
         quantile_noise: float | None = None,
         quantile_lr: float = 0.2,
         secure_rng: bool | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
         super().__init__(
             net,
@@ -287,6 +308,7 @@ class Coupling(PublicDataMixin, FirstOrderModule):
             quantile_noise,
             quantile_lr,
             secure_rng=secure_rng,
+            max_physical_batch_size=max_physical_batch_size,
         )
         if alpha == "auto":
             if kappa is None or not kappa > 0:

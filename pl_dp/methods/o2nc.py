@@ -103,8 +103,18 @@ class O2NC(PrivateModule):
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
         secure_rng: bool | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
-        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics, secure_rng=secure_rng)
+        super().__init__(
+            net,
+            loss,
+            lr,
+            privacy,
+            noise_seed,
+            log_private_metrics,
+            secure_rng=secure_rng,
+            max_physical_batch_size=max_physical_batch_size,
+        )
         _positive("clip", clip)
         _positive("smoothing", smoothing)
         if variant not in ("tree", "naive"):
@@ -299,7 +309,7 @@ class O2NC(PrivateModule):
         expected = self.first_batch_size if t == 0 else self.batch_size
         if batch_size != expected:
             raise ValueError(f"O2NC round {t} got {batch_size} examples, its partition promises {expected}.")
-        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size)
+        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size)
         key = self.private_steps
         if t == 0 or self.variant == "naive":
             increment, nonfinite = self._oracle(evaluate, batch_size, key, w, None, 2 * self.smoothing * self.clip)

@@ -73,6 +73,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
         log_private_metrics: bool = False,
         joint_clip: bool = False,
         secure_rng: bool | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
         super().__init__(
             net,
@@ -88,6 +89,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
             log_private_metrics,
             joint_clip,
             secure_rng=secure_rng,
+            max_physical_batch_size=max_physical_batch_size,
         )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
@@ -155,6 +157,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         log_private_metrics: bool = False,
         joint_clip: bool = False,
         secure_rng: bool | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
         super().__init__(
             net,
@@ -170,6 +173,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
             log_private_metrics,
             joint_clip,
             secure_rng=secure_rng,
+            max_physical_batch_size=max_physical_batch_size,
         )
         self.k = _positive_integer("k", k)
         self.orthonormalize = bool(orthonormalize)
@@ -238,8 +242,18 @@ class PAZOS(PublicDataMixin, PrivateModule):
         noise_seed: int | None = None,
         log_private_metrics: bool = False,
         secure_rng: bool | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
-        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics, secure_rng=secure_rng)
+        super().__init__(
+            net,
+            loss,
+            lr,
+            privacy,
+            noise_seed,
+            log_private_metrics,
+            secure_rng=secure_rng,
+            max_physical_batch_size=max_physical_batch_size,
+        )
         _positive("clip", clip, allow_none=privacy is None)
         if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
             raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")
@@ -278,7 +292,7 @@ class PAZOS(PublicDataMixin, PrivateModule):
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         params = self.trainable_parameters()
-        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size)
+        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size)
         nonfinite = torch.zeros(())
 
         def query() -> float:

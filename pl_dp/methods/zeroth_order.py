@@ -58,8 +58,18 @@ class ZerothOrderModule(PrivateModule):
         log_private_metrics: bool = False,
         joint_clip: bool = False,
         secure_rng: bool | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
-        super().__init__(net, loss, lr, privacy, noise_seed, log_private_metrics, secure_rng=secure_rng)
+        super().__init__(
+            net,
+            loss,
+            lr,
+            privacy,
+            noise_seed,
+            log_private_metrics,
+            secure_rng=secure_rng,
+            max_physical_batch_size=max_physical_batch_size,
+        )
         _positive("clip", clip, allow_none=privacy is None)
         _positive("smoothing", smoothing)
         self.clip = None if clip is None else float(clip)
@@ -125,7 +135,7 @@ class ZerothOrderModule(PrivateModule):
 
     def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian):
         """Privatized q-query two-point estimate at the current parameters (θ left at θ − λu_q)."""
-        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size)
+        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size)
         return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise, self.sum_reducer)
 
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:

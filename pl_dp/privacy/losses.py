@@ -37,6 +37,29 @@ def batch_size_of(batch: Any) -> int:
     raise TypeError(f"cannot find a tensor in the batch to size it (got {type(batch).__name__}).")
 
 
+def split_batch(batch: Any, size: int | None) -> list[Any]:
+    """``batch`` cut into consecutive micro-batches of at most ``size`` examples (all of it when ``size`` is None).
+
+    Every tensor is sliced along its first (example) dimension; mappings and sequences keep their
+    structure. Per-example quantities computed micro-batch by micro-batch are those of the whole
+    batch, because each example's loss depends on that example alone (invariant 8).
+    """
+    total = batch_size_of(batch)
+    if size is None or total <= size:
+        return [batch]
+    return [_slice(batch, start, min(start + size, total)) for start in range(0, total, size)]
+
+
+def _slice(batch: Any, start: int, end: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:end]
+    if isinstance(batch, Mapping):
+        return {k: _slice(v, start, end) for k, v in batch.items()}
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return type(batch)(_slice(v, start, end) for v in batch)
+    return batch
+
+
 def split_inputs_targets(batch: Any) -> tuple[Any, torch.Tensor]:
     """``(x, y)`` from a tuple/list batch or a mapping with a ``labels`` key."""
     if isinstance(batch, Mapping):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pl_dp.privacy.clipping import clip_per_example
-from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
+from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.zo.engine import Key, PerturbationEngine
@@ -40,15 +40,25 @@ def eval_mode(net: nn.Module):
 
 
 def per_sample_evaluator(
-    net: nn.Module, loss_fn: PerSampleLoss, batch: Any, batch_size: int
+    net: nn.Module,
+    loss_fn: PerSampleLoss,
+    batch: Any,
+    batch_size: int,
+    max_physical_batch_size: int | None = None,
 ) -> Callable[[], torch.Tensor]:
-    """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode."""
+    """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
+
+    With ``max_physical_batch_size`` the forward passes run micro-batch by micro-batch and the losses
+    are concatenated: memory is bounded by the physical batch, the released sums are the same.
+    """
+    micro_batches = split_batch(batch, max_physical_batch_size)
 
     def evaluate() -> torch.Tensor:
         if batch_size == 0:
             return torch.zeros(0)
         with eval_mode(net), torch.inference_mode():
-            return check_per_sample(loss_fn(net, batch), batch_size)
+            losses = [check_per_sample(loss_fn(net, part), batch_size_of(part)) for part in micro_batches]
+        return losses[0] if len(losses) == 1 else torch.cat(losses)
 
     return evaluate
 
