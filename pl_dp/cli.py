@@ -150,6 +150,8 @@ def main(args: list[str] | None = None) -> None:
     verbose = verbose_requested(argv)
     if args is None:  # LightningCLI reads sys.argv itself
         sys.argv = sys.argv[:1] + argv
+        if verbose:  # Lightning's DDP launcher re-runs this command line, without the flag, on the other ranks
+            os.environ["PL_DP_VERBOSE"] = "1"
     with contextlib.nullcontext() if verbose else quiet_lightning():
         _run(argv, None if args is None else argv)
 
