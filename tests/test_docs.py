@@ -1,6 +1,7 @@
 """The documentation site: every page is in the nav, links resolve on GitHub too, the strict build passes."""
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -54,6 +55,20 @@ def test_readme_links_every_docs_section():
     readme = (ROOT / "README.md").read_text()
     for page in ("getting-started", "privacy-model", "methods/index", "performance", "scaling-out", "fine-tuning"):
         assert f"](docs/{page}.md)" in readme, page
+
+
+def test_the_readme_example_runs(tmp_path):
+    """The README's Python example, shortened to one epoch, trains privately and prints the privacy report."""
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "max_epochs=60" in code
+    code = code.replace("max_epochs=60", "max_epochs=1, logger=False, enable_checkpointing=False")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "pl_dp privacy report — DPZero" in run.stdout and "add/remove-one adjacency" in run.stdout
 
 
 def test_strict_build_passes(tmp_path):
