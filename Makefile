@@ -1,4 +1,4 @@
-# pl_dp — two commands: `make demo` and `make test` (each sets up .venv first).
+# pl_dp — two commands: `make demo` and `make test` (each sets up .venv first); `make docs` builds the site.
 VENV ?= .venv
 PYTHON ?= python3
 # CPU build from the local wheel cache; override for CUDA, e.g. TORCH_SPEC="torch==2.13.0" with your index.
@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench reproduce
+.PHONY: install demo test docs lint bench reproduce
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pl_dp tests benchmarks examples
+	$(VENV)/bin/ruff check pl_dp tests benchmarks examples docs
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_cost.py

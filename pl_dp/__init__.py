@@ -3,4 +3,4 @@
 from pl_dp.privacy.spec import PrivacySpec
 
 __all__ = ["PrivacySpec"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the only place the version is written (pyproject.toml reads it)

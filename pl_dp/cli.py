@@ -21,11 +21,23 @@ accountant's claim and exits with status 1 when the bound exceeds the claim.
 instead (:func:`pl_dp.audit_run.audit_run`: one real training run with canaries, a checkpoint and
 a kill-and-resume, and an adversary that replays the public config); the options are the
 function's arguments, the output and exit status as for ``audit``.
+
+Output is kept to what a user acts on: the progress bar (with ε and the budget left), pl_dp's own
+warnings and the final report. Lightning's info lines (accelerators available, seeds, tips, why fit
+stopped) and a FutureWarning torch raises about Lightning's internals are hidden; ``pl-dp --verbose
+<subcommand> ...`` or ``PL_DP_VERBOSE=1`` shows them again. This is the command line's choice only:
+the library itself filters no warning but Opacus' "Optimal order is the largest alpha" (see
+:func:`pl_dp.privacy.accountants.opacus_rdp_conversion`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import sys
+import warnings
+from collections.abc import Iterator
 
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -97,8 +109,54 @@ def run_audit(args: list[str]) -> int:
     return 1 if result.violated else 0
 
 
+#: Lightning's loggers, whose info lines ``pl-dp`` hides unless verbose
+LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """While ``pl-dp`` runs: Lightning's info lines hidden (its warnings and errors still show), and torch's
+    FutureWarning about Lightning's use of ``LeafSpec`` (internals of two libraries; nothing a user can act on).
+
+    Every other warning shows, pl_dp's own included. Levels and filters are restored on exit, so calling
+    :func:`main` from Python leaves the caller's logging and warnings as they were.
+    """
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+            )
+            for logger in loggers:
+                logger.setLevel(logging.WARNING)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def verbose_requested(argv: list[str]) -> bool:
+    """``--verbose`` before the subcommand (removed from ``argv``), or ``PL_DP_VERBOSE`` set and not 0."""
+    flag = bool(argv) and argv[0] == "--verbose"
+    if flag:
+        del argv[0]
+    return flag or os.environ.get("PL_DP_VERBOSE", "0") not in ("", "0")
+
+
 def main(args: list[str] | None = None) -> None:
+    """``pl-dp [--verbose] SUBCOMMAND ...`` (``args``: the command line without the program name)."""
     argv = sys.argv[1:] if args is None else list(args)
+    verbose = verbose_requested(argv)
+    if args is None:  # LightningCLI reads sys.argv itself
+        sys.argv = sys.argv[:1] + argv
+        if verbose:  # Lightning's DDP launcher re-runs this command line, without the flag, on the other ranks
+            os.environ["PL_DP_VERBOSE"] = "1"
+    with contextlib.nullcontext() if verbose else quiet_lightning():
+        _run(argv, None if args is None else argv)
+
+
+def _run(argv: list[str], args: list[str] | None) -> None:
     if argv[:1] == ["report"]:
         if len(argv) != 2:
             raise SystemExit("usage: pl-dp report PATH.ckpt")

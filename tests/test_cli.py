@@ -116,3 +116,57 @@ def test_audit_run_mode_passes_an_honest_run_and_exits_1_on_a_leak():
     leaky = _run("audit", "--run", *_SMALL_RUN_AUDIT, *_SMALL_RUN_PRIVACY, "--noise_seed", "7")
     assert leaky.returncode == 1, leaky.stderr[-3000:]
     assert "the replay reproduced the noise of 100 steps" in leaky.stdout and "VIOLATION" in leaky.stdout
+
+
+def test_output_is_quiet_by_default_and_verbose_on_request(tmp_path):
+    """A newcomer sees the progress bar and the report, not Lightning's info lines nor Opacus' order warning;
+    ``pl-dp --verbose`` / ``PL_DP_VERBOSE=1`` bring Lightning's lines back."""
+    config = yaml.safe_load((ROOT / "configs/digits/dpzero.yaml").read_text())
+    config["trainer"].update(max_epochs=1, default_root_dir=str(tmp_path))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "PL_DP_VERBOSE")}
+    command = [sys.executable, "-m", "pl_dp.cli"]
+    quiet = subprocess.run(
+        [*command, "fit", "--config", str(path)],
+        cwd=ROOT,
+        env=dict(env, WANDB_MODE="offline"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "pl-dp: test accuracy" in quiet.stdout and "pl_dp privacy report" in quiet.stdout
+    output = quiet.stdout + quiet.stderr
+    for line in ("GPU available", "TPU available", "Seed set to", "Optimal order is the largest alpha", "LeafSpec"):
+        assert line not in output, output[-3000:]
+    verbose = subprocess.run(
+        [*command, "--verbose", "fit", "--config", str(path), "--trainer.max_steps", "1", "--test_after_fit", "false"],
+        cwd=ROOT,
+        env=dict(env, WANDB_MODE="offline"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert "GPU available" in verbose.stdout + verbose.stderr
+
+
+def test_verbose_is_a_flag_before_the_subcommand_or_an_environment_variable(monkeypatch):
+    import logging
+
+    from pl_dp.cli import quiet_lightning, verbose_requested
+
+    monkeypatch.delenv("PL_DP_VERBOSE", raising=False)
+    argv = ["--verbose", "fit", "--config", "c.yaml"]
+    assert verbose_requested(argv) and argv == ["fit", "--config", "c.yaml"]  # LightningCLI never sees it
+    assert not verbose_requested(["test", "--verbose", "false"])  # Trainer.test's own --verbose is left alone
+    monkeypatch.setenv("PL_DP_VERBOSE", "1")
+    assert verbose_requested(["fit"])
+    monkeypatch.setenv("PL_DP_VERBOSE", "0")
+    assert not verbose_requested(["fit"])
+    logger = logging.getLogger("lightning.pytorch")
+    before = logger.level
+    with quiet_lightning():
+        assert logger.getEffectiveLevel() == logging.WARNING
+    assert logger.level == before  # main() called from Python leaves the caller's logging as it was

@@ -16,7 +16,9 @@ approximation that under-reports ε, so it is not one of them (see :data:`REMOVE
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -37,6 +39,22 @@ REMOVED_ACCOUNTANTS: dict[str, str] = {
         "delta 1e-5). Use accountant='pld' (tight and sound), 'prv' or 'rdp'"
     ),
 }
+
+
+@contextmanager
+def opacus_rdp_conversion() -> Iterator[None]:
+    """Around a call into Opacus' RDP → (ε, δ) conversion: without its "Optimal order is the largest alpha" warning.
+
+    Opacus' ``get_privacy_spent`` warns whenever the best of the Rényi orders it was given is the largest one. pl_dp
+    meets that case routinely and it is harmless: ε is small early in a run (few steps composed), the tree
+    accountant converts at small ρ², and Opacus' PRV accountant bounds its own domain with an RDP ε at a tiny δ.
+    The ε returned is still the minimum over the orders tried, an upper bound on the true ε (at worst looser than
+    a wider range of orders would give, never smaller), so the guarantee stands. Only this one warning, and only
+    around pl_dp's own calls, is filtered; every other warning, pl_dp's included, still shows.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha", category=UserWarning)
+        yield
 
 
 class Accountant:
@@ -147,7 +165,8 @@ class RDP(Accountant):
 
     def _epsilon(self, history: History, delta: float) -> float:
         rdp = sum(n * _unit_rdp(q, s) for s, q, n in history)
-        eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
+        with opacus_rdp_conversion():
+            eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
         return float(eps)
 
     @property
@@ -167,7 +186,8 @@ class PRV(Accountant):
     def _epsilon(self, history: History, delta: float) -> float:
         acc = PRVAccountant()
         acc.history = list(history)
-        return float(acc.get_epsilon(delta, eps_error=self.eps_error))
+        with opacus_rdp_conversion():  # Opacus' PRV accountant sizes its domain with an RDP ε
+            return float(acc.get_epsilon(delta, eps_error=self.eps_error))
 
 
 class PLD(Accountant):

@@ -28,7 +28,7 @@ import torch
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
-from pl_dp.privacy.accountants import Accountant, register_accountant
+from pl_dp.privacy.accountants import Accountant, opacus_rdp_conversion, register_accountant
 from pl_dp.privacy.noise import NoiseSource
 
 
@@ -279,7 +279,10 @@ class TreeAccountant(Accountant):
 
     def _epsilon(self, history: list[TreeRun], delta: float) -> float:
         orders = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
-        eps, _ = rdp_analysis.get_privacy_spent(orders=orders, rdp=orders * tree_rho_squared(history) / 2, delta=delta)
+        with opacus_rdp_conversion():
+            eps, _ = rdp_analysis.get_privacy_spent(
+                orders=orders, rdp=orders * tree_rho_squared(history) / 2, delta=delta
+            )
         return float(eps)
 
     @property

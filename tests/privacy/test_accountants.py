@@ -2,11 +2,17 @@
 
 import math
 import time
+import warnings
 
+import numpy as np
 import pytest
+from opacus.accountants import RDPAccountant
+from opacus.accountants.analysis import rdp as rdp_analysis
 
 from pl_dp.privacy import PLD, PRV, RDP, StepBudget, calibrate_noise_multiplier, create_accountant
+from pl_dp.privacy.accountants import opacus_rdp_conversion
 from pl_dp.privacy.budget import EpsilonTracker
+from pl_dp.privacy.tree import TreeAccountant
 
 
 def _eps(acc, sigma, q, steps, delta=1e-5):
@@ -119,3 +125,23 @@ def test_pld_composes_a_constant_stretch_in_one_evaluation_and_memoizes_it():
     start = time.perf_counter()
     again = PLD().epsilon_after(1e-5, 14062, 1.1, 256 / 60000)  # a fresh accountant, the same history
     assert again == eps and time.perf_counter() - start < 0.01
+
+
+def test_opacus_largest_alpha_warning_is_filtered_only_around_pl_dps_conversions():
+    """Opacus warns when the best RDP order is the largest one (harmless: ε stays an upper bound); pl_dp's own
+    conversions hide that one warning and nothing else."""
+    orders = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
+    tiny = rdp_analysis.compute_rdp(q=0.001, noise_multiplier=10.0, steps=1, orders=orders)
+    tree = TreeAccountant()
+    tree.plan("partition", steps_per_pass=4, tree_length=4, next_position=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rdp_analysis.get_privacy_spent(orders=orders, rdp=tiny, delta=1e-5)  # Opacus alone warns here
+        rdp_analysis.get_privacy_spent(orders=orders, rdp=orders / 2 / 30.0**2, delta=1e-5)  # one tree leaf, z = 30
+        assert sum("Optimal order is the largest alpha" in str(w.message) for w in caught) == 2
+        caught.clear()
+        assert RDP().epsilon_after(1e-5, 1, 10.0, 0.001) > 0
+        assert tree.epsilon_after(1e-5, 1, 30.0, 1.0) > 0
+        with opacus_rdp_conversion():
+            warnings.warn("a privacy warning of pl_dp's own", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["a privacy warning of pl_dp's own"]
