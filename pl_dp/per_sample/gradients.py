@@ -121,18 +121,27 @@ class PerSampleGradients:
             grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)  # the hooks fill grad_sample
         finally:
             gsm.disable_hooks()
-        out, missed = [], []
+        out, missed, not_per_example = [], [], []
         for name, p, g in zip(self.names, self.params, grads):
             gs = getattr(p, "grad_sample", None)
+            p.grad_sample = None
             if gs is None and g is not None:
                 missed.append(name)
+            elif gs is not None and gs.shape[0] != size:
+                not_per_example.append(name)
             out.append(gs if gs is not None else torch.zeros((size, *p.shape), dtype=p.dtype, device=p.device))
-            p.grad_sample = None
         if missed:  # a zero in place of a gradient would train silently on noise alone
             raise RuntimeError(
                 f"the loss depends on {missed}, but Opacus' hooks recorded no per-example gradient for them: they "
                 "are used outside the module that holds them (e.g. a weight read directly in another module's "
                 "forward). Use per_sample='functorch' or restructure the net so each parameter is used by its module."
+            )
+        if not_per_example:  # clipping rows that are not examples would bound no example's contribution
+            raise RuntimeError(
+                f"Opacus' hooks returned gradients per input row, not per example, for {not_per_example} (a batch "
+                f"of {size}): the model merges the batch dimension with another before these layers (OPT's fc1 and "
+                "fc2 see [batch x tokens, width]). Train other parameters (e.g. trainable='lora' on the attention "
+                "projections) or use a zeroth-order method."
             )
         return out, losses.detach()
 

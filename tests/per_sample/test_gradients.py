@@ -96,3 +96,20 @@ def test_a_parameter_the_hooks_cannot_see_is_refused_not_zeroed():
     x, y = torch.randn(4, 5), torch.zeros(4, dtype=torch.long)
     with pytest.raises(RuntimeError, match=r"inner\.weight.*no per-example gradient"):
         PerSampleGradients(_WeightUsedElsewhere(), cross_entropy, "hooks")((x, y))
+
+
+class _FlattensTheBatch(nn.Module):
+    """Like OPT's feed-forward block: the Linear sees [batch x tokens, width], so its 'per-sample' rows are tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x.reshape(-1, 5)).view(x.shape[0], -1, 3).mean(1)
+
+
+def test_per_row_gradients_of_a_layer_that_flattens_the_batch_are_refused():
+    x, y = torch.randn(4, 7, 5), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"per input row, not per example, for \['fc\.weight', 'fc\.bias'\]"):
+        PerSampleGradients(_FlattensTheBatch(), cross_entropy, "hooks")((x, y))
