@@ -148,7 +148,18 @@ def test_prompt_configuration_errors(tiny_lm, minilm):
         PromptClassifier(["terrible", "great"], model_path=tiny_lm, trainable="head")
     with pytest.raises(ValueError, match="one word per class"):
         PromptClassifier("great", model_path=tiny_lm)
-    if kind == "masked":  # inputs tokenized without the template: refused, not scored at position 0
-        net = PromptClassifier(["terrible", "great"], model_path=tiny_lm)
-        with pytest.raises(ValueError, match="mask token exactly once"):
-            net(**net.tokenizer(["no mask here"], return_tensors="pt"))
+
+
+@pytest.mark.parametrize("architecture, privacy", [("minilm", PrivacySpec(1.0, accountant="rdp")), ("bert-mlm", None)])
+def test_dp_zopo_data_free_pruning_scores_a_prompt_classifier(tmp_path, architecture, privacy):
+    """The pruning score runs the net in float64 on all-ones token ids (no mask token, no data)."""
+    from pl_dp.callbacks import PruningSchedule, StagewiseSchedule
+
+    L.seed_everything(0)
+    path = None if architecture == "minilm" else tiny_model(tmp_path, architecture)
+    net = PromptClassifier(["terrible", "great"], model_path=path, trainable="head" if path is None else "all")
+    data = TextDataModule((TEXTS * 4, LABELS * 4), prompt=net, batch_size=8, val_fraction=0.25, test_fraction=0)
+    model = DPZero(net, lr=1e-3, clip=1.0, privacy=privacy)
+    callbacks = [StagewiseSchedule(stages=2), PruningSchedule(rates=[0.1, 0.2], strategy="incremental")]
+    make_trainer(max_steps=4, limit_val_batches=0, callbacks=callbacks).fit(model, data)
+    assert model.direction_mask.fraction == pytest.approx(0.2, abs=1e-3)

@@ -57,11 +57,17 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in fp32 if it is in a lower precision (bf16, fp16); fp32 and fp64 are kept."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The sentence-transformers sentence embedding: the fp32 mean of ``hidden`` ``[B, T, H]`` over each example's
-    own tokens (``attention_mask`` 1), L2-normalized. Padding positions get weight exactly 0."""
-    mask = attention_mask.unsqueeze(-1).to(torch.float32)
-    pooled = (hidden.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+    """The sentence-transformers sentence embedding: the mean of ``hidden`` ``[B, T, H]`` over each example's own
+    tokens (``attention_mask`` 1), L2-normalized, in fp32 at least. Padding positions get weight exactly 0."""
+    hidden = at_least_fp32(hidden)
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
     return torch.nn.functional.normalize(pooled, dim=-1)
 
 

@@ -38,7 +38,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.nets.hf import add_lora, local_model_dir, mean_pool, minilm_path, quiet_transformers, select_trainable
+from pl_dp.nets.hf import (
+    add_lora,
+    at_least_fp32,
+    local_model_dir,
+    mean_pool,
+    minilm_path,
+    quiet_transformers,
+    select_trainable,
+)
 
 KINDS = ("masked", "causal", "encoder")
 DEFAULT_TEMPLATES = {"masked": "{text} It was {mask}.", "causal": "{text} It was", "encoder": "{text}"}
@@ -180,7 +188,6 @@ class PromptClassifier(nn.Module):
         if trainable != "lora":  # with LoRA, peft froze the model; the adapters (and the head) train
             select_trainable(self, trainable, lambda name: name.startswith("head."))
         self._decision_positions: torch.Tensor | None = None
-        self._inputs_checked = False
         if self.kind != "encoder":
             self.model.get_output_embeddings().register_forward_pre_hook(self._keep_decision_positions)
 
@@ -221,19 +228,13 @@ class PromptClassifier(nn.Module):
         """Per example, where the label word is scored: its mask token (masked LM) or its last token (causal LM).
 
         Right padding (pl_dp's collate) puts each example's tokens first, so its last token is at
-        ``attention_mask.sum() − 1``. Computed on the device, without a host sync.
+        ``attention_mask.sum() − 1``. An input without a mask token is scored at its first position (DP-ZOPO's
+        data-free pruning score runs the model on all-ones token ids); :class:`~pl_dp.data.TextDataModule`
+        refuses prompts that do not hold exactly one. Computed on the device, without a host sync.
         """
         if self.kind == "causal":
             return (attention_mask.long().sum(dim=1) - 1).clamp_min(0)
-        is_mask = input_ids == self.tokenizer.mask_token_id
-        if not self._inputs_checked:  # once: inputs tokenized without the template are an error, not garbage
-            if not bool((is_mask.sum(dim=1) == 1).all()):
-                raise ValueError(
-                    "every input of a masked-LM PromptClassifier must contain the mask token exactly once: tokenize "
-                    "the texts with its template (TextDataModule(prompt=...) or PromptClassifier.format)."
-                )
-            self._inputs_checked = True
-        return is_mask.int().argmax(dim=1)
+        return (input_ids == self.tokenizer.mask_token_id).int().argmax(dim=1)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
@@ -242,10 +243,10 @@ class PromptClassifier(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         if self.kind == "encoder":
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-            return self.scale * self.head(mean_pool(hidden, attention_mask))
+            return self.scale * self.head(mean_pool(hidden, attention_mask).to(self.head.weight.dtype))
         self._decision_positions = self.decision_positions(input_ids, attention_mask)
         try:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
         finally:
             self._decision_positions = None
-        return self.scale * logits[:, 0, self.label_token_ids].float()
+        return self.scale * at_least_fp32(logits[:, 0, self.label_token_ids])
