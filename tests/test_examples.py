@@ -19,3 +19,12 @@ def test_attach_to_existing_module_learns_privately():
     assert result["test_mse"] < 0.8 * result["predict_mean_mse"]  # from the user's own test_step and metric
     assert 0 < result["val_mae"] < 1  # the user's validation_step ran during fit
     assert result["predictions"].shape == (92,)  # trainer.predict on the test split
+
+
+def test_finetune_your_csv_trains_a_prompt_privately_on_a_users_file(tmp_path):
+    example = _load("finetune_your_csv")
+    path = example.write_demo_csv(tmp_path / "reviews.csv", size=300)
+    result = example.main(path, max_steps=3, epochs=1, batch_size=16)
+    assert result["private_steps"] == 3 and 0 < result["epsilon"] <= 1.0
+    assert result["zero_shot_acc"] > 0.6  # the packaged MiniLM with "terrible"/"great", before any training
+    assert abs(result["test_acc"] - result["zero_shot_acc"]) < 0.2
