@@ -40,14 +40,17 @@ def _fit_and_check(net, method, data, trainable_names):
 
 
 @pytest.mark.parametrize(
-    "architecture, method", [("bert-mlm", DPZero), ("bert-mlm", DPSGD), ("gpt2", DPSGD), ("opt", DPSGD)]
+    "architecture, method",
+    [("bert-mlm", DPZero), ("bert-mlm", DPSGD), ("gpt2", DPSGD), ("opt", DPSGD), ("minilm", DPZero)],
 )
-def test_prompt_lora_trains_only_the_adapters(tmp_path, architecture, method):
-    """GPT-2's adapters sit on its Conv1D attention; OPT's on q/v projections, which see one row per example."""
-    net = PromptClassifier(["terrible", "great"], model_path=tiny_model(tmp_path, architecture), trainable="lora")
+def test_prompt_lora_trains_only_the_adapters_and_the_head(tmp_path, architecture, method):
+    """GPT-2's adapters sit on its Conv1D attention; OPT's on q/v projections, which see one row per example; the
+    packaged MiniLM (a sentence encoder) trains its label-word head too."""
+    path = None if architecture == "minilm" else tiny_model(tmp_path, architecture)
+    net = PromptClassifier(["terrible", "great"], model_path=path, trainable="lora")
     adapters = {n for n, _ in net.named_parameters() if ".lora_" in n}
     assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
-    _fit_and_check(net, method, _data(prompt=net), adapters)
+    _fit_and_check(net, method, _data(prompt=net), adapters | ({"head.weight"} if path is None else set()))
 
 
 @pytest.mark.parametrize("method", [DPZero, DPSGD])
