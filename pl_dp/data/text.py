@@ -34,7 +34,7 @@ def read_texts(source: TextSource, text_column: str = "text", label_column: str 
     if isinstance(source, (str, Path)):
         path = Path(source)
         if path.suffix in (".csv", ".tsv"):
-            with path.open(newline="", encoding="utf-8") as file:
+            with path.open(newline="", encoding="utf-8-sig") as file:  # a BOM (spreadsheet exports) is dropped
                 rows = list(csv.DictReader(file, delimiter="\t" if path.suffix == ".tsv" else ","))
         elif path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as file:
