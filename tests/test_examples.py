@@ -25,3 +25,12 @@ def test_audit_a_whole_run_flags_reproduction_seeds_and_passes_the_default():
     results = _load("audit_a_whole_run").main(canaries=100, steps=100, accountant="rdp")
     default, reproduction = results.values()
     assert not default.violated and reproduction.violated, results
+
+
+def test_finetune_your_csv_trains_a_prompt_privately_on_a_users_file(tmp_path):
+    example = _load("finetune_your_csv")
+    path = example.write_demo_csv(tmp_path / "reviews.csv", size=300)
+    result = example.main(path, max_steps=3, epochs=1, batch_size=16)
+    assert result["private_steps"] == 3 and 0 < result["epsilon"] <= 1.0
+    assert result["zero_shot_acc"] > 0.6  # the packaged MiniLM with "terrible"/"great", before any training
+    assert abs(result["test_acc"] - result["zero_shot_acc"]) < 0.2

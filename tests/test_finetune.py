@@ -6,6 +6,7 @@ import torch
 
 from pl_dp import PrivacySpec
 from pl_dp.data import (
+    TextDataModule,
     VaderEmbeddingDataModule,
     VaderSentimentDataModule,
     minilm_embeddings,
@@ -13,7 +14,7 @@ from pl_dp.data import (
     vader_splits,
 )
 from pl_dp.methods import DPSGD, PAZOM, DPZero
-from pl_dp.nets import MLP, HFClassifier, MiniLMClassifier
+from pl_dp.nets import MLP, HFClassifier, MiniLMClassifier, minilm_path
 from tests.conftest import make_trainer
 
 
@@ -31,7 +32,7 @@ def vader():
 def test_packaged_minilm_loads_offline_and_runs(vader):
     net = MiniLMClassifier(num_labels=2)
     assert sum(p.numel() for p in net.parameters()) == 22_713_986  # 22.7M: MiniLM-L6 + a new 2-way head
-    batch = next(iter(torch.utils.data.DataLoader(vader.test, batch_size=4)))
+    batch = vader.collate_fn([vader.test[i] for i in range(4)])  # padded to the longest of the four
     logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     assert logits.shape == (4, 2) and torch.isfinite(logits).all()
     bias = MiniLMClassifier(trainable="bias")
@@ -58,6 +59,19 @@ def test_vader_labels_follow_the_lexicon_and_splits_are_fixed_and_disjoint(vader
     assert all(again[k][0] == splits[k][0] for k in splits)
     public, private = splits["public"][1].float().mean(), splits["private"][1].float().mean()
     assert public > private + 0.2  # the documented class-imbalance shift of the public split
+
+
+def test_vader_is_a_text_datamodule_with_the_same_splits_and_tokens(vader):
+    """Each entry alone, truncated at max_length=8 as before; batches padded per batch instead of to 8."""
+    from transformers import AutoTokenizer
+
+    assert isinstance(vader, TextDataModule)
+    assert [len(getattr(vader, n)) for n in ("private", "public", "val", "test")] == [4897, 204, 680, 1020]
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+    texts, labels = vader_splits()["test"]
+    expected = tokenizer(texts, truncation=True, max_length=8)["input_ids"]
+    assert [vader.test[i]["input_ids"].tolist() for i in range(len(texts))] == expected
+    assert torch.equal(vader.test.labels, labels)
 
 
 def _tiny_bert(tmp_path):

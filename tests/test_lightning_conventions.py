@@ -300,6 +300,13 @@ def test_the_privacy_report_is_logged_to_every_logger(tmp_path):
     assert logged["epsilon"] == pytest.approx(model.epsilon) and logged["is_guarantee"] is True
 
 
+def test_an_untrained_private_model_can_be_tested_and_reports_nothing_spent():
+    """`pl-dp test --config` without a checkpoint evaluates the initial model (e.g. a zero-shot prompt)."""
+    model = DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=SPEC)
+    assert "test/acc" in make_trainer().test(model, _dm(), verbose=False)[0]
+    assert "nothing spent: no private fit yet" in str(model.privacy_report())
+
+
 # ---- 10. strategies ---------------------------------------------------------------------------------------
 def test_unsupported_strategies_are_refused_with_what_to_use():
     check_strategy(SingleDeviceStrategy(torch.device("cpu")))

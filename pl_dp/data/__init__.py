@@ -2,6 +2,7 @@
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
 from pl_dp.data.digits import DigitsDataModule, digits_splits
+from pl_dp.data.text import TextDataModule, TokenizedTexts, read_texts, tokenize_prompts
 from pl_dp.data.vader import (
     VaderEmbeddingDataModule,
     VaderSentimentDataModule,
@@ -13,10 +14,14 @@ from pl_dp.data.vader import (
 __all__ = [
     "DigitsDataModule",
     "PrivatePublicDataModule",
+    "TextDataModule",
+    "TokenizedTexts",
     "VaderEmbeddingDataModule",
     "VaderSentimentDataModule",
     "digits_splits",
     "minilm_embeddings",
+    "read_texts",
+    "tokenize_prompts",
     "vader_lexicon",
     "vader_splits",
 ]

@@ -12,8 +12,8 @@ Dataset card.
   training pool; the public split (``public_fraction`` of the pool) is drawn with positives three
   times as likely as negatives — a documented class-imbalance shift (about 70 % positive against
   44 % in the private split), like the shifted public sets of the PAZO experiments.
-* Inputs: each entry tokenized alone, padded to ``max_length`` tokens, as
-  ``{"input_ids", "attention_mask", "labels"}``.
+* Inputs: each entry tokenized alone (or in a prompt template), at most ``max_length`` tokens, as
+  ``{"input_ids", "attention_mask", "labels"}``; each batch is padded to its longest entry.
 * Privacy unit: one lexicon entry (its ten ratings). The lexicon is public, so this is a
   benchmark, not a privacy-sensitive dataset.
 """
@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.text import TextDataModule
 
 _SPLIT_SEED = 20140601
 NEUTRAL_BAND = 0.5
@@ -46,21 +48,6 @@ def vader_lexicon() -> list[tuple[str, float]]:
         if len(fields) >= 2:
             rows.append((fields[0], float(fields[1])))
     return rows
-
-
-class TokenizedDataset(Dataset):
-    """Tokenized texts with labels; items are dicts a Hugging Face model takes as keywords."""
-
-    def __init__(self, texts: list[str], labels: torch.Tensor, tokenizer, max_length: int) -> None:
-        enc = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
-        self.texts = texts
-        self.input_ids, self.attention_mask, self.labels = enc["input_ids"], enc["attention_mask"], labels
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i], "labels": self.labels[i]}
 
 
 def vader_splits(public_fraction: float = 0.04) -> dict[str, tuple[list[str], torch.Tensor]]:
@@ -91,20 +78,23 @@ def vader_splits(public_fraction: float = 0.04) -> dict[str, tuple[list[str], to
     }
 
 
-class VaderSentimentDataModule(PrivatePublicDataModule):
-    """VADER lexicon sentiment (see the module docstring), tokenized with a local tokenizer.
+class VaderSentimentDataModule(TextDataModule):
+    """VADER lexicon sentiment (see the module docstring) as a :class:`~pl_dp.data.TextDataModule`.
 
     With the defaults: 4,897 private, 204 public, 680 validation and 1,020 test entries (6,801 in all).
 
     Args:
         batch_size: expected private batch size (Poisson sampling).
         public_fraction: share of the training pool that is public (shifted towards positives).
-        public_batch_size: public batch size.
+        public_batch_size: public batch size (at most the public split's size).
         seed: seed of the public shuffling (the splits are fixed).
         sampling_seed: secret seed of the private Poisson sampling; ``None`` (default): OS entropy
             (see :class:`~pl_dp.data.PrivatePublicDataModule`).
-        max_length: tokens per entry, [CLS] and [SEP] included.
+        max_length: tokens per entry, special tokens (and template) included.
         tokenizer_path: a local tokenizer directory; ``None`` uses the packaged MiniLM's.
+        template: a prompt template (``"{text}"``: the entry alone; e.g. ``"{text} It was {mask}."`` for a
+            masked LM), see :class:`~pl_dp.nets.PromptClassifier`.
+        prompt: a :class:`~pl_dp.nets.PromptClassifier` whose tokenizer and template to use instead.
     """
 
     def __init__(
@@ -118,28 +108,28 @@ class VaderSentimentDataModule(PrivatePublicDataModule):
         eval_batch_size: int = 256,
         merge_public: bool = False,
         sampling_seed: int | None = None,
+        template: str | None = None,
+        prompt: Any | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
-
         from pl_dp.nets.hf import minilm_path
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or minilm_path()), local_files_only=True)
-        splits = {
-            name: TokenizedDataset(texts, labels, tokenizer, max_length)
-            for name, (texts, labels) in vader_splits(public_fraction).items()
-        }
+        splits = vader_splits(public_fraction)
         super().__init__(
-            **self.from_splits(
-                splits,
-                public_batch_size,
-                batch_size=batch_size,
-                seed=seed,
-                eval_batch_size=eval_batch_size,
-                merge_public=merge_public,
-                sampling_seed=sampling_seed,
-            )
+            data=splits["private"],
+            public=splits["public"],
+            val=splits["val"],
+            test=splits["test"],
+            tokenizer=None if prompt is not None else tokenizer_path or minilm_path(),
+            template=template,
+            prompt=prompt,
+            max_length=max_length,
+            batch_size=batch_size,
+            public_batch_size=public_batch_size,
+            seed=seed,
+            eval_batch_size=eval_batch_size,
+            merge_public=merge_public,
+            sampling_seed=sampling_seed,
         )
-        self.save_hyperparameters()
 
 
 def minilm_embeddings(texts: list[str], model_path: str | None = None, max_length: int = 8) -> torch.Tensor:
@@ -150,7 +140,7 @@ def minilm_embeddings(texts: list[str], model_path: str | None = None, max_lengt
     """
     from transformers import AutoModel, AutoTokenizer
 
-    from pl_dp.nets.hf import minilm_path, quiet_transformers
+    from pl_dp.nets.hf import mean_pool, minilm_path, quiet_transformers
 
     path = str(model_path or minilm_path())
     with quiet_transformers():
@@ -162,9 +152,7 @@ def minilm_embeddings(texts: list[str], model_path: str | None = None, max_lengt
             texts[start : start + 512], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
         )
         with torch.inference_mode():
-            hidden = encoder(**enc).last_hidden_state
-        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        chunks.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1))
+            chunks.append(mean_pool(encoder(**enc).last_hidden_state, enc["attention_mask"]))
     return torch.cat(chunks)
 
 

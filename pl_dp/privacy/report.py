@@ -102,7 +102,11 @@ class PrivacyReport:
         noise = "SHAKE-256 cryptographic generator" if self.secure_rng else "torch generator"
         lines = [
             f"pl_dp privacy report — {self.method}",
-            f"  guarantee     ({self.epsilon:.4g}, {self.delta:.3g})-DP per example, {self.adjacency} adjacency"
+            (
+                f"  guarantee     ({self.epsilon:.4g}, {self.delta:.3g})-DP per example, {self.adjacency} adjacency"
+                if self.delta is not None  # None until the first fit plans (e.g. `pl-dp test` of an untrained model)
+                else "  guarantee     nothing spent: no private fit yet"
+            )
             + (f"; target epsilon {self.target_epsilon:g}" if self.target_epsilon is not None else ""),
             f"  accountant    {self.accountant}; noise multiplier {self.noise_multiplier:.4g}; "
             f"{self.private_steps} private steps" + (f" (planned {self.planned_steps})" if self.planned_steps else ""),

@@ -66,3 +66,50 @@ def test_clipped_sum_weights_and_nonfinite_examples():
     sums, norms, bad = clipped_sum(g, ClipFunction("constant", clip=1.0))
     torch.testing.assert_close(sums[0], torch.tensor([0.6 + 0.3, 0.8 + 0.4]))
     assert int(bad) == 1 and norms[0].item() == pytest.approx(5.0)
+
+
+def test_hooks_give_per_example_gradients_in_eval_mode():
+    """A pretrained model is in eval mode (from_pretrained, peft): Opacus' hooks used to raise 'No activations'."""
+    net, x = _case("layernorm")
+    net.eval()
+    y = torch.randint(0, 3, (x.shape[0],))
+    grads, _ = PerSampleGradients(net, cross_entropy, "hooks")((x, y))
+    for i in range(x.shape[0]):
+        expected = torch.autograd.grad(F.cross_entropy(net(x[i : i + 1]), y[i : i + 1]), list(net.parameters()))
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g[i], e, atol=1e-5, rtol=1e-4)
+    assert not any(m.training for m in net.modules())  # modes left as they were
+
+
+class _WeightUsedElsewhere(nn.Module):
+    """``inner``'s weight is read by the parent's forward: ``inner``'s hooks never fire."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return F.linear(x, self.inner.weight)
+
+
+def test_a_parameter_the_hooks_cannot_see_is_refused_not_zeroed():
+    x, y = torch.randn(4, 5), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"inner\.weight.*no per-example gradient"):
+        PerSampleGradients(_WeightUsedElsewhere(), cross_entropy, "hooks")((x, y))
+
+
+class _FlattensTheBatch(nn.Module):
+    """Like OPT's feed-forward block: the Linear sees [batch x tokens, width], so its 'per-sample' rows are tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x.reshape(-1, 5)).view(x.shape[0], -1, 3).mean(1)
+
+
+def test_per_row_gradients_of_a_layer_that_flattens_the_batch_are_refused():
+    x, y = torch.randn(4, 7, 5), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"per input row, not per example, for \['fc\.weight', 'fc\.bias'\]"):
+        PerSampleGradients(_FlattensTheBatch(), cross_entropy, "hooks")((x, y))

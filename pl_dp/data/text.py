@@ -1,0 +1,270 @@
+"""Text classification data for fine-tuning a language model privately: texts and labels in, DP-correct loaders out.
+
+:class:`TextDataModule` reads texts and labels from Python lists, a CSV/TSV or JSON Lines file, or a Hugging Face
+``datasets.Dataset``; splits them (explicitly, or by fractions with a fixed split seed); fills a prompt template
+and tokenizes with a local tokenizer; and serves a Poisson-sampled private loader (it is a
+:class:`~pl_dp.data.PrivatePublicDataModule`) whose batches are padded per batch (dynamic padding).
+
+A template that does not fit ``max_length`` is never cut: the text is, from its end, as LM-BFF does (Gao, Fisch
+& Chen, 2021), so a masked LM's ``{mask}`` and a causal LM's closing words survive truncation.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.nets.prompt import MASK, TEXT, split_template
+
+#: texts and labels: a CSV/TSV/JSONL path, a mapping of columns, a pair (texts, labels), or a ``datasets.Dataset``
+TextSource = Union[str, Path, Mapping[str, Sequence[Any]], tuple[Sequence[str], Sequence[Any]], Any]
+
+
+def read_texts(source: TextSource, text_column: str = "text", label_column: str = "label") -> tuple[list[str], list]:
+    """``(texts, labels)`` from a path (``.csv``, ``.tsv``, ``.jsonl``: one JSON object per line), a mapping of
+    columns, a pair ``(texts, labels)`` or a Hugging Face ``datasets.Dataset`` (any object with ``column_names``)."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if path.suffix in (".csv", ".tsv"):
+            with path.open(newline="", encoding="utf-8-sig") as file:  # a BOM (spreadsheet exports) is dropped
+                rows = list(csv.DictReader(file, delimiter="\t" if path.suffix == ".tsv" else ","))
+        elif path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as file:
+                rows = [json.loads(line) for line in file if line.strip()]
+        else:
+            raise ValueError(f"cannot read {path}: use a .csv, .tsv or .jsonl file.")
+        missing = {text_column, label_column} - set(rows[0] if rows else ())
+        if rows and missing:
+            raise KeyError(f"{path} has no column {sorted(missing)}; its columns are {sorted(rows[0])}.")
+        return [row[text_column] for row in rows], [row[label_column] for row in rows]
+    if isinstance(source, Mapping) or hasattr(source, "column_names"):
+        columns = source.keys() if isinstance(source, Mapping) else source.column_names
+        missing = {text_column, label_column} - set(columns)
+        if missing:
+            raise KeyError(f"the data has no column {sorted(missing)}; its columns are {sorted(columns)}.")
+        return list(source[text_column]), list(source[label_column])
+    if isinstance(source, (tuple, list)) and len(source) == 2:
+        texts, labels = source
+        return list(texts), list(labels)
+    raise TypeError(
+        f"cannot read texts from a {type(source).__name__}: give a .csv/.tsv/.jsonl path, a mapping of columns, "
+        "a pair (texts, labels) or a datasets.Dataset."
+    )
+
+
+def encode_labels(labels: Sequence[Any], label_names: Sequence[str] | None = None) -> torch.Tensor:
+    """Class indices ``[n]`` (int64): names are looked up in ``label_names``, integers (also as text) kept."""
+    index = {name: i for i, name in enumerate(label_names or ())}
+    out = []
+    for label in labels:
+        if isinstance(label, str) and label in index:
+            out.append(index[label])
+            continue
+        try:
+            value = float(label)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or isinstance(label, bool) or not value.is_integer() or value < 0:
+            known = f" (label_names: {list(index)})" if index else "; give label_names for labels that are names"
+            raise ValueError(f"a label is neither a class index nor a known name{known}.")
+        out.append(int(value))
+    encoded = torch.tensor(out, dtype=torch.long)
+    if index and len(encoded) and int(encoded.max()) >= len(index):
+        raise ValueError(f"a class index is >= the number of label_names ({len(index)}).")
+    return encoded
+
+
+def tokenize_prompts(
+    texts: Sequence[str], tokenizer: Any, template: str = TEXT, max_length: int = 128
+) -> list[torch.Tensor]:
+    """Token ids (a 1-D int64 tensor per text, unpadded) of ``template`` filled with each text.
+
+    ``{mask}`` becomes the tokenizer's mask token. A prompt longer than ``max_length`` tokens loses tokens from
+    the end of its text only — never from the template or the special tokens (so with the template ``"{text}"``
+    this is the tokenizer's own truncation). Needs a fast tokenizer (character offsets).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("tokenizing prompts needs a fast (Rust) tokenizer: load it with AutoTokenizer.")
+    prefix, suffix = split_template(template, tokenizer.mask_token)
+    if not texts:
+        return []
+    encoded = tokenizer(
+        [prefix + text + suffix for text in texts],
+        return_offsets_mapping=True,
+        return_special_tokens_mask=True,
+        return_attention_mask=False,
+    )
+    out = []
+    for ids, offsets, special, text in zip(
+        encoded["input_ids"], encoded["offset_mapping"], encoded["special_tokens_mask"], texts
+    ):
+        overflow = len(ids) - max_length
+        if overflow > 0:
+            start, end = len(prefix), len(prefix) + len(text)
+            in_text = [j for j, ((a, _), s) in enumerate(zip(offsets, special)) if not s and start <= a < end]
+            if overflow > len(in_text):
+                raise ValueError(
+                    f"the template {template!r} with its special tokens is longer than max_length={max_length}."
+                )
+            cut = set(in_text[len(in_text) - overflow :])
+            ids = [token for j, token in enumerate(ids) if j not in cut]
+        out.append(torch.tensor(ids, dtype=torch.long))
+    if MASK in template:
+        counts = [int((ids == tokenizer.mask_token_id).sum()) for ids in out]
+        if any(count != 1 for count in counts):
+            raise ValueError(
+                f"{sum(count != 1 for count in counts)} texts contain the mask token {tokenizer.mask_token!r} "
+                "themselves: a masked-LM prompt needs exactly one, the template's."
+            )
+    return out
+
+
+class TokenizedTexts(Dataset):
+    """Tokenized texts with labels; items are ``{"input_ids", "attention_mask", "labels"}`` of one example,
+    unpadded (:class:`~pl_dp.data.collate.PaddingCollate` pads each batch to its longest example)."""
+
+    def __init__(self, texts: list[str], input_ids: list[torch.Tensor], labels: torch.Tensor) -> None:
+        if not len(texts) == len(input_ids) == len(labels):
+            raise ValueError("texts, token ids and labels differ in length.")
+        self.texts, self.input_ids, self.labels = texts, input_ids, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.input_ids[i]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": self.labels[i]}
+
+
+def split_indices(n: int, fractions: Mapping[str, float], seed: int) -> dict[str, np.ndarray]:
+    """Disjoint sorted index sets: each named fraction of ``range(n)`` in order, drawn by a fixed permutation
+    (``seed``), and ``"rest"``."""
+    order = np.random.default_rng(seed).permutation(n)
+    out, start = {}, 0
+    for name, fraction in fractions.items():
+        if not 0 <= fraction < 1:
+            raise ValueError(f"{name}_fraction must lie in [0, 1), got {fraction}.")
+        count = round(fraction * n)
+        out[name] = np.sort(order[start : start + count])
+        start += count
+    out["rest"] = np.sort(order[start:])
+    return out
+
+
+class TextDataModule(PrivatePublicDataModule):
+    """Texts and labels → tokenized prompts → a Poisson-sampled private loader, public and evaluation loaders.
+
+    Splits. ``data`` is the pool: ``test_fraction``, ``val_fraction`` and ``public_fraction`` of it are drawn
+    out by a fixed permutation (``split_seed``: public, so the split is the same in every run) and the rest is
+    the private training set. ``public``, ``val`` and ``test`` give a split explicitly instead (its fraction of
+    the pool is then 0 unless given). ε protects the private set; validation and test metrics are logged
+    without noise, and public examples are used without privacy.
+
+    Args:
+        data: the pool of labelled texts: a ``.csv``/``.tsv``/``.jsonl`` path, a mapping of columns, a pair
+            ``(texts, labels)``, or a ``datasets.Dataset``.
+        public, val, test: explicit splits, in the same forms.
+        tokenizer: a local tokenizer directory or a loaded (fast) tokenizer.
+        template: the prompt, ``"{text}"`` by default; ``{mask}`` becomes the tokenizer's mask token.
+        prompt: a :class:`~pl_dp.nets.PromptClassifier` whose tokenizer and template to use instead.
+        text_column, label_column: the columns of files, mappings and datasets.
+        label_names: class names in class order, for labels given as names (``["negative", "positive"]``).
+        max_length: tokens per example at most (special tokens and template included; the text is cut).
+        val_fraction, test_fraction: shares of the pool (``None``: 0.1, or 0 when the split is given).
+        public_fraction: share of the pool that is public data (for PAZO, Coupling).
+        split_seed: seed of the split permutation.
+        batch_size, public_batch_size, seed, eval_batch_size, merge_public: as in
+            :class:`~pl_dp.data.PrivatePublicDataModule`.
+        sampling_seed, num_workers, pin_memory: as in :class:`~pl_dp.data.PrivatePublicDataModule`
+            (``sampling_seed=None``: the Poisson sampling is a secret from OS entropy).
+
+    Texts given as lists or datasets are never written to the hyperparameters (which checkpoints and loggers
+    save): only paths are.
+    """
+
+    def __init__(
+        self,
+        data: TextSource,
+        public: TextSource | None = None,
+        val: TextSource | None = None,
+        test: TextSource | None = None,
+        tokenizer: str | Path | Any | None = None,
+        template: str | None = None,
+        prompt: Any | None = None,
+        text_column: str = "text",
+        label_column: str = "label",
+        label_names: list[str] | None = None,
+        max_length: int = 128,
+        val_fraction: float | None = None,
+        test_fraction: float | None = None,
+        public_fraction: float = 0.0,
+        split_seed: int = 0,
+        batch_size: int = 32,
+        public_batch_size: int = 32,
+        seed: int = 0,
+        eval_batch_size: int = 256,
+        merge_public: bool = False,
+        sampling_seed: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        if prompt is not None and (tokenizer is not None or template is not None):
+            raise ValueError("give either prompt (its tokenizer and template are used) or tokenizer and template.")
+        if prompt is None and tokenizer is None:
+            raise ValueError("TextDataModule needs a tokenizer (a local directory or a loaded tokenizer) or a prompt.")
+        self.tokenizer = prompt.tokenizer if prompt is not None else tokenizer
+        if isinstance(self.tokenizer, (str, Path)):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer), local_files_only=True)
+        self.template = prompt.template if prompt is not None else template or TEXT
+        self.max_length = max_length
+        columns = dict(text_column=text_column, label_column=label_column)
+        texts, labels = read_texts(data, **columns)
+        fractions = {
+            "test": (0.0 if test is not None else 0.1) if test_fraction is None else test_fraction,
+            "val": (0.0 if val is not None else 0.1) if val_fraction is None else val_fraction,
+            "public": public_fraction,
+        }
+        pool = split_indices(len(texts), fractions, split_seed)
+        given = {"public": public, "val": val, "test": test}
+        raw = {"private": ([texts[i] for i in pool["rest"]], [labels[i] for i in pool["rest"]])}
+        for name, source in given.items():
+            carved = ([texts[i] for i in pool[name]], [labels[i] for i in pool[name]])
+            extra = read_texts(source, **columns) if source is not None else ([], [])
+            raw[name] = (carved[0] + extra[0], carved[1] + extra[1])
+        num_labels = len(label_names) if label_names else getattr(prompt, "num_labels", None)
+        splits = {name: self._tokenized(*pair, label_names, num_labels) for name, pair in raw.items()}
+        super().__init__(
+            **self.from_splits(
+                splits,
+                public_batch_size,
+                batch_size=batch_size,
+                seed=seed,
+                eval_batch_size=eval_batch_size,
+                merge_public=merge_public,
+                sampling_seed=sampling_seed,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+            )
+        )
+        given_objects = {"data": data, "public": public, "val": val, "test": test, "tokenizer": tokenizer}
+        objects = [name for name, value in given_objects.items() if not isinstance(value, (str, Path, type(None)))]
+        self.save_hyperparameters(ignore=[*objects, "prompt"])
+
+    def _tokenized(
+        self, texts: list[str], labels: list, label_names: list[str] | None, num_labels: int | None
+    ) -> TokenizedTexts:
+        encoded = encode_labels(labels, label_names)
+        if num_labels is not None and len(encoded) and int(encoded.max()) >= num_labels:
+            raise ValueError(f"a label is >= the number of classes ({num_labels}).")
+        ids = tokenize_prompts(texts, self.tokenizer, self.template, self.max_length)
+        return TokenizedTexts(list(texts), ids, encoded)

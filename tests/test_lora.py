@@ -1,0 +1,88 @@
+"""LoRA adapters through peft: zeroth-order methods move only adapters (and head), DP-SGD's hooks see them."""
+
+import lightning as L
+import pytest
+import torch
+
+from pl_dp import PrivacySpec
+from pl_dp.data import TextDataModule
+from pl_dp.methods import DPSGD, DPZero
+from pl_dp.nets import HFClassifier, PromptClassifier
+from tests.conftest import make_trainer
+from tests.test_prompt import LABELS, TEXTS
+from tests.tiny_hf import tiny_model
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _data(tokenizer=None, prompt=None):
+    return TextDataModule(
+        (TEXTS * 4, LABELS * 4), tokenizer=tokenizer, prompt=prompt, batch_size=8, val_fraction=0.25, test_fraction=0
+    )
+
+
+def _fit_and_check(net, method, data, trainable_names):
+    """Two private steps; every trainable parameter moved, every other one is bit-identical."""
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    assert {n for n, p in net.named_parameters() if p.requires_grad} == trainable_names
+    L.seed_everything(0)
+    kwargs = {"smoothing": 1e-2} if method is DPZero else {}
+    model = method(net, lr=0.5, clip=1.0, privacy=PrivacySpec(epsilon=4.0, accountant="rdp"), noise_seed=0, **kwargs)
+    make_trainer(max_steps=2, limit_val_batches=0).fit(model, data)
+    assert model.private_steps == 2
+    for n, p in net.named_parameters():
+        assert torch.equal(p, before[n]) != (n in trainable_names), n
+
+
+@pytest.mark.parametrize(
+    "architecture, method",
+    [("bert-mlm", DPZero), ("bert-mlm", DPSGD), ("gpt2", DPSGD), ("opt", DPSGD), ("minilm", DPZero)],
+)
+def test_prompt_lora_trains_only_the_adapters_and_the_head(tmp_path, architecture, method):
+    """GPT-2's adapters sit on its Conv1D attention; OPT's on q/v projections, which see one row per example; the
+    packaged MiniLM (a sentence encoder) trains its label-word head too."""
+    path = None if architecture == "minilm" else tiny_model(tmp_path, architecture)
+    net = PromptClassifier(["terrible", "great"], model_path=path, trainable="lora")
+    adapters = {n for n, _ in net.named_parameters() if ".lora_" in n}
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    _fit_and_check(net, method, _data(prompt=net), adapters | ({"head.weight"} if path is None else set()))
+
+
+@pytest.mark.parametrize("method", [DPZero, DPSGD])
+def test_seq_cls_lora_trains_adapters_and_the_head_copy(tmp_path, method):
+    """peft's task_type="SEQ_CLS" wraps the head in a ModulesToSaveWrapper: its trainable copy is the head."""
+    path = tiny_model(tmp_path, "bert-cls")
+    net = HFClassifier(path, trainable="lora", lora_rank=4, lora_targets=["query", "value"])
+    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert (
+        any(".lora_A." in n for n in trainable)
+        and "model.base_model.model.classifier.modules_to_save.default.weight" in trainable
+    )
+    _fit_and_check(net, method, _data(tokenizer=path), trainable)
+
+
+@pytest.mark.parametrize("method", [DPZero, DPSGD])
+def test_a_users_peft_model_is_a_net(tmp_path, method):
+    """A PeftModel straight from from_pretrained (eval mode, as Lightning keeps it) trains under both families."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    path = tiny_model(tmp_path, "bert-cls")
+    base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2, local_files_only=True)
+    assert not base.training
+    net = get_peft_model(base, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"]))
+    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+    _fit_and_check(net, method, _data(tokenizer=path), trainable)
+
+
+def test_functorch_per_sample_gradients_refuse_hugging_face_models_clearly(tmp_path):
+    path = tiny_model(tmp_path, "bert-cls")
+    net = HFClassifier(path, trainable="last-1")
+    model = DPSGD(net, per_sample="functorch", privacy=PrivacySpec(2.0, accountant="rdp"))
+    with pytest.raises(NotImplementedError, match="per_sample='hooks'"):
+        make_trainer(max_steps=1, limit_val_batches=0).fit(model, _data(tokenizer=path))
