@@ -73,6 +73,8 @@ class PAZOM(ZerothOrderModule):
         log_private_metrics: bool = False,
         joint_clip: bool = False,
         secure_rng: bool | None = None,
+        cache_directions: bool | None = None,
+        one_sided: bool = False,
     ) -> None:
         super().__init__(
             net,
@@ -88,6 +90,8 @@ class PAZOM(ZerothOrderModule):
             log_private_metrics,
             joint_clip,
             secure_rng=secure_rng,
+            cache_directions=cache_directions,
+            one_sided=one_sided,
         )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
@@ -156,6 +160,8 @@ class PAZOP(ZerothOrderModule):
         log_private_metrics: bool = False,
         joint_clip: bool = False,
         secure_rng: bool | None = None,
+        cache_directions: bool | None = None,
+        one_sided: bool = False,
     ) -> None:
         super().__init__(
             net,
@@ -171,7 +177,14 @@ class PAZOP(ZerothOrderModule):
             log_private_metrics,
             joint_clip,
             secure_rng=secure_rng,
+            cache_directions=cache_directions,
+            one_sided=one_sided,
         )
+        if direction not in ("gaussian", "sphere"):
+            raise ValueError(
+                f"PAZO-P draws the coefficients of its public-gradient basis: direction must be 'gaussian' or "
+                f"'sphere', got {direction!r}."
+            )
         self.k = _positive_integer("k", k)
         self.orthonormalize = bool(orthonormalize)
 
@@ -185,7 +198,9 @@ class PAZOP(ZerothOrderModule):
                 "PAZO-P searches the span of public gradients; a coordinate mask (PruningSchedule) is not "
                 "supported for it. Use DPZero or PAZO-M with PruningSchedule."
             )
-        return SubspaceEngine(params, self.direction_seed, self.k, coefficients=self._direction.kind)
+        return SubspaceEngine(
+            params, self.direction_seed, self.k, coefficients=self._direction.kind, **self.cache_arguments()
+        )
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         engine = self.estimator.engine
