@@ -153,8 +153,7 @@ class PerturbationEngine:
         self._chunks_of: dict[int, list[Chunk]] = {}
         for chunk in self.chunks:
             self._chunks_of.setdefault(chunk.index, []).append(chunk)
-        drawn = sum(c.stop - c.start for c in self.chunks)
-        self._parallel = drawn >= PARALLEL_MIN
+        self._parallel = sum(c.stop - c.start for c in self.chunks if self._group(c)[0].type == "cpu") >= PARALLEL_MIN
         copy_bytes = sum((c.stop - c.start) * self.params[c.index].element_size() for c in self.chunks)
         if cache_directions is None:
             cache_size = min(cache_size, CACHE_BUDGET_BYTES // copy_bytes) if copy_bytes else 0
