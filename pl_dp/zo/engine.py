@@ -5,7 +5,7 @@ Design (ARCHITECTURE "The ZO engine", ANCHORS part 1 (b) items 1–3):
 * **A direction is a pure function of (seed, key, parameter, chunk).** The trained coordinates of
   each parameter are cut into chunks of a fixed size (:data:`CPU_CHUNK` on CPU; one chunk per
   tensor on accelerators, whose generators are parallel already), and chunk ``c`` of parameter
-  ``i`` of direction ``key`` is drawn from a generator seeded with ``derive_seed(seed, *key, i, c)``.
+  ``i`` of direction ``key`` is drawn from a generator seeded with ``derive_seed(derive_seed(seed, *key, i), c)``.
   Any slice can be regenerated in any order (sharding, resume, replay), the user's global RNG
   stream is untouched, and since the chunk size never depends on the thread count, a direction
   is bit-identical on 1 or 64 cores and on every data-parallel rank.
@@ -160,6 +160,7 @@ class PerturbationEngine:
         self.cache_size = int(cache_size) if cache_directions is not False and copy_bytes else 0
         self._cache: OrderedDict[Key, list[torch.Tensor | None]] = OrderedDict()
         self._norm_cache: dict[Key, float] = {}
+        self._parameter_seeds: dict[tuple[Key, int], int] = {}
         self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._scratch: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -200,9 +201,19 @@ class PerturbationEngine:
         p = self.params[index]
         rows = p.shape[0]
         g = parallel.generator(p.device)
-        g.manual_seed(derive_seed(self.seed, *key, index))
+        g.manual_seed(self._parameter_seed(key, index))
         ab = torch.empty(rows + p.numel() // rows, device=p.device, dtype=p.dtype).normal_(generator=g)
         return ab[:rows], ab[rows:]
+
+    def _parameter_seed(self, key: Key, index: int) -> int:
+        """``derive_seed(seed, *key, index)``: the seed of parameter ``index``'s low-rank factors, and the root of its
+        chunks' seeds ``derive_seed(·, chunk)`` (memoized: a sweep asks once per chunk)."""
+        seed = self._parameter_seeds.get((key, index))
+        if seed is None:
+            if len(self._parameter_seeds) > 4096:
+                self._parameter_seeds.clear()
+            seed = self._parameter_seeds[(key, index)] = derive_seed(self.seed, *key, index)
+        return seed
 
     def _fill(self, key: Key, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
         """Draw chunk ``chunk`` of the unscaled M·z of direction ``key`` into ``out`` (1-D) and return it."""
@@ -218,7 +229,7 @@ class PerturbationEngine:
             torch.mul(a[flat // b.numel()], b[flat % b.numel()], out=out)
         else:
             g = parallel.generator(p.device)
-            g.manual_seed(derive_seed(self.seed, *key, chunk.index, chunk.number))
+            g.manual_seed(derive_seed(self._parameter_seed(key, chunk.index), chunk.number))
             if self.direction.kind == "rademacher":
                 rademacher_(out, g)
             else:
@@ -236,7 +247,8 @@ class PerturbationEngine:
         if buf is None:
             size = max(c.stop - c.start for c in self.chunks if self._group(c) == k[1:])
             buf = self._scratch[k] = torch.empty(size, device=p.device, dtype=p.dtype)
-        return buf[: chunk.stop - chunk.start]
+        size = chunk.stop - chunk.start
+        return buf if buf.numel() == size else buf[:size]
 
     def _group(self, chunk: Chunk) -> tuple[torch.device, torch.dtype]:
         p = self.params[chunk.index]
