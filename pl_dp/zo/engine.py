@@ -153,7 +153,9 @@ class PerturbationEngine:
         self._chunks_of: dict[int, list[Chunk]] = {}
         for chunk in self.chunks:
             self._chunks_of.setdefault(chunk.index, []).append(chunk)
-        self._parallel = sum(c.stop - c.start for c in self.chunks if self._group(c)[0].type == "cpu") >= PARALLEL_MIN
+        self._cpu_chunks = [c for c in self.chunks if self._group(c)[0].type == "cpu"]
+        self._other_chunks = [c for c in self.chunks if self._group(c)[0].type != "cpu"]
+        self._parallel = sum(c.stop - c.start for c in self._cpu_chunks) >= PARALLEL_MIN
         copy_bytes = sum((c.stop - c.start) * self.params[c.index].element_size() for c in self.chunks)
         if cache_directions is None:
             cache_size = min(cache_size, CACHE_BUDGET_BYTES // copy_bytes) if copy_bytes else 0
@@ -256,10 +258,8 @@ class PerturbationEngine:
 
     def _run(self, work: Callable[[Chunk], None]) -> None:
         """``work(chunk)`` for every drawn chunk: CPU chunks on all cores, others in order."""
-        cpu = [c for c in self.chunks if self.params[c.index].device.type == "cpu"]
-        parallel.run_all(work, cpu, parallel=self._parallel)
-        if len(cpu) < len(self.chunks):
-            parallel.run_all(work, [c for c in self.chunks if self.params[c.index].device.type != "cpu"], False)
+        parallel.run_all(work, self._cpu_chunks, parallel=self._parallel)
+        parallel.run_all(work, self._other_chunks, parallel=False)  # accelerators: their generators are parallel
 
     def _buffer(self, index: int) -> torch.Tensor:
         """A flat buffer for the whole draw of parameter ``index`` (shared by the parameters of a device and dtype)."""
