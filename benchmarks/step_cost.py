@@ -17,6 +17,18 @@ by side in one process with interleaved repeats and medians:
 ``--suite logging`` times a DPZero step on the small digits MLP when every step logs its metrics
 (``log_every_n_steps=1``) over logging on Lightning's default cadence, interleaved fits.
 
+``--suite directions`` prices the random directions: one perturbation sweep (draw + add) per parameter, in
+ns, for each direction kind on all threads and for Gaussians on one thread (torch's generator without
+pl_dp's chunked parallel draw), against one ``add_`` over the same parameters (the floor: a sweep
+cannot cost less than reading and writing them once); and the DPZero step in the Lightning loop over
+two forwards with the directions redrawn three times a query (``cache_directions=False``), kept
+(the default below 256 MiB), Rademacher and low-rank.
+
+``--suite queries`` compares q = 4 two-sided queries (8 forwards) with the one-sided estimator at
+q = 4 (5 forwards) and q = 7 (8 forwards): step time on the bare engine and the mean squared error
+of the non-private estimate Σ_j Δ_j u_j / q against the batch gradient, relative to ‖∇f‖², over
+repeated draws.
+
 ``--suite pruning`` times DP-ZOPO's masked step (a :class:`DirectionMask` training 1 %, 10 % or
 100 % of the coordinates) and the perturbation sweep alone, over the unmasked step, interleaved.
 
@@ -90,7 +102,9 @@ def make_case(name: str, quick: bool):
 
 PUBLIC_BATCH = 16
 METHODS = {
-    "dpzero": lambda net: DPZero(net, lr=1e-4, clip=1.0, smoothing=1e-3, privacy=PrivacySpec(8.0, accountant="rdp")),
+    "dpzero": lambda net, **options: DPZero(
+        net, lr=1e-4, clip=1.0, smoothing=1e-3, privacy=PrivacySpec(8.0, accountant="rdp"), **options
+    ),
     "pazo_m": lambda net: PAZOM(net, lr=1e-4, clip=1.0, smoothing=1e-3, privacy=PrivacySpec(8.0, accountant="rdp")),
     "pazo_p": lambda net: PAZOP(net, lr=1e-4, clip=1.0, k=3, privacy=PrivacySpec(8.0, accountant="rdp")),
     "pazo_s": lambda net: PAZOS(net, lr=1e-4, clip=1.0, k=3, privacy=PrivacySpec(8.0, accountant="rdp")),
@@ -117,9 +131,9 @@ def forward_op(net, batch):
     return evaluate
 
 
-def dpzero_engine_op(net, batch, mask=None):
-    engine = PerturbationEngine(net.parameters(), seed=1, mask=mask)
-    estimator = PrivateTwoPointEstimator(engine, smoothing=1e-3, clip=1.0, queries=1)
+def dpzero_engine_op(net, batch, mask=None, queries=1, one_sided=False, **engine_options):
+    engine = PerturbationEngine(net.parameters(), seed=1, mask=mask, cache_size=queries, **engine_options)
+    estimator = PrivateTwoPointEstimator(engine, smoothing=1e-3, clip=1.0, queries=queries, one_sided=one_sided)
     mechanism = SubsampledGaussian(1.0, 0.1, 1.0, expected_batch_size=len(batch[1]))
     noise = NoiseSource(seed=0)
     evaluate = forward_op(net, batch)
@@ -160,8 +174,8 @@ def timed(op):
     return time.perf_counter() - start
 
 
-def fit_method(method, net, private, public, batch_size, steps, callback, **trainer_kwargs):
-    """``steps`` steps of ``method`` inside ``Trainer.fit`` with ``callback`` attached."""
+def fit_method(method, net, private, public, batch_size, steps, callback, options=None, **trainer_kwargs):
+    """``steps`` steps of ``method`` (built with ``options``) inside ``Trainer.fit`` with ``callback`` attached."""
     trainer = L.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -173,12 +187,12 @@ def fit_method(method, net, private, public, batch_size, steps, callback, **trai
         **trainer_kwargs,
     )
     data = PrivatePublicDataModule(private, public=public, batch_size=batch_size, public_batch_size=PUBLIC_BATCH)
-    trainer.fit({**METHODS, **FIRST_ORDER}[method](copy.deepcopy(net)), data)
+    trainer.fit({**METHODS, **FIRST_ORDER}[method](copy.deepcopy(net), **(options or {})), data)
 
 
-def lightning_step_times(method, net, private, public, batch_size, steps):
+def lightning_step_times(method, net, private, public, batch_size, steps, options=None):
     timer = StepTimer()
-    fit_method(method, net, private, public, batch_size, steps, timer)
+    fit_method(method, net, private, public, batch_size, steps, timer, options)
     return timer.times[2:]  # drop warm-up
 
 
@@ -240,9 +254,9 @@ def time_case(name, quick, repeats):
 PRUNING_RATES = (0.01, 0.1, 1.0)
 
 
-def sweep_op(net, mask=None):
-    """One perturbation sweep θ ← θ + λu (the RNG-bound part of a ZO step)."""
-    engine = PerturbationEngine(net.parameters(), seed=1, mask=mask)
+def sweep_op(net, mask=None, **engine_options):
+    """One perturbation sweep θ ← θ + λu along a new direction (the RNG-bound part of a ZO step)."""
+    engine = PerturbationEngine(net.parameters(), seed=1, mask=mask, **engine_options)
     step = [0]
 
     def op():
@@ -275,6 +289,180 @@ def time_pruning(name, quick, repeats):
         row[f"masked_step_{r:g}_over_unmasked"] = med(times[f"step_{r:g}"]) / med(times["step_none"])
         row[f"masked_sweep_{r:g}_over_unmasked"] = med(times[f"sweep_{r:g}"]) / med(times["sweep_none"])
     return row
+
+
+def add_floor_op(net):
+    """One ``add_`` over every parameter: what any sweep must cost at least (read and write them once)."""
+    params = list(net.parameters())
+    others = [torch.randn_like(p) for p in params]
+
+    @torch.no_grad()
+    def op():
+        for p, o in zip(params, others):
+            p.add_(o, alpha=1e-9)
+
+    return op
+
+
+def on_threads(op, threads):
+    """``op`` run under ``torch.set_num_threads(threads)`` (restored afterwards)."""
+
+    def run():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            op()
+        finally:
+            torch.set_num_threads(before)
+
+    return run
+
+
+#: one sweep (draw + add, nothing kept) per direction kind; the first on one thread: torch's generator alone
+DIRECTION_SWEEPS = {
+    "gaussian_1_thread": ("gaussian", 1),
+    "gaussian": ("gaussian", None),
+    "rademacher": ("rademacher", None),
+    "lowrank": ("lowrank", None),
+}
+#: DPZero in the Lightning loop: redrawn three times a query, kept (the default here), and the cheaper kinds
+DIRECTION_STEPS = {
+    "gaussian_redrawn": {"cache_directions": False},
+    "gaussian_kept": {},
+    "rademacher": {"direction": "rademacher"},
+    "lowrank": {"direction": "lowrank"},
+}
+
+
+def time_directions(name, quick, repeats, rounds=3):
+    """Sweep cost per parameter against the ``add_`` floor, and DPZero steps over two forwards, interleaved."""
+    net, dataset, public, batch_size = make_case(name, quick)
+    batch = fixed_batch(dataset, batch_size)
+    d = sum(p.numel() for p in net.parameters())
+    ops = {"add_floor": add_floor_op(net)}
+    for label, (kind, threads) in DIRECTION_SWEEPS.items():
+        sweep = sweep_op(net, direction=kind, cache_directions=False)
+        ops[label] = sweep if threads is None else on_threads(sweep, threads)
+    for op in ops.values():
+        op()
+    times = {label: [] for label in ops}
+    for _ in range(repeats):
+        for label, op in ops.items():
+            times[label].append(timed(op))
+    fwd = forward_op(net, batch)
+    t_fwd, t_step = [timed(fwd)], {label: [] for label in DIRECTION_STEPS}
+    for _ in range(rounds):  # whole fits in turn, forwards between them
+        for label, options in DIRECTION_STEPS.items():
+            t_step[label] += lightning_step_times("dpzero", net, dataset, public, batch_size, repeats + 2, options)
+            t_fwd += [timed(fwd) for _ in range(3)]
+    med = statistics.median
+    floor = med(times["add_floor"])
+    row = {"case": name, "parameters": d, "batch_size": batch_size, "threads": torch.get_num_threads()}
+    row["add_floor_ns_per_parameter"] = 1e9 * floor / d
+    for label in DIRECTION_SWEEPS:
+        row[f"sweep_{label}_ns_per_parameter"] = 1e9 * med(times[label]) / d
+        row[f"sweep_{label}_over_add"] = med(times[label]) / floor
+    row["forward_ms"] = 1e3 * med(t_fwd)
+    for label, t in t_step.items():
+        row[f"step_{label}_ms"] = 1e3 * med(t)
+        row[f"step_{label}_over_two_forwards"] = med(t) / (2 * med(t_fwd))
+    return row
+
+
+def directions_table(rows):
+    lines = [
+        "| case | params | add_ floor ns/param | sweep ns/param (÷ floor): Gaussian 1 thread / Gaussian / Rademacher "
+        "/ low-rank | 2 fwd ms | DPZero step ÷ 2 fwd: redrawn / kept / Rademacher / low-rank |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sweeps = " / ".join(
+            f"{r[f'sweep_{k}_ns_per_parameter']:.2f} ({r[f'sweep_{k}_over_add']:.1f})" for k in DIRECTION_SWEEPS
+        )
+        steps = " / ".join(f"{r[f'step_{k}_over_two_forwards']:.2f}" for k in DIRECTION_STEPS)
+        lines.append(
+            f"| {r['case']} | {r['parameters'] / 1e6:.2f}M | {r['add_floor_ns_per_parameter']:.2f} | {sweeps} "
+            f"| {2 * r['forward_ms']:.1f} | {steps} |"
+        )
+    return "\n".join(lines)
+
+
+#: (queries, one_sided): 8 forwards two-sided, 5 one-sided at the same q, 8 one-sided
+QUERY_SETTINGS = {"two_sided_q4": (4, False), "one_sided_q4": (4, True), "one_sided_q7": (7, True)}
+
+
+def estimate_error(net, batch, queries, one_sided, draws, smoothing=1e-3):
+    """Mean of ‖ĝ − ∇f‖² / ‖∇f‖² over ``draws`` non-private estimates ĝ = Σ_j Δ_j u_j / q of the batch gradient."""
+    params = list(net.parameters())
+    with torch.enable_grad():
+        gradient = torch.autograd.grad(F.cross_entropy(net(batch[0]), batch[1]), params)
+    norm = sum(float(g.square().sum()) for g in gradient)
+    engine = PerturbationEngine(params, seed=2, cache_size=queries)
+    losses = forward_op(net, batch)
+
+    def evaluate():
+        return losses().mean()
+
+    errors = []
+    for draw in range(draws):
+        baseline = evaluate() if one_sided else None
+        coefficients = []
+        for j in range(queries):
+            key = (draw, j)
+            if one_sided:
+                engine.perturb(key, smoothing)
+                delta = (evaluate() - baseline) / smoothing
+                engine.perturb(key, -smoothing)
+            else:
+                delta = engine.two_point(key, smoothing, evaluate)
+                engine.perturb(key, smoothing)
+            coefficients.append((key, float(delta) / queries * engine.scale(key)))
+        error = 0.0
+        for i, g in enumerate(gradient):
+            estimate = torch.zeros_like(g)
+            for key, c in coefficients:
+                engine.accumulate(estimate, key, i, c)
+            error += float((estimate - g).square().sum())
+        errors.append(error / norm)
+    return statistics.mean(errors)
+
+
+def time_queries(name, quick, repeats):
+    """Two-sided against one-sided queries: engine step time and estimator error, same batch."""
+    net, dataset, _, batch_size = make_case(name, quick)
+    batch = fixed_batch(dataset, batch_size)
+    ops = {k: dpzero_engine_op(net, batch, queries=q, one_sided=o) for k, (q, o) in QUERY_SETTINGS.items()}
+    fwd = forward_op(net, batch)
+    for op in (fwd, *ops.values()):
+        op()
+    times = {k: [] for k in ["forward", *ops]}
+    for _ in range(repeats):
+        times["forward"].append(timed(fwd))
+        for k, op in ops.items():
+            times[k].append(timed(op))
+    med = statistics.median
+    row = {"case": name, "batch_size": batch_size, "forward_ms": 1e3 * med(times["forward"])}
+    draws = 3 if quick else 10
+    for k, (q, one_sided) in QUERY_SETTINGS.items():
+        row[f"{k}_forwards"] = q + 1 if one_sided else 2 * q
+        row[f"{k}_ms"] = 1e3 * med(times[k])
+        row[f"{k}_over_two_sided_q4"] = med(times[k]) / med(times["two_sided_q4"])
+        row[f"{k}_relative_error"] = estimate_error(net, batch, q, one_sided, draws)
+    return row
+
+
+def queries_table(rows):
+    lines = [
+        "| case | B | fwd ms | setting | forwards | step ms | ÷ two-sided q = 4 | E‖ĝ − ∇f‖² / ‖∇f‖² |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for k in QUERY_SETTINGS:
+            lines.append(
+                f"| {r['case']} | {r['batch_size']} | {r['forward_ms']:.1f} | {k} | {r[f'{k}_forwards']} "
+                f"| {r[f'{k}_ms']:.1f} | {r[f'{k}_over_two_sided_q4']:.2f} | {r[f'{k}_relative_error']:.4g} |"
+            )
+    return "\n".join(lines)
 
 
 def pruning_table(rows):
@@ -369,6 +557,8 @@ def memory_case(name, quick, probes=3):
     largest = max(p.numel() * p.element_size() for p in net.parameters()) / 2**20
     total = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
     out["zo_memory_budget_mb"] = out["inference_peak_mb"] + largest + 0.05 * total
+    # kept directions (the default below 256 MiB) are allocated at the first step and kept: not in the peaks above
+    out["kept_directions_mb"] = PerturbationEngine(net.parameters(), seed=0).cache_size * total
     # PAZO: inference + (k+1) parameter copies for PAZO-P (k = 3), + 2 copies for PAZO-M and PAZO-S
     out["pazo_p_memory_budget_mb"] = out["inference_peak_mb"] + 4 * total
     out["pazo_m_memory_budget_mb"] = out["pazo_s_memory_budget_mb"] = out["inference_peak_mb"] + 2 * total
@@ -377,25 +567,26 @@ def memory_case(name, quick, probes=3):
     return out
 
 
-TARGETS = {
-    "pazo_m_over_dpzero": (None, 1.3),
-    "engine_over_two_forwards": ("transformer", 1.15),
-    "lightning_over_two_forwards": ("digits-mlp", 1.25),
-    "dpzero_over_opacus": (None, 0.30),
-    "dpzero_extra_over_opacus_extra": (None, 0.15),
-    "dpsgd_constant_over_opacus": (None, 1.05),
-    "dpsgd_automatic_over_constant": (None, 1.05),
-    "dpsgd_psac_over_constant": (None, 1.05),
-    "coupling_over_dpsgd_plus_public": (None, 1.0),
-    "masked_step_1_over_unmasked": (None, 1.10),
-}
+TARGETS = [  # (metric, case or None for every case, bound)
+    ("pazo_m_over_dpzero", None, 1.3),
+    ("engine_over_two_forwards", "transformer", 1.15),
+    ("lightning_over_two_forwards", "digits-mlp", 2.0),
+    ("lightning_over_two_forwards", "transformer", 1.10),
+    ("dpzero_over_opacus", None, 0.30),
+    ("dpzero_extra_over_opacus_extra", None, 0.15),
+    ("dpsgd_constant_over_opacus", None, 1.05),
+    ("dpsgd_automatic_over_constant", None, 1.05),
+    ("dpsgd_psac_over_constant", None, 1.05),
+    ("coupling_over_dpsgd_plus_public", None, 1.0),
+    ("masked_step_1_over_unmasked", None, 1.10),
+]
 
 
 def table(rows):
     lines = [
         "| case | params | B | fwd ms | DPZero engine ms | DPZero in Lightning ms | Opacus DP-SGD ms "
-        "| engine/2fwd | Lightning/2fwd | DPZero/Opacus | peak MB inf / DPZero / Opacus (ZO budget) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| engine/2fwd | Lightning/2fwd | DPZero/Opacus | peak MB inf / DPZero / Opacus (ZO budget) | kept MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -403,7 +594,7 @@ def table(rows):
             f"| {r['dpzero_engine_ms']:.1f} | {r['dpzero_lightning_ms']:.1f} | {r['opacus_dpsgd_ms']:.1f} "
             f"| {r['engine_over_two_forwards']:.2f} | {r['lightning_over_two_forwards']:.2f} "
             f"| {r['dpzero_over_opacus']:.2f} | {r['inference_peak_mb']:.1f} / {r['dpzero_peak_mb']:.1f} / "
-            f"{r['opacus_peak_mb']:.1f} ({r['zo_memory_budget_mb']:.1f}) |"
+            f"{r['opacus_peak_mb']:.1f} ({r['zo_memory_budget_mb']:.1f}) | {r['kept_directions_mb']:.1f} |"
         )
     lines += [
         "",
@@ -439,11 +630,20 @@ def first_order_table(rows):
     return "\n".join(lines)
 
 
+def machine_load() -> dict:
+    """CPU count and load averages when the run ended (timings on a shared machine are only as good as this)."""
+    import os
+
+    return {"cpus": os.cpu_count(), "load_average_1_5_15_min": list(os.getloadavg())}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny models and few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--suite", choices=["all", "zo", "first_order", "pruning", "logging"], default="all")
+    parser.add_argument(
+        "--suite", choices=["all", "zo", "directions", "queries", "first_order", "pruning", "logging"], default="all"
+    )
     parser.add_argument(
         "--cases",
         nargs="+",
@@ -459,19 +659,23 @@ def main():
         return
     torch.set_num_threads(2)
     repeats = args.repeats or (3 if args.quick else 9)
-    rows, first_order, pruning = [], [], []
+    rows, directions, queries, first_order, pruning = [], [], [], [], []
     for name in args.cases:
         if args.suite in ("all", "zo"):
             row = time_case(name, args.quick, repeats)
             row.update(memory_case(name, args.quick, probes=1 if args.quick else 3))
             rows.append(row)
+        if args.suite in ("all", "directions"):
+            directions.append(time_directions(name, args.quick, repeats))
+        if args.suite in ("all", "queries"):
+            queries.append(time_queries(name, args.quick, repeats))
         if args.suite in ("all", "first_order"):
             first_order.append(time_first_order(name, args.quick, repeats))
         if args.suite in ("all", "pruning"):
             pruning.append(time_pruning(name, args.quick, repeats))
     logging_row = time_logging(repeats) if args.suite in ("all", "logging") else None
     checks = []
-    for metric, (case, bound) in TARGETS.items():
+    for metric, case, bound in TARGETS:
         for r in rows + first_order + pruning:
             if metric not in r:
                 continue
@@ -501,7 +705,10 @@ def main():
         "torch_threads": torch.get_num_threads(),
         "quick": args.quick,
         "repeats": repeats,
+        "machine": machine_load(),
         "rows": rows,
+        "directions": directions,
+        "queries": queries,
         "first_order": first_order,
         "pruning": pruning,
         "logging": logging_row,
@@ -509,6 +716,10 @@ def main():
     }
     if rows:
         print(table(rows))
+    for part, render in ((directions, directions_table), (queries, queries_table)):
+        if part:
+            print()
+            print(render(part))
     if first_order:
         print()
         print(first_order_table(first_order))

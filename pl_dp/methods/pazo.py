@@ -74,6 +74,8 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
         joint_clip: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        cache_directions: bool | None = None,
+        one_sided: bool = False,
     ) -> None:
         super().__init__(
             net,
@@ -90,6 +92,8 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
             joint_clip,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            cache_directions=cache_directions,
+            one_sided=one_sided,
         )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
@@ -158,6 +162,8 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         joint_clip: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        cache_directions: bool | None = None,
+        one_sided: bool = False,
     ) -> None:
         super().__init__(
             net,
@@ -174,7 +180,14 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
             joint_clip,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            cache_directions=cache_directions,
+            one_sided=one_sided,
         )
+        if direction not in ("gaussian", "sphere"):
+            raise ValueError(
+                f"PAZO-P draws the coefficients of its public-gradient basis: direction must be 'gaussian' or "
+                f"'sphere', got {direction!r}."
+            )
         self.k = _positive_integer("k", k)
         self.orthonormalize = bool(orthonormalize)
 
@@ -188,7 +201,9 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
                 "PAZO-P searches the span of public gradients; a coordinate mask (PruningSchedule) is not "
                 "supported for it. Use DPZero or PAZO-M with PruningSchedule."
             )
-        return SubspaceEngine(params, self.direction_seed, self.k, coefficients=self._direction.kind)
+        return SubspaceEngine(
+            params, self.direction_seed, self.k, coefficients=self._direction.kind, **self.cache_arguments()
+        )
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         engine = self.estimator.engine

@@ -27,12 +27,19 @@ class ZerothOrderModule(PrivateModule):
             private runs; ``None`` (no clipping) only without privacy.
         smoothing: λ, the finite-difference radius.
         queries: q, directions per step (each a private release; noise std √q·σ·C per query).
-        direction: ``"gaussian"`` (default, as in the papers' experiments) or ``"sphere"``.
+        direction: ``"gaussian"`` (default, as in the papers' experiments), ``"sphere"``, or one of
+            the cheaper ``"rademacher"`` (±1 per coordinate) and ``"lowrank"`` (a·bᵀ per matrix), which
+            cost a fraction of a Gaussian's random numbers; see :class:`~pl_dp.zo.engine.Direction`.
         radius: sphere radius (or matching Gaussian second moment); ``None`` means the method's
             default (√d for DPZero).
         joint_clip: L2-clip each example's q-vector of differences to C and add one q-dimensional
             Gaussian (std σ·C per coordinate) instead of q scalar clamps with std √q·σ·C each —
             same privacy, less noise; off by default (the papers clip each scalar).
+        cache_directions: keep the step's q directions after their first draw (one draw per query
+            instead of three) at one copy of the trained parameters per direction; ``None`` (default)
+            keeps as many as fit in 256 MiB (:data:`~pl_dp.zo.engine.CACHE_BUDGET_BYTES`).
+        one_sided: difference f(θ + λu_j) against one shared f(θ) — q + 1 forwards instead of 2q,
+            same privacy, more variance per query (see :class:`~pl_dp.zo.PrivateTwoPointEstimator`).
 
     The directions are seeded from ``torch.initial_seed()`` (so ``seed_everything`` makes them
     reproducible) and a step counter; they never share a generator with the DP noise. The q noisy
@@ -59,6 +66,8 @@ class ZerothOrderModule(PrivateModule):
         joint_clip: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        cache_directions: bool | None = None,
+        one_sided: bool = False,
     ) -> None:
         super().__init__(
             net,
@@ -75,6 +84,8 @@ class ZerothOrderModule(PrivateModule):
         self.clip = None if clip is None else float(clip)
         self.queries = _positive_integer("queries", queries)
         self.joint_clip = bool(joint_clip)
+        self.cache_directions = cache_directions
+        self.one_sided = bool(one_sided)
         self._smoothing = float(smoothing)
         self._direction = Direction(direction, radius)
         self._estimator: PrivateTwoPointEstimator | None = None
@@ -113,14 +124,20 @@ class ZerothOrderModule(PrivateModule):
         if direction.radius is None:
             dim = mask.trained if mask is not None else sum(p.numel() for p in params)
             direction = Direction(direction.kind, self.default_radius(dim))
-        return PerturbationEngine(params, self.direction_seed, direction, mask=mask)
+        return PerturbationEngine(
+            params, self.direction_seed, direction, mask=mask, **self.cache_arguments()
+        )
+
+    def cache_arguments(self) -> dict[str, Any]:
+        """How the engine keeps directions: the user's ``cache_directions``, for the step's q directions."""
+        return {"cache_directions": self.cache_directions, "cache_size": self.queries}
 
     @property
     def estimator(self) -> PrivateTwoPointEstimator:
         if self._estimator is None:
             engine = self.build_engine(self.trainable_parameters())
             self._estimator = PrivateTwoPointEstimator(
-                engine, self._smoothing, self.clip, self.queries, self.joint_clip
+                engine, self._smoothing, self.clip, self.queries, self.joint_clip, self.one_sided
             )
         return self._estimator
 

@@ -158,16 +158,21 @@ def _unit_rdp(sample_rate: float, noise_multiplier: float) -> np.ndarray:
     )
 
 
+def rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> float:
+    """The Rényi-DP upper bound on ε of a history of (σ, q, steps) subsampled-Gaussian entries (microseconds)."""
+    rdp = sum(n * _unit_rdp(q, s) for s, q, n in history)
+    with opacus_rdp_conversion():
+        eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
+    return float(eps)
+
+
 class RDP(Accountant):
     """Rényi-DP accountant (Opacus ``compute_rdp``/``get_privacy_spent``), with a cached per-step curve."""
 
     mechanism = "rdp"
 
     def _epsilon(self, history: History, delta: float) -> float:
-        rdp = sum(n * _unit_rdp(q, s) for s, q, n in history)
-        with opacus_rdp_conversion():
-            eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
-        return float(eps)
+        return rdp_epsilon(history, delta)
 
     @property
     def is_cheap(self) -> bool:

@@ -4,6 +4,9 @@ For each query j (same private batch, fresh direction u_j, fresh noise):
 
     s_j = ( Σ_i clip_C(Δ_i(u_j)) + N(0, q·σ²·C²) ) / b,   Δ_i = [f(θ+λu_j; ξ_i) − f(θ−λu_j; ξ_i)] / (2λ)
 
+or, one-sided, Δ_i = [f(θ+λu_j; ξ_i) − f(θ; ξ_i)] / λ with f(θ) evaluated once for all q queries
+(ZO-Bench's ``one_side``, Zhang et al. 2024): q + 1 forwards instead of 2q.
+
 and the update is θ ← θ − c · Σ_j s_j u_j (+ whatever the method adds), with b the *expected*
 batch size. The q scalars are the only private releases; their mechanism is declared by the
 caller (a :class:`~pl_dp.privacy.SubsampledGaussian` with ``releases=q``).
@@ -104,6 +107,17 @@ class PrivateTwoPointEstimator:
     gets one q-dimensional Gaussian with std σ·C per coordinate — the same privacy (sensitivity C,
     one mechanism with multiplier σ) without the √q noise penalty when the q differences of an
     example are small together.
+
+    ``one_sided=True`` differences f(θ + λu_j) against one shared f(θ): q + 1 forwards instead of
+    2q, with the same privacy (each released scalar is still a clamped per-example difference).
+    The trade is in variance, not in privacy or (to second order) bias: the one-sided difference
+    is uᵀ∇f + (λ/2)·uᵀ∇²f·u + O(λ²) where the two-sided one is uᵀ∇f + O(λ²). The middle term
+    averages out of the gradient estimate (E[(uᵀAu)·u] = 0 for a symmetric u) but adds variance,
+    shifts each example's value before the clamp, and the loss's rounding error is divided by λ
+    instead of 2λ. At equal forwards it buys about twice the queries (q = 2m − 1 for m two-sided
+    ones): the DP noise of a step does not change with q (each of the q scalars carries √q·σ·C,
+    averaged over q), while the direction-sampling variance falls about as 1/q
+    (``benchmarks/step_cost.py --suite queries`` measures both).
     """
 
     def __init__(
@@ -113,6 +127,7 @@ class PrivateTwoPointEstimator:
         clip: float | None,
         queries: int = 1,
         joint_clip: bool = False,
+        one_sided: bool = False,
     ) -> None:
         if not smoothing > 0:
             raise ValueError(f"smoothing must be > 0, got {smoothing}.")
@@ -125,6 +140,7 @@ class PrivateTwoPointEstimator:
         self.clip = clip
         self.queries = int(queries)
         self.joint_clip = bool(joint_clip)
+        self.one_sided = bool(one_sided)
 
     def estimate(
         self,
@@ -141,19 +157,25 @@ class PrivateTwoPointEstimator:
         """
         keys: list[Key] = []
         results = []
+        baseline = evaluate() if self.one_sided else None
+        restore = -self.smoothing if self.one_sided else self.smoothing  # θ sits at θ − restore·u after a query
         for j in range(self.queries):
             key = (step, j)
-            diffs = self.engine.two_point(key, self.smoothing, evaluate)
+            if baseline is None:
+                diffs = self.engine.two_point(key, self.smoothing, evaluate)
+            else:
+                self.engine.perturb(key, self.smoothing)
+                diffs = (evaluate() - baseline) / self.smoothing
             results.append(diffs if self.joint_clip else privatize_sum(diffs, self.clip, mechanism, noise, reduce))
             keys.append(key)
             if j < self.queries - 1:
-                self.engine.perturb(key, self.smoothing)  # restore before the next direction
+                self.engine.perturb(key, restore)  # restore before the next direction
         if self.joint_clip:
             scalars, nonfinite = privatize_sum(torch.stack(results, dim=1), self.clip, mechanism, noise, reduce)
         else:
             scalars = torch.cat([r[0] for r in results])
             nonfinite = sum((r[1] for r in results), torch.zeros(()))
-        return ZerothOrderEstimate(keys, scalars, nonfinite, self.smoothing)
+        return ZerothOrderEstimate(keys, scalars, nonfinite, restore)
 
     @torch.no_grad()
     def inner_products(self, estimate: ZerothOrderEstimate, tensors: Sequence[torch.Tensor]) -> tuple[float, float]:

@@ -2,7 +2,8 @@
 
 v = G·u with G = [g_1 … g_k] ∈ ℝ^{d×k} and u ∈ ℝ^k drawn from the step's seed. Only G is stored
 (k parameter-sized buffers, reused every step); u is k numbers, regenerated from the key; v is
-formed per parameter tensor inside the engine's buffer and never stored whole.
+formed chunk by chunk on all cores, like any engine's directions, and kept whole only under the
+engine's ``cache_directions``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from pl_dp.privacy.seeding import derive_seed
-from pl_dp.zo.engine import Direction, Key, PerturbationEngine
+from pl_dp.zo.engine import Chunk, Direction, Key, PerturbationEngine
 
 _COEFF_TAG = 0xC0EF
 
@@ -28,14 +29,26 @@ class SubspaceEngine(PerturbationEngine):
         k: number of basis vectors (public gradients).
         coefficients: distribution of u ∈ ℝ^r (r = effective rank): ``"gaussian"`` N(0, I_r) (default,
             as in the experiments, PAZO spec A1) or ``"sphere"``, uniform on √r·S^{r−1} (the theory).
+        cache_directions, cache_size: as for :class:`PerturbationEngine` (a kept v saves k − 1 of
+            the k ``add_`` per coordinate that each sweep would otherwise redo).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], seed: int, k: int, coefficients: str = "gaussian") -> None:
-        super().__init__(params, seed, Direction("gaussian"))
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        seed: int,
+        k: int,
+        coefficients: str = "gaussian",
+        cache_directions: bool | None = None,
+        cache_size: int = 1,
+    ) -> None:
+        super().__init__(params, seed, Direction("gaussian"), cache_directions=cache_directions, cache_size=cache_size)
         if isinstance(k, bool) or int(k) != k or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}.")
         self.k = int(k)
-        self.coefficients_kind = Direction(coefficients).kind
+        if coefficients not in ("gaussian", "sphere"):
+            raise ValueError(f"subspace coefficients must be 'gaussian' or 'sphere', got {coefficients!r}.")
+        self.coefficients_kind = coefficients
         self.basis = [torch.zeros((self.k, *p.shape), dtype=p.dtype, device=p.device) for p in self.params]
         self.rank = 0
         self._coeff_cache: dict[Key, torch.Tensor] = {}
@@ -76,7 +89,7 @@ class SubspaceEngine(PerturbationEngine):
             part[: self.rank].copy_(mixed)
             part[self.rank :].zero_()
         self._coeff_cache.clear()
-        self._norm_cache.clear()
+        self.forget_directions()
 
     def _chunks(self, size: int = 1 << 16):
         """Column blocks [k, ≤size] of every basis tensor: float64 work stays O(k·size), not O(k·d)."""
@@ -99,11 +112,11 @@ class SubspaceEngine(PerturbationEngine):
             self._coeff_cache[key] = u
         return u
 
-    def raw(self, key: Key, index: int) -> torch.Tensor:
-        p = self.params[index]
-        out = self._buffer(p)[: p.numel()].view_as(p).zero_()
+    def _fill(self, key: Key, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
+        """Chunk ``chunk`` of v = G·u for direction ``key``."""
+        out.zero_()
         for c, weight in enumerate(self.coefficients(key).tolist()):
-            out.add_(self.basis[index][c], alpha=weight)
+            out.add_(self.basis[chunk.index][c].view(-1)[chunk.start : chunk.stop], alpha=weight)
         return out
 
     def scale(self, key: Key) -> float:

@@ -63,6 +63,26 @@ def test_one_step_equals_the_spec_formula_by_hand():
     assert model.accountant.history == [(sigma, dm.sample_rate, 1)]
 
 
+@pytest.mark.parametrize("direction", ["gaussian", "rademacher"])
+def test_one_sided_step_equals_the_formula_by_hand(direction):
+    lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
+    data, dm, net, theta0, model = _one_step(lr, clip, lam, q, one_sided=True, direction=direction)
+    b = dm.sample_rate * len(data)
+    batch = dm.train_dataloader().batch_sampler.batch(0)
+    x, y = data.tensors[0][batch].double(), data.tensors[1][batch].double()
+    probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed, direction=direction)
+    noise = NoiseSource(seed=11, secure=True)
+    f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
+    update = torch.zeros_like(theta0)
+    for j in range(q):  # Δ_i = [f(θ + λu_j) − f(θ)] / λ against the one shared f(θ)
+        u = probe.direction_tensors((0, j))[0].double()
+        delta = (f(theta0 + lam * u) - f(theta0)) / lam
+        z = noise.normal((1,), math.sqrt(q) * model.noise_multiplier * clip).double()
+        update += (delta.clamp(-clip, clip).sum() + z) / b * u
+    torch.testing.assert_close(net.weight.detach().double(), theta0 - lr / q * update, rtol=0, atol=2e-5)
+    assert model.accountant.history == [(model.noise_multiplier, dm.sample_rate, 1)]  # same mechanism
+
+
 def test_empty_batch_gives_a_noise_only_update_and_one_accountant_step():
     data = blobs(50)
     train = poisson_loader(data, sample_rate=1e-9, steps_per_epoch=1)  # always empty
@@ -197,6 +217,7 @@ def test_step_metrics_are_logged_on_the_loggers_cadence_with_current_values(tmp_
         ({"queries": 0}, "queries"),
         ({"queries": 1.5}, "queries"),
         ({"lr": 0.0}, "lr"),
+        ({"direction": "uniform"}, "rademacher"),
     ],
 )
 def test_bad_hyperparameters_raise(kwargs, match):

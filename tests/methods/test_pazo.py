@@ -206,6 +206,8 @@ class _Counter(L.Callback):
     ("cls", "kwargs", "expected"),
     [
         (DPZero, dict(queries=2), (4, 0, 0)),
+        (DPZero, dict(queries=3, one_sided=True), (4, 0, 0)),  # q + 1 forwards with a shared f(θ)
+        (PAZOM, dict(queries=2, one_sided=True), (3, 1, 1)),
         (PAZOM, dict(queries=2), (4, 1, 1)),
         (PAZOP, dict(queries=2, k=3), (4, 3, 3)),
         (PAZOS, dict(k=3, perturb_scale=1e-3), (4, 3, 3)),
@@ -253,6 +255,7 @@ def test_too_small_public_set_for_k_batches_is_a_clear_error():
     [
         (PAZOM, {"alpha": 1.5}, "alpha"),
         (PAZOP, {"k": 0}, "k"),
+        (PAZOP, {"direction": "lowrank"}, "direction must be 'gaussian' or 'sphere'"),
         (PAZOS, {"k": 0}, "k"),
         (PAZOS, {"perturb_scale": -1.0}, "perturb_scale"),
         (PAZOS, {"clip": 0.0}, "clip"),

@@ -10,7 +10,7 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
 from pl_dp.privacy import PLD, PRV, RDP, StepBudget, calibrate_noise_multiplier, create_accountant
-from pl_dp.privacy.accountants import opacus_rdp_conversion
+from pl_dp.privacy.accountants import opacus_rdp_conversion, rdp_epsilon
 from pl_dp.privacy.budget import EpsilonTracker
 from pl_dp.privacy.tree import TreeAccountant
 
@@ -113,6 +113,31 @@ def test_epsilon_tracker_never_below_exact():
         acc.step(1.0, 0.05)
         if t in (3, 11, 15):
             assert tracker.epsilon() >= acc.get_epsilon(1e-5) - 1e-12
+
+
+@pytest.mark.parametrize("cls", [PRV, PLD])
+def test_epsilon_tracker_takes_the_rdp_bound_between_few_exact_evaluations(cls, monkeypatch):
+    acc = cls()
+    exact_calls = []
+    evaluate = cls._epsilon
+    monkeypatch.setattr(cls, "_epsilon", lambda self, h, d: exact_calls.append(h) or evaluate(self, h, d))
+    tracker = EpsilonTracker(acc, 1e-5, planned_steps=400, evaluations=4)
+    checks = {1: None, 101: None, 150: None, 399: None, 400: None}
+    for t in range(1, 401):
+        acc.step(1.0, 0.05)
+        logged = tracker.epsilon()
+        if t in checks:
+            checks[t] = logged
+    assert len(exact_calls) == 4  # once per grid point (100, 200, 300, 400), whatever the logging cadence
+    history = list(acc.history)
+    for t, logged in checks.items():
+        spent = evaluate(acc, [(1.0, 0.05, t)], 1e-5)
+        next_grid = evaluate(acc, [(1.0, 0.05, min(400, -(-t // 100) * 100))], 1e-5)
+        assert spent - 1e-12 <= logged <= next_grid + 1e-12  # never below the accountant's own epsilon
+        if t == 101:  # just past a grid point the RDP bound is the tighter one
+            assert logged == pytest.approx(rdp_epsilon([(1.0, 0.05, t)], 1e-5))
+            assert logged < next_grid
+    assert checks[400] == pytest.approx(evaluate(acc, history, 1e-5), rel=1e-12)  # exact at the end of the plan
 
 
 def test_pld_composes_a_constant_stretch_in_one_evaluation_and_memoizes_it():
