@@ -4,8 +4,8 @@
 that the Poisson sample is secret (amplification), that the noise of every step is fresh and
 secret (composition), and that a checkpoint and a resume neither reveal nor replay a secret.
 :func:`audit_run` checks all of it at once, end to end, with the adversary of the threat model
-(ARCHITECTURE.md: the code, the config, every released model, every checkpoint, all the data but
-membership), following "Privacy Auditing with One (1) Training Run" (Steinke, Nasr & Jagielski,
+(docs/privacy-model.md: the code, the config, every released model, every checkpoint, all the data
+but membership), following "Privacy Auditing with One (1) Training Run" (Steinke, Nasr & Jagielski,
 NeurIPS 2023):
 
 1. **Canaries.** m canaries, each put in the private set independently with probability ½ by

@@ -1,4 +1,4 @@
-"""AlphaSchedule: DPMD's cosine schedule of the public weight α (coupling_psac spec A.9, E-13)."""
+"""AlphaSchedule: DPMD's cosine schedule of the public weight α (as run by Liu et al. 2023, Table 2 and §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PrivacyBudget: stop before the step that would take ε past a target (invariant 4)."""
+"""PrivacyBudget: stop before the step that would take ε past a target."""
 
 from __future__ import annotations
 

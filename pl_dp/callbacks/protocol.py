@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning as L
 
-#: what every pl_dp method exposes to callbacks (ARCHITECTURE "Public names")
+#: what every pl_dp method exposes to callbacks (public names: keep them stable)
 PRIVACY_PROTOCOL = (
     "privacy",
     "setup_privacy",

@@ -1,4 +1,4 @@
-"""PruningSchedule: DP-ZOPO's data-free pruning (dpzopo spec §3, Algorithms 3–5) as a callback.
+"""PruningSchedule: DP-ZOPO's data-free pruning (Liu et al., NDSS 2025, §IV-D, Algorithms 3–5) as a callback.
 
 At the start of a stage the callback scores every trainable coordinate with the path-norm
 saliency ∇ℒ(|θ|) ⊙ |θ| (no data: only the shape of one public/validation example, or
@@ -43,7 +43,7 @@ class PruningSchedule(PrivacyCallback):
             by score rank, a std multiplier of the direction).
         bounds: (A, B) for ``importance="rank"`` (the released code's 1.2 / 0.8).
         score: ``"zo"`` (Algorithm 3's zeroth-order estimate of ∇ℒ) or ``"autograd"`` (exact; data-free
-            too, spec A3).
+            too, a pl_dp deviation from the paper).
         score_queries: P for the ZO score (the released code uses 1, which makes the score nearly
             random; a warning says so below 4).
         score_smoothing: β of the ZO score (the released code's 1e-3).
@@ -81,7 +81,7 @@ class PruningSchedule(PrivacyCallback):
         if score == "zo" and score_queries < 4:
             warnings.warn(
                 f"score_queries={score_queries}: a zeroth-order path-norm score from so few directions is mostly "
-                "noise (dpzopo spec A3); the released code uses 1. Consider more queries or score='autograd'.",
+                "noise; the released DP-ZOPO code uses 1. Consider more queries or score='autograd'.",
                 stacklevel=2,
             )
         self.rates = rate_list

@@ -1,10 +1,9 @@
-"""StagewiseSchedule: DP-ZOSO's stages (dpzopo spec §2, Algorithm 1) as a callback.
+"""StagewiseSchedule: DP-ZOSO's stages (Liu et al., NDSS 2025, §IV-C, Algorithm 1) as a callback.
 
 Stage s (0-based) runs T_s = T_0·g_T^s steps with step size η_s = η_0·d^s, smoothing
 β_s = β_0·k^s, and the proximal term (1/λ)(θ − θ^{s−1}) anchored at a real copy of the
 parameters taken when the stage starts. η_0 and β_0 are the module's ``lr`` and ``smoothing``.
-Stage 0 uses them unchanged (the released code's indexing; Alg. 1 would already halve η in stage 1,
-spec A6).
+Stage 0 uses them unchanged (the released code's indexing; Alg. 1 would already halve η in stage 1).
 
 An LR scheduler (``configure_optimizers``, ``--lr_scheduler``) together with this callback is refused
 at fit start: both would set η.
@@ -45,10 +44,10 @@ class ProximalAnchor:
     """The proximal term (1/λ)(θ − θ^{s−1}) of one stage: a real copy of θ taken when the stage starts.
 
     The copy is real (the released DP-ZOPO code aliases it to the live weights, which makes the term
-    vanish). The step −η(1/λ)(θ − anchor) reads no data: no clipping, no noise (Liu et al. 2024,
-    DP-ZOSO, Algorithm 1 line 11). Zeroth-order methods apply it in the same sweep as the private
-    update, i.e. at θ − ηĝ (semi-implicit; it differs from the explicit step by O(η²/λ), and the
-    paper's analysis uses the implicit proximal step).
+    vanish). The step −η(1/λ)(θ − anchor) reads no data: no clipping, no noise (Liu et al., NDSS 2025,
+    §IV-C, Algorithm 2). Zeroth-order methods apply it in the same sweep as the private update, i.e. at
+    θ − ηĝ (semi-implicit; it differs from the explicit step by O(η²/λ), and the paper's analysis uses
+    the implicit proximal step).
     """
 
     def __init__(self, coefficient: float, params: list[torch.Tensor]) -> None:
@@ -69,11 +68,12 @@ class StagewiseSchedule(PrivacyCallback):
     Args:
         stages: S, the number of stages.
         first_stage_steps: T_0; ``None`` derives it so that Σ T_s equals the planned steps.
-        smoothing_growth: k, β_s = k·β_{s−1} (the paper increases β; k is not stated, spec A5).
+        smoothing_growth: k, β_s = k·β_{s−1} (the paper increases β, Algorithm 1; k is not stated).
         lr_decay: η_s = lr_decay·η_{s−1} (the paper: 1/2).
         steps_growth: T_s = steps_growth·T_{s−1} (the paper: 2).
         proximal: 1/λ, the coefficient of the proximal gradient (1/λ)(θ − θ^{s−1}); the paper's
-            "regularization 5e-4" (spec A27). ``None`` or 0 disables it.
+            "regularization 5e-4" (Tables X–XII; the released code multiplies it by θ − θ^{s−1}, so it
+            is 1/λ). ``None`` or 0 disables it.
     """
 
     requires = ("lr", "proximal")

@@ -199,7 +199,9 @@ class PrivatePublicDataModule(L.LightningDataModule):
         return self._loader(self.predict if self.predict is not None else self.test)
 
     def public_batches(self, k: int = 1) -> list[Any]:
-        """``k`` disjoint public batches of ``public_batch_size`` (PAZO spec A7).
+        """``k`` disjoint public batches of ``public_batch_size``.
+
+        Disjoint as in Gong & Li 2025's PAZO-S proof (App. B.4); the paper only says "sample k batches".
 
         Each call draws k·b′ distinct public examples without replacement and splits them; the
         generator's state is part of :meth:`state_dict`, so a resumed run sees the same batches.

@@ -18,7 +18,7 @@ def digits_splits(public_fraction: float = 0.04, val_fraction: float = 0.1, test
     Features are pixel intensities scaled to [0, 1]. The public split is drawn from the
     training pool with mild class imbalance — class c is picked with weight 1.5 − c/9, so
     class 0 is about three times as likely as class 9 — mimicking the shifted public sets of
-    PAZO's CIFAR-10 setup (spec §5.1).
+    PAZO's CIFAR-10 setup (Gong & Li 2025, §5.1).
     """
     if not 0 <= public_fraction < 1:
         raise ValueError(f"public_fraction must lie in [0, 1), got {public_fraction}.")

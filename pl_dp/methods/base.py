@@ -3,17 +3,18 @@
 A method subclasses :class:`PrivateModule` and implements two things:
 
 * :meth:`PrivateModule.mechanism` — its per-step release (sensitivity, number of sums); the
-  base adds σ, the sample rate and the expected batch size (invariant 7);
+  base adds σ, the sample rate and the expected batch size, so the mechanism is declared in one
+  place and accounting cannot drift from the code that adds noise;
 * :meth:`PrivateModule.private_step` — its math for one step, which must add noise through
   that mechanism and nothing else.
 
 Everything the guarantee depends on lives in the module's :class:`~pl_dp.privacy.ledger.PrivacyLedger`
-(Lightning-free): at every fit the base reads n and q from the sampler actually used (invariant 1)
-and lets the ledger plan σ on top of the history already spent; every private step asks the ledger
-first (invariant 4) and is recorded in it exactly once; checkpoints hold the ledger's state and the
-sampler position — never the secrets (the noise key and the sampling seed), which a resumed run
-draws afresh (invariants 2 and 5). Evaluation (:mod:`pl_dp.methods.evaluation`) and data
-parallelism (:mod:`pl_dp.methods.parallel`) are mixed in from their own modules.
+(Lightning-free): at every fit the base reads n and q from the sampler actually used (so the accountant
+matches the sampler) and lets the ledger plan σ on top of the history already spent; every private step
+asks the ledger first (the budget is never exceeded) and is recorded in it exactly once; checkpoints hold
+the ledger's state and the sampler position — never the secrets (the noise key and the sampling seed), which
+a resumed run draws afresh (threat model: docs/privacy-model.md). Evaluation (:mod:`pl_dp.methods.evaluation`)
+and data parallelism (:mod:`pl_dp.methods.parallel`) are mixed in from their own modules.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     applies_own_update: bool = False
     #: the accountant of ``PrivacySpec(accountant=None)``: the one this method's sampling calls for
     default_accountant: str = "prv"
-    #: the modes in which the method evaluates private losses, probed at fit start (invariant 8): "train"
+    #: the modes in which the method evaluates private losses, probed at fit start for per-example independence: "train"
     #: (training mode, autograd: first-order) and/or "eval" (eval mode, inference mode: zeroth-order)
     private_loss_modes: tuple[str, ...] = ("train", "eval")
     #: version of the checkpointed privacy state (2: no secrets — noise key and sampling seed — saved)
@@ -352,7 +353,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         return None
 
     def private_sampler_of(self, loader: Any) -> Any:
-        """The sampler behind the private loader, checked against this method's accounting (invariant 1)."""
+        """The sampler behind the private loader, checked against this method's accounting (it must match)."""
         if self.privacy is None:
             return getattr(loader, "batch_sampler", None)
         return poisson_sampler_of(loader)
@@ -406,9 +407,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         """
 
     def check_independence(self) -> None:
-        """Invariant 8, once per private fit before any step: refuse batch-mixing layers, then probe the net and loss
-        on a few examples (public if the method uses it, else validation, else private by index) in each of the
-        method's ``private_loss_modes``."""
+        """Per-example independence, once per private fit before any step: refuse batch-mixing layers, then probe
+        the net and loss on a few examples (public if the method uses it, else validation, else private by index)
+        in each of the method's ``private_loss_modes``."""
         refuse_batch_mixing_modules(self.net)
         datamodule, loader = getattr(self.trainer, "datamodule", None), self.trainer.train_dataloader
         examples, source = probe_examples(datamodule, loader, public=self.requires_public_data)
@@ -495,7 +496,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             self.log("privacy/budget_left", self.privacy.epsilon - eps, on_step=True, on_epoch=False, prog_bar=True)
 
     def _count_nonfinite(self, count: int) -> None:
-        """Count examples whose per-example value was non-finite (they contributed 0: invariant 6).
+        """Count examples whose per-example value was non-finite (they contributed 0, keeping the bound).
 
         The count is a function of the private data with no noise — logging it would tell an adversary
         how often a record with an infinite loss was sampled — so it stays in process memory
@@ -561,7 +562,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
 
     # ---- checkpointing -------------------------------------------------------------------------
     def privacy_state_dict(self) -> dict[str, Any]:
-        """What must survive a checkpoint for ε to stay right — and nothing secret (invariants 2 and 5).
+        """What must survive a checkpoint for ε to stay right — and nothing secret (no noise key, no sampling seed).
 
         The ledger (accountant history, the plan it was released under, counters, which secrets were
         ever user-seeded, the journal's place), the direction seed and the sampler's position. Never

@@ -1,4 +1,4 @@
-"""DPZero: private zeroth-order optimization with two-point scalar queries (PAZO spec §1)."""
+"""DPZero: private zeroth-order optimization with two-point scalar queries (Zhang et al. 2024)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pl_dp.privacy.mechanisms import SubsampledGaussian
 
 
 class DPZero(ZerothOrderModule):
-    """DPZero (Zhang et al. 2024) as written in PAZO spec §1.2–1.3.
+    """DPZero (Zhang et al. 2024) as written by Gong & Li 2025 (Eq. 2; q queries as in §3.1).
 
     Per step, on one Poisson batch B with expected size b, for j = 1..q::
 

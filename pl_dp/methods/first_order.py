@@ -27,7 +27,7 @@ class FirstOrderModule(PrivateModule):
     """Per-example gradients → weighted clipping → one Gaussian noise draw → a torch optimizer.
 
     Args (beyond :class:`~pl_dp.methods.base.PrivateModule`):
-        clip: C, the sensitivity bound (for ``"automatic"``/``"psac"``, the scale; spec Part C).
+        clip: C, the sensitivity bound (for ``"automatic"``/``"psac"``, the scale that couples with η).
             ``None`` only without privacy: plain mini-batch gradients, no per-example work.
         clip_fn: ``"constant"`` min(1, C/s), ``"automatic"`` C/(s+r), ``"psac"`` C/(s + r/(s+r)).
         r: the regularizer of automatic and PSAC clipping.
@@ -180,7 +180,8 @@ class FirstOrderModule(PrivateModule):
     def _clip_diagnostics(
         self, sums: list[torch.Tensor], norms: torch.Tensor, mechanism: SubsampledGaussian
     ) -> dict[str, torch.Tensor]:
-        """Not differentially private (un-noised per-example information; spec Part D)."""
+        """Not differentially private: un-noised per-example information (the clip or amplified fraction, and
+        the signal-to-noise ratio of Liu et al. 2023, §5.3)."""
         prefix = "diagnostics/not_private/"
         signal = math.sqrt(sum(float(s.square().sum()) for s in sums))
         dim = sum(s.numel() for s in sums)
@@ -221,7 +222,7 @@ class FirstOrderModule(PrivateModule):
 
 
 class DPSGD(FirstOrderModule):
-    """DP-SGD (Abadi et al. 2016) with a choice of per-example weight (coupling_psac spec B.2–B.3).
+    """DP-SGD (Abadi et al. 2016) with a choice of per-example weight (Bu et al. 2022; Xia et al. 2023, §5).
 
     Per step on a Poisson batch of expected size b::
 
@@ -230,7 +231,7 @@ class DPSGD(FirstOrderModule):
     with c = min(1, C/s) (``clip_fn="constant"``), C/(s + r) (``"automatic"``, Auto-S/NSGD) or
     C/(s + r/(s + r)) (``"psac"``, DP-PSAC, r = 0.1 by default). All three bound each example's
     contribution by C, so the accounting is DP-SGD's. Normalized by the expected b, never the
-    realized batch size (spec E-21).
+    realized batch size (Xia et al. 2023, Algorithm 1, also divide by the fixed input B).
     """
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
@@ -240,25 +241,26 @@ class DPSGD(FirstOrderModule):
 
 
 class Coupling(PublicDataMixin, FirstOrderModule):
-    """Coupling of public and private gradients (Liu, Bu, Wang, Zha & Karypis), coupling_psac spec A.4.
+    """Coupling of public and private gradients (Liu, Bu, Wang, Zha & Karypis 2023, §3).
 
         G = α · (1/b′) Σ_j ∇ℓ_j(θ)  +  (1 − α) · (Σ_i c(‖g_i‖) g_i + σR·Z) / b
 
-    written into ``.grad`` for the optimizer (spec A.4 recommendation; per-term means, E-1). The
+    written into ``.grad`` for the optimizer. A pl_dp choice: the paper writes both terms as sums
+    over one batch size B; per-term means are the same update with η rescaled by B when b′ = b. The
     paper's clipping is automatic with R = γ = 1: ``clip_fn="automatic", clip=1, r=1`` (defaults).
 
     ``alpha``: a float in [0, 1], or ``"auto"`` for Eq. 5 in its per-term-mean form,
     α = 1 / (1 + b·√(2κ/(b² + σ²d))), computed at fit start from σ, the expected b and d. κ = L·ℒ₀
     (``kappa``) is not observable: tune α once on a reference setting and recover κ with
     :meth:`kappa_from_alpha`, or estimate ℒ₀ as the initial mean loss on public data and L by a
-    curvature estimate on public data — never on private data (spec A.6). Eq. 5 assumes
-    automatic clipping with γ = R = 1.
+    curvature estimate on public data — never on private data (the paper gives no
+    estimator, §4.3). Eq. 5 assumes automatic clipping with γ = R = 1.
 
     AdaMix (Golatkar et al.) as a configuration: ``alpha=0.5, clip_fn="constant",
     clip_quantile=0.9`` — the threshold follows the 90 % quantile of per-example norms through a
-    *privatized* count (see :class:`FirstOrderModule`); the Coupling paper's alternative of a public
-    quantile (spec E-14) is not what AdaMix does on private data. Its "adaptive projection" is not
-    reproduced (underspecified, spec E-14).
+    *privatized* count (see :class:`FirstOrderModule`); the Coupling paper states the 90 % quantile of
+    per-sample norms (§3) and elsewhere a quantile of public norms (§6), which is not what AdaMix does
+    on private data. Its "adaptive projection" is not reproduced (the paper's §5 does not specify it).
 
     Baselines as configurations: OnlyPub (α = 1: the private data is never read and no ε is
     spent), OnlyPriv (α = 0: DP-SGD on private data, no public work), FullPriv (α = 0 with the

@@ -1,4 +1,4 @@
-"""O2NC: private zeroth-order online-to-nonconvex conversion with the tree mechanism (o2nc spec).
+"""O2NC: private zeroth-order online-to-nonconvex conversion with the tree mechanism.
 
 Zhang, Tran & Cutkosky (ICLR 2024): Algorithm 3 (online-to-nonconvex conversion with projected
 online subgradient descent), Algorithm 4 (variance-reduced oracle: GRAD at the start of each
@@ -47,16 +47,17 @@ class O2NC(PrivateModule):
     GRAD = (d/(2δ))·mean_{i,j} clip(f(w+δu_j; z_i) − f(w−δu_j; z_i), ±2δΛ)·u_j and
     DIFF = (d/δ)·mean_{i,j} clip(f(x+δu_j; z_i) − f(y+δu_j; z_i), ±Λ·‖x − y‖)·u_j with u_j uniform on
     the unit sphere of all d trainable coordinates. The clips make Λ (``clip``) the per-example
-    Lipschitz bound the sensitivities need (spec §5.3 (B)): s₁ = 2dΛ/B₁ and s_t ≤ 4dΛ/(B₂T) since
-    ‖w_t − w_{t−1}‖ ≤ 2D (the projection is exact). Every node of the tree gets noise std
-    z·max(s₁, s_t) per coordinate; each release is recorded as a leaf (pass, tree, leaf) in the
+    Lipschitz bound the sensitivities need (a pl_dp choice: the paper assumes every f(·, z) is
+    L-Lipschitz, which deep nets are not): s₁ = 2dΛ/B₁ (Lemma 3.1) and s_t ≤ 4dΛ/(B₂T) (Lemma 3.2)
+    since ‖w_t − w_{t−1}‖ ≤ 2D (Remark 4.1; the projection is exact). Every node of the tree gets
+    noise std z·max(s₁, s_t) per coordinate; each release is recorded as a leaf (pass, tree, leaf) in the
     :class:`~pl_dp.privacy.tree.TreeAccountant`'s ledger, which turns z into ε (replace-one adjacency).
 
     Deviations from the paper, all privacy-neutral (the sensitivity bounds hold for every draw):
     ``directions_per_sample`` m directions instead of d (``"d"`` restores the paper; variance grows
     by d/m); the m directions are shared by the examples of a batch (identical to the paper at the
     default B₂ = 1); the OSD step is AdaGrad-norm η_t = lr·D/√(Σ_{s≤t}‖g̃_s‖²) by default
-    (spec item 6; ``step_rule="constant"`` uses η = lr).
+    (the paper leaves η "tuned by OSD"; ``step_rule="constant"`` uses η = lr).
 
     **Scale warning.** The noise per coordinate is ∝ d·Λ/(B₂T ρ) against a gradient of norm ≤ Λ: the
     method is practical only for small d (hundreds to a few thousand parameters) and large n.
@@ -72,7 +73,8 @@ class O2NC(PrivateModule):
 
     The private set is partitioned (not Poisson-sampled): each example is used in one round per pass.
     The datamodule's ``batch_size`` is not used. Mid-epoch checkpoints resume at the next epoch: the
-    noise-free running sum and the tree's node noises are never saved (spec item 22), and the cut tree
+    noise-free running sum and the tree's node noises are never saved (only g̃_t = g_t + TREE(t) is
+    private, Algorithm 4), and the cut tree
     stays in the ledger with the leaves it released. A resume must find the same partition (private
     set size, B₁, B₂, T, variant and partition seed; the seed is not a secret, see
     :class:`~pl_dp.privacy.sampling.PartitionBatchSampler`) or it is refused. One process only: the
@@ -225,7 +227,7 @@ class O2NC(PrivateModule):
             self.log_noise_scale()
 
     def log_noise_scale(self) -> None:
-        """Expected ‖TREE(t)‖ at its worst next to the clip Λ (spec §5.2 step 8): is the run noise-dominated?"""
+        """Expected ‖TREE(t)‖ at its worst next to the clip Λ (a pl_dp diagnostic): is the run noise-dominated?"""
         nodes = tree_multiplicity(self.tree_length)
         expected = math.sqrt(nodes * self.dim) * self.noise_multiplier * self.sensitivity()
         if expected > 100 * self.clip:
@@ -240,7 +242,7 @@ class O2NC(PrivateModule):
     # ---- oracles ----------------------------------------------------------------------------
     @torch.no_grad()
     def _set(self, base: list[torch.Tensor], key: tuple[int, ...] | None = None, alpha: float = 0.0) -> None:
-        """θ ← base + alpha·u(key), from the exact copy (no perturb/restore drift, spec item 20)."""
+        """θ ← base + alpha·u(key), from the exact copy (no perturb/restore drift: D = δ/T is tiny)."""
         engine = self._engine
         scale = 0.0 if key is None else alpha * engine.scale(key)
         for i, (p, b) in enumerate(zip(engine.params, base)):

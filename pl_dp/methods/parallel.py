@@ -1,4 +1,4 @@
-"""Data parallelism for private methods: N processes are one logical private run (invariant 3).
+"""Data parallelism for private methods: N processes are one logical private run.
 
 Every rank Poisson-samples its shard of one global batch, sums its clipped per-example
 contributions, and the sums are added across ranks *before* the noise; every rank then adds the

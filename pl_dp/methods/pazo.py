@@ -1,14 +1,14 @@
 """PAZO: private zeroth-order optimization with public data (Gong & Li, NeurIPS 2025).
 
 Three ways of using public mini-batch gradients (ordinary backward on public data only: no
-clipping, no noise, no privacy cost) with private zeroth-order queries (PAZO spec §2):
+clipping, no noise, no privacy cost) with private zeroth-order queries (§3):
 
 * :class:`PAZOM` mixes the public gradient with the private two-point estimate (Algorithm 1);
 * :class:`PAZOP` searches inside the span of k public gradients (Algorithm 2);
 * :class:`PAZOS` picks the best of k public gradients (+ a noisy one) by private loss queries
   (Algorithm 3).
 
-Privacy (spec §3): each step is one Poisson-subsampled Gaussian mechanism with multiplier σ,
+Privacy (§3.4): each step is one Poisson-subsampled Gaussian mechanism with multiplier σ,
 whatever q or k: the q (or k+1) scalar releases each carry noise √q·σ·C on their clipped sum.
 
 The public batch size b′ is set on the datamodule (``public_batch_size``), like the private b,
@@ -43,13 +43,14 @@ def _move(params: list[nn.Parameter], direction: list[torch.Tensor], alpha: floa
 class PAZOM(PublicDataMixin, ZerothOrderModule):
     """PAZO-M (Algorithm 1): θ ← θ − η(α·g_pub + (1−α)·g̃/q).
 
-    g_pub is the mean-loss gradient of one public batch at θ_t (before any perturbation, spec
-    A28); g̃ = Σ_j s_j u_j is DPZero's privatized q-query estimate with directions of radius
-    d^{1/4} (sphere, or the Gaussian N(0, d^{−1/2} I) with the same second moment — spec A1),
+    g_pub is the mean-loss gradient of one public batch at θ_t (before any perturbation,
+    Algorithm 1, line 4); g̃ = Σ_j s_j u_j is DPZero's privatized q-query estimate with directions of
+    radius d^{1/4} (sphere, or the Gaussian N(0, d^{−1/2} I) with the same second moment, as the
+    experiments draw Gaussians, App. C.2),
     which aligns E‖g̃‖ with ‖∇f‖ so that α is easy to tune. Do not renormalize: E[g̃] = ∇f/√d.
 
     ``alpha=1`` is public-only SGD: the private batch is never read and no ε is spent;
-    ``alpha=0`` with ``radius=√d`` is DPZero (spec A27). The theory asks α < 2/3; any α ∈ [0, 1]
+    ``alpha=0`` with ``radius=√d`` is DPZero. The theory asks α < 2/3 (Thm B.6); any α ∈ [0, 1]
     is accepted.
 
     Cost per step: 2q private forwards, one public forward+backward; memory: inference + one
@@ -115,8 +116,8 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
         stats = {"train/noisy_directional_derivative": estimate.scalars.abs().mean(), "nonfinite": estimate.nonfinite}
         if self.log_private_metrics:
-            # ‖g̃/q‖ / ‖g_pub‖ and their cosine: post-processing of privatized and public values (safe,
-            # spec §7.2), but one more parameter sweep, so only with the diagnostics
+            # ‖g̃/q‖ / ‖g_pub‖ and their cosine: post-processing of privatized and public values (safe;
+            # the norms §3.1 asks to keep aligned), but one more parameter sweep, so only with the diagnostics
             dot, sq = self.estimator.inner_products(estimate, public_grad)
             pub = math.sqrt(sum(float(g.square().sum()) for g in public_grad))
             stats["diagnostics/zo_to_public_norm_ratio"] = torch.tensor(math.sqrt(sq) / self.queries / max(pub, 1e-30))
@@ -141,7 +142,8 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
     A rank-deficient G (e.g. identical or zero public gradients) shrinks to its rank; the rank is
     logged as ``train/public_basis_rank`` (public information). Memory: k parameter-sized buffers
     for G (reused) plus one; cost: 2q private forwards and k public forward+backward passes. η is
-    on another scale than DPZero's (‖v‖ ≈ √k, not √d; spec A9).
+    on another scale than DPZero's (‖v‖ ≈ √k, not √d; hence the paper's larger η grids for PAZO-P,
+    Tables 12–13).
     """
 
 
@@ -231,10 +233,12 @@ class PAZOS(PublicDataMixin, PrivateModule):
         ĵ = argmin_j f_j;   g_{k+1} = g_ĵ + z′,  z′ ~ N(0, perturb_scale²·I_d)
         f_{k+1} likewise at θ − η g_{k+1};   θ ← θ − η g_{j*},  j* = argmin over all k+1
 
-    The clipped quantity is the per-example *loss itself* (spec A4): C must sit on the loss scale.
+    The clipped quantity is the per-example *loss itself* (Algorithm 3, lines 6 and 10): C must sit on
+    the loss scale.
     ``perturb_scale`` is the std of the exploration noise z′ (not privacy noise; regenerated from a
     seed, never stored). ``perturb_scale=0`` forms no (k+1)-th candidate and makes k releases with
-    noise √k·σ·C each (a pl_dp extension, spec A10: same privacy, less noise). Ties go to the lowest
+    noise √k·σ·C each (a pl_dp extension: same privacy, less noise; the paper's "no noisy
+    candidate" is ϵ = 0, which read literally still spends a (k+1)-th query). Ties go to the lowest
     index; the step always moves (the paper has no "stay" option).
 
     Candidates are evaluated in place one at a time, keeping only the best gradient so far:

@@ -2,7 +2,7 @@
 
 Public batches come from the datamodule (:meth:`~pl_dp.data.PrivatePublicDataModule.public_batches`:
 k disjoint batches per call); their gradients are exact, with no clipping and no noise, because
-public data is not protected (Liu et al. 2024, Coupling; PAZO). Methods mix in
+public data is not protected (Liu et al. 2023, Coupling; Gong & Li 2025, PAZO). Methods mix in
 :class:`PublicDataMixin` before their private base.
 """
 

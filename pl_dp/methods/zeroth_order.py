@@ -146,7 +146,7 @@ class ZerothOrderModule(PrivateModule):
         self._estimator = None  # rebuilt on the parameters as they are now (freezing, device moves)
 
     def mechanism(self, batch_size: int) -> SubsampledGaussian:
-        """q scalar releases per step, each with per-example sensitivity C (PAZO spec §3);
+        """q scalar releases per step, each with per-example sensitivity C (Gong & Li 2025, §3.4);
         with ``joint_clip``, one q-vector release with per-example L2 sensitivity C."""
         return self._gaussian(batch_size, self.clip, releases=1 if self.joint_clip else self.queries)
 

@@ -2,7 +2,7 @@
 
 Attention is ``nn.Linear`` projections + ``F.scaled_dot_product_attention`` (no
 ``nn.MultiheadAttention``), so per-sample-gradient methods and zeroth-order methods run on the
-very same model — the fair comparison ANCHORS part 1 (c) asks for.
+very same model, for a fair comparison of their cost (``benchmarks/step_cost.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class TinyTransformerClassifier(nn.Module):
     """Token ids ``[B, T]`` → class logits ``[B, num_classes]`` (mean-pooled final states).
 
     The defaults (vocabulary 2,000, width 256, 4 layers, 4 heads, length 64) give 3.7M parameters,
-    the reference model of ANCHORS part 1 (c).
+    the reference model of the step-cost benchmark.
     """
 
     def __init__(

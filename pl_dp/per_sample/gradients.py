@@ -164,7 +164,8 @@ class PerSampleGradients:
 def clipped_sum(
     per_sample: Sequence[torch.Tensor], clip_fn: ClipFunction
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Σ_i c(‖g_i‖)·g_i per parameter, with the flat per-example norm over all parameters (spec E-30).
+    """Σ_i c(‖g_i‖)·g_i per parameter, with the flat per-example norm over all parameters (as in the papers:
+    no per-layer clipping).
 
     A non-finite per-example gradient gets weight 0 (its contribution stays within the bound) and is
     counted. Returns the sums (fp32), the per-example norms (fp32) and the non-finite count.

@@ -117,7 +117,7 @@ class EpsilonTracker:
     """A per-step ε for logging that costs (almost) nothing and is never below the true ε.
 
     For cheap accountants (RDP with its cached curve, the tree ledger) it is the exact ε. PRV and PLD take a
-    tenth of a second to a second per evaluation (ANCHORS A4), so for them it is the smaller of two upper bounds
+    tenth of a second to a second per evaluation on a CPU, so for them it is the smaller of two upper bounds
     on the ε spent so far:
 
     * the accountant's exact ε at the next of ``evaluations`` grid points spread evenly over the plan (ε grows

@@ -1,4 +1,7 @@
-"""Per-example weight functions for first-order methods (coupling_psac spec Part C).
+"""Per-example weight functions for first-order methods.
+
+The three rules of DP-SGD (Abadi et al. 2016), automatic clipping (Bu et al. 2022) and DP-PSAC
+(Xia et al. 2023, §5, Algorithm 1), written as one abstraction (a pl_dp choice).
 
 Each rule gives a per-example factor c(s) for a gradient of norm s, so the clipped gradient is
 c(s)·g, and states its sensitivity S = sup_s s·c(s): the bound on one example's contribution
@@ -45,7 +48,7 @@ class ClipFunction:
 
     @property
     def max_weight(self) -> float:
-        """sup_s c(s): 1 (constant), C/r (automatic), C/(2√r − r) (PSAC, r ≤ 1) — spec B.4."""
+        """sup_s c(s): 1 (constant), C/r (automatic), C/(2√r − r) (PSAC, r ≤ 1; Xia et al. 2023, App. A, Eq. 7)."""
         if self.kind == "constant":
             return 1.0
         if self.kind == "automatic":

@@ -1,10 +1,11 @@
 """Per-example clipping of the quantities a zeroth-order method releases.
 
 Each example's value — a scalar, or a row of m scalars — is scaled by min(1, C/‖v‖₂). For a
-scalar this is the clamp to [−C, C] (PAZO spec A3); for a row it is the joint L2 clip of
+scalar this is the clamp to [−C, C] (clip_C of Gong & Li 2025, Eq. 2, which the paper leaves
+undefined for scalars; symmetric clamping is the pl_dp reading); for a row it is the joint L2 clip of
 DP-AggZO. Either way each contribution to a released sum has norm ≤ C. An example with a
 non-finite value contributes 0 (which keeps the bound) and is counted, never silently
-propagated (invariant 6).
+propagated into a release.
 """
 
 from __future__ import annotations

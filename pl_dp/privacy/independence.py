@@ -1,4 +1,7 @@
-"""Per-example independence (ARCHITECTURE invariant 8): refuse nets and losses that mix the examples of a batch.
+"""Per-example independence: refuse nets and losses that mix the examples of a batch.
+
+Each example's loss (and gradient) must depend on that example alone, and nothing computed from private data
+may leave the process un-noised.
 
 Every sensitivity bound in pl_dp — C for a clipped per-example gradient (Abadi et al., 2016) or for a clipped
 per-example loss difference (Zhang et al., 2024, DPZero) — assumes that example i's contribution is a function
@@ -70,7 +73,7 @@ _INSTANCE_NORMS = (
 
 class IndependenceError(ValueError):
     """A net or loss in which one example's loss or gradient depends on other examples, or which writes a
-    statistic of its input into a buffer (ARCHITECTURE invariant 8)."""
+    statistic of its input into a buffer: it breaks every per-example sensitivity bound."""
 
 
 def batch_mixing_modules(net: nn.Module) -> list[str]:
@@ -110,7 +113,7 @@ def refuse_batch_mixing_modules(net: nn.Module) -> None:
     found = batch_mixing_modules(net)
     if found:
         raise IndependenceError(
-            "per-example independence (invariant 8): the net contains modules that mix the examples of a batch "
+            "per-example independence: the net contains modules that mix the examples of a batch "
             "or record statistics of private data, which clipping does not bound, so the reported epsilon "
             "would not hold:\n  - " + "\n  - ".join(found)
         )
@@ -133,7 +136,7 @@ def probe_examples(
     position is checkpointed. Reading them is acceptable because the probe's only output is pass or refuse,
     before any training step: for a net in which each example's loss depends on that example alone, the
     probe passes whatever the data, so its output is a constant and reveals nothing about any example. It
-    can refuse only a net that breaks invariant 8 — and then nothing is trained, logged or checkpointed,
+    can refuse only a net that breaks per-example independence — and then nothing is trained, logged or checkpointed,
     the refusal goes only to whoever runs the job (who holds the data already), and its message names
     positions in the probe batch, never values computed from the data.
     """
@@ -147,7 +150,7 @@ def probe_examples(
         if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") and len(dataset) >= 3:
             return collate([dataset[i] for i in range(min(len(dataset), size + 1))]), source
     raise IndependenceError(
-        "per-example independence (invariant 8) is checked at fit start on at least 3 examples (public, "
+        "per-example independence is checked at fit start on at least 3 examples (public, "
         "validation or private); the datasets here have fewer."
     )
 
@@ -212,7 +215,7 @@ def probe_independence(
         state.reset()
     if problems:
         raise IndependenceError(
-            "per-example independence (invariant 8) is violated:\n  - " + "\n  - ".join(problems) + "\n"
+            "per-example independence is violated:\n  - " + "\n  - ".join(problems) + "\n"
             "Each example's loss and gradient must depend on that example alone, or clipping bounds nothing and "
             "the reported epsilon is wrong. Look for a statistic over the batch dimension in the net or the loss: "
             "a batch mean or normalization (use nn.GroupNorm or nn.LayerNorm), or attention or a recurrent layer "

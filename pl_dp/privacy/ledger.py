@@ -4,15 +4,16 @@
 the way Opacus keeps its accountants apart from its engine (Lightning-free, testable alone):
 
 * the **plan** — δ, the sample rate q and expected batch size read from the sampler actually used
-  (invariant 1), σ calibrated for every planned step on top of the history already spent, or the
-  checkpoint's σ on a resume, checked against the spec (a change is refused unless allowed);
+  (so the accountant matches the sampler), σ calibrated for every planned step on top of the history
+  already spent, or the checkpoint's σ on a resume, checked against the spec (a change is refused unless allowed);
 * the **record** — the accountant history (what was released), the private-step count, which secrets
   were ever user-seeded, and the lineage's write-ahead journal (:mod:`pl_dp.privacy.journal`), so that
   ε is a function of this object alone and a resume composes everything the run ever released;
 * the **guard** — the budget targets (the spec's, and tighter ones registered by callbacks); one
-  place answers "may the next step run?" (invariant 4).
+  place answers "may the next step run?", so the budget is never exceeded.
 
-Its ``state_dict`` is what a checkpoint holds for privacy; it never holds a secret (invariant 2).
+Its ``state_dict`` is what a checkpoint holds for privacy; it never holds a secret (the DP noise key or the
+sampling seed).
 """
 
 from __future__ import annotations

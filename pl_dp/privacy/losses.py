@@ -1,4 +1,4 @@
-"""The per-sample loss contract (ANCHORS part 1 (b) item 4).
+"""The per-sample loss contract: one loss value per example, checked on every call.
 
 A private method needs one loss value per example. ``loss`` is either a name
 (``"cross_entropy"``) or a callable ``(net, batch) -> Tensor[B]``; :func:`check_per_sample`
@@ -42,7 +42,8 @@ def split_batch(batch: Any, size: int | None) -> list[Any]:
 
     Every tensor is sliced along its first (example) dimension; mappings and sequences keep their
     structure. Per-example quantities computed micro-batch by micro-batch are those of the whole
-    batch, because each example's loss depends on that example alone (invariant 8).
+    batch, because each example's loss depends on that example alone (per-example independence, checked at
+    fit start by :mod:`pl_dp.privacy.independence`).
     """
     total = batch_size_of(batch)
     if size is None or total <= size:

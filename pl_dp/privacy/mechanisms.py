@@ -1,6 +1,6 @@
 """The per-step DP mechanism: one object that both adds the noise and feeds the accountant.
 
-Invariant 7 (ARCHITECTURE.md): each method declares its per-step mechanism in one place. A
+Each method declares its per-step mechanism (noise multiplier, sample rate, releases) in one place. A
 :class:`SubsampledGaussian` carries σ, the sample rate, the per-example sensitivity C, the number
 of sums released from the same batch and the expected batch size. The noise std of each
 release and the accountant step are both computed from it, so accounting cannot drift from
@@ -26,9 +26,10 @@ class SubsampledGaussian:
     Each released sum Σ_i c_i has per-example contributions of L2 norm ≤ ``sensitivity`` (C)
     under add/remove-one adjacency, so its sensitivity is C. Releasing m such sums from the same
     batch with noise std √m·σ·C each is, by Gaussian composition (GDP: μ² = m·1/(mσ²)), exactly
-    one Gaussian mechanism with multiplier σ — what the accountant records (PAZO spec §3). The
-    released value is (sum + noise) / expected batch size (Poisson sampling: never divide by the
-    realized size, which would make the scale data-dependent).
+    one Gaussian mechanism with multiplier σ — what the accountant records (Gong & Li 2025, §3.4,
+    after Dong, Roth & Su's composition of Gaussian mechanisms). The released value is
+    (sum + noise) / expected batch size (Poisson sampling: never divide by the realized size,
+    which would make the scale data-dependent).
 
     ``noise_multiplier=0`` is the non-private run of the same method: no noise, no accounting.
 

@@ -1,11 +1,12 @@
 """The source of DP noise: a secret of the run, drawn from OS entropy and held in process memory only.
 
-Invariant 2 (ARCHITECTURE.md): the DP noise is one of the two secrets of a run (the other is the
-Poisson sampling randomness). A :class:`NoiseSource` owns a 256-bit key drawn from the operating
+The DP noise is one of the two secrets of a run (the other is the Poisson sampling randomness;
+threat model: docs/privacy-model.md). A :class:`NoiseSource` owns a 256-bit key drawn from the operating
 system's CSPRNG (``secrets``) and derives every draw from (key, private step, draw index) — so the
 noise of step t never depends on how many draws earlier steps made, and nothing but the key is
 state. It has no ``state_dict`` on purpose: the key is never written to a checkpoint, hparams, a
-log or an artifact, and a resumed run, being a new process, draws a new key (invariant 5).
+log or an artifact, and a resumed run, being a new process, draws a new key (privacy state survives a
+checkpoint, secrets do not).
 
 Two generators:
 
@@ -85,7 +86,7 @@ class NoiseSource:
         return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
 
     def share(self, broadcast: Callable[[Any], Any]) -> None:
-        """Make every data-parallel rank use rank 0's key: one noise draw per logical step (invariant 3).
+        """Make every data-parallel rank use rank 0's key: one draw per logical step, whatever the world size.
 
         ``broadcast`` sends rank 0's object to all ranks (e.g. a Lightning strategy's ``broadcast``).
         The key crosses only the process group of the run, never storage.

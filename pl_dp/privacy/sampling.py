@@ -1,11 +1,11 @@
-"""Poisson sampling of the private set (invariant 1: the accountant matches the sampler).
+"""Poisson sampling of the private set: the sampling the accountants assume.
 
 Each step includes every example independently with probability q = batch_size / n, so batches
 have variable size and may be empty; sums are normalized by the expected size q·n. Batch i is a
 pure function of (seed, i) — counter-based like the direction engine — so the sampler's whole
 state is its position, which the method saves and restores with its checkpoint.
 
-The sampling seed is a secret of the run (invariant 2): amplification by subsampling holds only
+The sampling seed is a secret of the run (docs/privacy-model.md): amplification by subsampling holds only
 against an adversary who does not know which steps included an example. It is drawn from OS
 entropy unless the user passes one (for tests and reproduction: such a run's ε is no guarantee
 against whoever knows the seed), and it is never saved: a resumed run draws a fresh one, which
@@ -281,7 +281,7 @@ class OpacusPoissonSampling:
 
 
 def poisson_sampler_of(loader: Any) -> PoissonBatchSampler | OpacusPoissonSampling:
-    """The Poisson sampler behind a private loader, or a clear error (invariant 1).
+    """The Poisson sampler behind a private loader, or a clear error: the accountant must match the sampler.
 
     Accepts pl_dp's :class:`PoissonBatchSampler` and Opacus' ``UniformWithReplacementSampler``
     (``opacus.data_loader.DPDataLoader``), which it wraps in :class:`OpacusPoissonSampling`.

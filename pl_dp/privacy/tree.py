@@ -6,9 +6,9 @@ Chan, Shi & Song (2011):
 * :func:`tree_nodes` — NODE(t) of Algorithm 5: the dyadic intervals whose noises make up TREE(t).
 * :class:`TreeAggregatedGaussian` — the per-step mechanism of a tree-aggregated release: it adds
   TREE(t) = Σ_{(a,b) ∈ NODE(t)} ξ_b, ξ_b ~ N(0, (z·s)² I), to the running sum and records the
-  released leaf with the accountant (invariant 7). Only the ξ of the current prefix nodes are held
-  (≤ ⌊log₂T⌋+1 vectors: a node of a later t' that is ≤ t is always a node of t too); they are never
-  checkpointed.
+  released leaf with the accountant (one object adds the noise and feeds the accountant, so the two
+  cannot drift). Only the ξ of the current prefix nodes are held (≤ ⌊log₂T⌋+1 vectors: a node of a
+  later t' that is ≤ t is always a node of t too); they are never checkpointed.
 * :class:`TreeAccountant` — a ledger of the released leaves (:class:`TreeRun`) and the RDP of the
   whole run, (α, αρ²/2) for every α, with ρ² the worst example's count of released nodes over z²,
   converted to (ε, δ) with Opacus' RDP conversion. Assumes **replace-one** adjacency, sensitivity

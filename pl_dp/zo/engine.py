@@ -1,6 +1,7 @@
 """Seeded, in-place parameter perturbation: the core of every zeroth-order method.
 
-Design (ARCHITECTURE "The ZO engine", ANCHORS part 1 (b) items 1–3):
+Design (directions regenerated from a seed, never stored; perturbation in place; restore fused
+with the update):
 
 * **A direction is a pure function of (seed, key, parameter, chunk).** The trained coordinates of
   each parameter are cut into chunks of a fixed size (:data:`CPU_CHUNK` on CPU; one chunk per
@@ -27,9 +28,9 @@ Design (ARCHITECTURE "The ZO engine", ANCHORS part 1 (b) items 1–3):
 * Only parameters with ``requires_grad`` are perturbed; d counts only those.
 * With a :class:`~pl_dp.zo.mask.DirectionMask` (DP-ZOPO) only the kept coordinates are drawn
   (the RNG sweep shrinks with r) and scattered in place with ``index_add_`` on a ``view`` of the
-  parameter — never ``param[idx] += …``, which updates a copy (dpzopo spec §8 item 1); a
-  non-contiguous parameter raises instead of silently copying. d is then the number of kept
-  coordinates.
+  parameter — never ``param[idx] += …``, which updates a copy (the bug that makes the masked
+  perturbation and update of the released DP-ZOPO code no-ops); a non-contiguous parameter raises
+  instead of silently copying. d is then the number of kept coordinates.
 
 Every write to a parameter goes through :meth:`PerturbationEngine._place_chunk` (drawn chunks),
 :meth:`PerturbationEngine.place` (kept directions, dense extra terms) or the low-rank ``addr_`` in
@@ -74,7 +75,8 @@ class Direction:
     """Distribution of the direction u ∈ ℝ^d.
 
     * ``"gaussian"``: u ~ N(0, (r²/d)·I_d), the Gaussian with the same second moment as the sphere
-      of radius r (PAZO spec A1);
+      of radius r (Gong & Li 2025 use spheres in the theory and N(0, I_d) in the experiments,
+      App. C.2; matching the second moment keeps PAZO-M's radius-d^{1/4} norm alignment, §3.1);
     * ``"sphere"``: u uniform on r·S^{d−1};
     * ``"rademacher"``: u = (r/√d)·ε with independent signs ε_k = ±1 (‖u‖ = r exactly);
     * ``"lowrank"``: for each contiguous matrix (or higher-dimensional tensor viewed as
@@ -437,7 +439,7 @@ class PerturbationEngine:
                     self.place(p, i, t if idx is None else t.reshape(-1).index_select(0, idx), alpha)
 
     def two_point(self, key: Key, smoothing: float, evaluate: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Per-example [f(θ + λu) − f(θ − λu)] / (2λ) for direction ``key`` (PAZO spec Eq. 1).
+        """Per-example [f(θ + λu) − f(θ − λu)] / (2λ) for direction ``key`` (Gong & Li 2025, Eq. 1).
 
         Leaves the parameters at θ − λu: the caller restores them, ideally fused with its
         update via :meth:`combine` (adding +λ to the coefficient of ``key``).

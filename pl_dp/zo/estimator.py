@@ -1,4 +1,7 @@
-"""The privatized q-query two-point estimator (PAZO spec §1.2–1.3), shared by DPZero, PAZO-M and PAZO-P.
+"""The privatized q-query two-point estimator, shared by DPZero, PAZO-M and PAZO-P.
+
+DPZero's estimator as written by Gong & Li 2025 (Eq. 2), with q queries as in their Algorithms 1–2
+(noise variance q·C²σ² per query, the same privacy per step for any q, §3.4).
 
 For each query j (same private batch, fresh direction u_j, fresh noise):
 
@@ -102,8 +105,8 @@ class PrivateTwoPointEstimator:
     """Runs the q queries of one step with a :class:`PerturbationEngine` and privatizes them.
 
     ``joint_clip=False`` (the papers): each query's per-example scalar is clamped to [−C, C] and
-    each of the q sums gets noise √q·σ·C. ``joint_clip=True`` (DP-AggZO, ANCHORS part 1 (b)
-    item 5): each example's q-vector of differences is L2-clipped to C and the q-vector of sums
+    each of the q sums gets noise √q·σ·C. ``joint_clip=True`` (a pl_dp option, the vector mechanism
+    of DP-AggZO): each example's q-vector of differences is L2-clipped to C and the q-vector of sums
     gets one q-dimensional Gaussian with std σ·C per coordinate — the same privacy (sensitivity C,
     one mechanism with multiplier σ) without the √q noise penalty when the q differences of an
     example are small together.

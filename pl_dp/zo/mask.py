@@ -1,4 +1,7 @@
-"""Coordinate masks for zeroth-order directions (DP-ZOPO, dpzopo spec §3.5, §5.2).
+"""Coordinate masks for zeroth-order directions (DP-ZOPO: Liu et al., NDSS 2025, §IV-D).
+
+The paper samples v = M·z, z ~ N(0, I_d), with M diagonal: 0 on frozen coordinates, 1 or a rank-based
+weight on the trained ones (Algorithms 3–4), and stores the mask sparsely (indices and values, §IV-D1).
 
 A :class:`DirectionMask` confines the perturbation u = M·z to the trained coordinates: per
 parameter tensor, the sorted flat indices of the coordinates that move (``None`` = all of them)

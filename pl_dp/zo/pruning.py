@@ -1,16 +1,20 @@
-"""Data-free pruning for DP-ZOPO (dpzopo spec §3.1–3.2, Algorithms 3–4).
+"""Data-free pruning for DP-ZOPO (Liu et al., NDSS 2025, §IV-D, Algorithms 3–4).
 
 * :func:`path_norm_scores` — the synaptic-saliency score ∇ℒ(|θ|) ⊙ |θ| of the path-norm loss
-  ℒ = 𝟙ᵀ(∏_l |θ^{[l]}|)𝟙, generalized to any architecture as in the released code and SynFlow
-  (spec A3/A4): every parameter replaced by its absolute value, a constant all-ones input, ℒ the
-  sum of the outputs, computed in float64 through ``torch.func.functional_call`` so the model's
-  own parameters are never touched (no sign to restore). ∇ℒ is the paper's zeroth-order estimate
-  (``estimator="zo"``) or the exact gradient (``"autograd"``, spec A3's allowed deviation).
+  ℒ = 𝟙ᵀ(∏_l |θ^{[l]}|)𝟙 (Algorithm 3, line 1), generalized to any architecture as in the released
+  code and SynFlow (the paper defines ℒ for a product of layer matrices only): every parameter
+  replaced by its absolute value, a constant all-ones input, ℒ the sum of the outputs, computed in
+  float64 through ``torch.func.functional_call`` so the model's own parameters are never touched
+  (no sign to restore). ∇ℒ is the paper's zeroth-order estimate (``estimator="zo"``) or the exact
+  gradient (``"autograd"``, a pl_dp deviation: ℒ reads no data, so an exact backward pass costs no
+  privacy either).
   **No data is read**: the score costs no privacy (Theorem 3).
 * :func:`importance_matrix` — the diagonal M as a :class:`DirectionMask`: the top K = round(r·d)
-  coordinates by score (descending, ties broken by flat index, spec A2/A19), M_ii = 1
-  (``"pruning"``) or A − (A − B)·rank/K (``"rank"``, spec A18); ``previous`` keeps an earlier
-  trained set and adds the best new coordinates (incremental, spec A16).
+  coordinates by score (descending, ties broken by flat index: a pl_dp reading of Algorithm 4, whose
+  printed sort-and-slice would keep a 1 − r fraction), M_ii = 1 (``"pruning"``) or
+  A − (A − B)·rank/K (``"rank"``, with K as the denominator, as in the released code); ``previous``
+  keeps an earlier trained set and adds the best new coordinates (the incremental strategy of
+  §IV-D2; Algorithm 4 as printed never copies the previous mask, the text implies the union).
 """
 
 from __future__ import annotations
@@ -63,8 +67,8 @@ def path_norm_scores(
         estimator: ``"zo"`` (Algorithm 3: (1/P)Σ_p [ℒ(|θ|+βv_p) − ℒ(|θ|−βv_p)]/(2β)·v_p,
             v_p ~ N(0, I_d)) or ``"autograd"`` (one exact backward pass).
         queries: P for the ZO estimate. With P = 1 (the released code) the score is |θ| times a
-            one-dimensional Gaussian projection — nearly random (spec A3); more queries cost 2
-            float64 forwards each.
+            one-dimensional Gaussian projection — nearly random (the paper does not state P); more
+            queries cost 2 float64 forwards each.
         smoothing: β for the ZO estimate (the released code's 1e-3).
         seed: seed of the ZO directions (data-independent).
 
@@ -121,7 +125,8 @@ def importance_matrix(
         scores: one score tensor per trainable parameter (higher = more important).
         fraction: r ∈ (0, 1], the fraction of coordinates trained (1.0 is DP-ZOSO).
         importance: ``"pruning"`` (M_ii = 1 on the kept set) or ``"rank"`` (M_ii = A − (A−B)·rank/K,
-            rank 0 = highest score, a std multiplier of the direction, spec A15).
+            rank 0 = highest score, a std multiplier of the direction, as in the
+            released code; the paper's "N(0, 1.2)" could read as a variance).
         bounds: (A, B), upper and lower bound of the rank-based values (the code's 1.2 / 0.8).
         previous: an earlier mask whose trained set is kept (incremental strategy): the new set is
             previous ∪ the best K − |previous| other coordinates; rank-based values re-rank the

@@ -1,4 +1,4 @@
-"""Directions inside the span of k public gradients (PAZO-P, PAZO spec §2.2).
+"""Directions inside the span of k public gradients (PAZO-P: Gong & Li 2025, §3.2, Algorithm 2).
 
 v = G·u with G = [g_1 … g_k] ∈ ℝ^{d×k} and u ∈ ℝ^k drawn from the step's seed. Only G is stored
 (k parameter-sized buffers, reused every step); u is k numbers, regenerated from the key; v is
@@ -28,7 +28,8 @@ class SubspaceEngine(PerturbationEngine):
         seed: base seed of the coefficients u.
         k: number of basis vectors (public gradients).
         coefficients: distribution of u ∈ ℝ^r (r = effective rank): ``"gaussian"`` N(0, I_r) (default,
-            as in the experiments, PAZO spec A1) or ``"sphere"``, uniform on √r·S^{r−1} (the theory).
+            as in the experiments, Gong & Li 2025, App. C.2) or ``"sphere"``, uniform on √r·S^{r−1}
+            (the theory, Algorithm 2).
         cache_directions, cache_size: as for :class:`PerturbationEngine` (a kept v saves k − 1 of
             the k ``add_`` per coordinate that each sweep would otherwise redo).
     """
@@ -60,7 +61,9 @@ class SubspaceEngine(PerturbationEngine):
 
     @torch.no_grad()
     def finalize_basis(self, orthonormalize: bool = True, tolerance: float = 1e-10) -> None:
-        """Turn the k raw columns into G (PAZO spec A8), in place.
+        """Turn the k raw columns into G (Algorithm 2, line 4: "(ortho)normalized"), in place.
+
+        The paper does not say how to orthonormalize; the method below is a pl_dp choice.
 
         ``orthonormalize=True``: an orthonormal basis of span{g_1..g_k}. From the float64 Gram
         matrix M = GᵀG = VΛVᵀ, Q = G·V_r·Λ_r^{−1/2}, keeping eigenvalues above

@@ -1,4 +1,5 @@
-"""Invariant 3 under real data parallelism: 2 CPU processes (Lightning DDP, gloo) = one logical run.
+"""One noise draw per logical step under real data parallelism: 2 CPU processes (Lightning DDP, gloo) = one
+logical run.
 
 The 2-process fits run once per session in a subprocess (tests/distributed/worker.py; Lightning's
 launcher starts rank 1); the single-process references run in this process with the same seeds.

@@ -1,4 +1,4 @@
-"""Invariant 5: privacy state survives checkpoints; secrets do not (invariant 2).
+"""Privacy state survives checkpoints; secrets (the noise key, the sampling seed) do not.
 
 Kill-and-resume gives the same ε and the same distribution of parameters; bit-identical parameters
 only in reproduction mode, when the user seeded both secrets (noise and sampling)."""

@@ -42,7 +42,7 @@ def test_one_step_equals_the_spec_formula_by_hand():
     lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
     data, dm, net, theta0, model = _one_step(lr, clip, lam, q)
 
-    # --- the spec (PAZO §1.3), by hand, in float64 ---
+    # --- DPZero with q queries (Gong & Li 2025, Eq. 2 and §3.1), by hand, in float64 ---
     sigma = model.noise_multiplier
     b = dm.sample_rate * len(data)
     batch = dm.train_dataloader().batch_sampler.batch(0)

@@ -1,4 +1,4 @@
-"""Invariant 8 at fit start (audit finding 6): nets and losses that mix examples, or write state from the batch,
+"""Per-example independence at fit start: nets and losses that mix examples, or write state from the batch,
 are refused before any private step, for zeroth-order and first-order methods alike."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""PAZO-M/P/S: each step equals the spec's pseudocode by hand; subspace, candidates, costs, accounting."""
+"""PAZO-M/P/S: each step equals the paper's pseudocode (Gong & Li 2025, Algorithms 1–3) by hand; subspace,
+candidates, costs, accounting."""
 
 import math
 

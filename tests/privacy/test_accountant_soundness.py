@@ -1,4 +1,4 @@
-"""Invariant 9: every accountant on offer reports at least the true ε (a rigorous PLD lower bound).
+"""Only sound accountants: every accountant on offer reports at least the true ε (a rigorous PLD lower bound).
 
 The reference is Google's dp-accounting privacy loss distribution (PLD) of the Poisson-subsampled
 Gaussian under add/remove-one adjacency, discretized *optimistically* (``pessimistic_estimate=False``,

@@ -1,5 +1,6 @@
-"""Invariant 8 without Lightning: batch-mixing modules are refused by type, and the probe catches mixing, backward
-mixing and buffer writes by behaviour while leaving the net and the random stream as it found them."""
+"""Per-example independence without Lightning: batch-mixing modules are refused by type, and the probe catches
+mixing, backward mixing and buffer writes by behaviour while leaving the net and the random stream as it found
+them."""
 
 from __future__ import annotations
 

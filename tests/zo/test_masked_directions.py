@@ -34,7 +34,7 @@ def test_masked_sweeps_move_exactly_the_kept_coordinates_in_place():
     kept = [m.reshape(-1) != 0 for m in mask.dense()]
     for changed, keep in zip(_changed(before, net), kept):
         assert torch.equal(changed, keep)  # every kept coordinate moved, no other did
-    # the released code's `param[idx] += ...` leaves the parameter unchanged (dpzopo spec §8 item 1)
+    # the released code's `param[idx] += ...` leaves the parameter unchanged (a copy is updated)
     assert any(c.any() for c in _changed(before, net))
 
 
