@@ -411,10 +411,15 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         the net and loss on a few examples (public if the method uses it, else validation, else private by index)
         in each of the method's ``private_loss_modes``."""
         refuse_batch_mixing_modules(self.net)
+        examples, source = self.probe_batch()
+        probe_independence(self.net, self.loss_fn, examples, self.private_loss_modes, source)
+
+    def probe_batch(self) -> tuple[Any, str]:
+        """A few collated examples for fit-start checks, on this module's device, and where they come from
+        (:func:`~pl_dp.privacy.independence.probe_examples`: public, else validation, else private by index)."""
         datamodule, loader = getattr(self.trainer, "datamodule", None), self.trainer.train_dataloader
         examples, source = probe_examples(datamodule, loader, public=self.requires_public_data)
-        examples = self.transfer_batch_to_device(examples, self.device, 0)
-        probe_independence(self.net, self.loss_fn, examples, self.private_loss_modes, source)
+        return self.transfer_batch_to_device(examples, self.device, 0), source
 
     def _journal_directory(self) -> Path | None:
         """The privacy journal's place for a new lineage: beside the checkpoints, if this run writes any."""

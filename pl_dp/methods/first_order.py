@@ -14,7 +14,7 @@ from torch import nn
 
 from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
-from pl_dp.per_sample import PerSampleGradients, clipped_sum
+from pl_dp.per_sample import PerSampleGradients, clipped_sum, verify_per_example_gradients
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
@@ -121,8 +121,13 @@ class FirstOrderModule(PrivateModule):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.clip_function is not None and self._per_sample is None:
+        if self._per_sample is not None:  # a new fit may train another set of parameters
+            self._per_sample.close()
+            self._per_sample = None
+        if self.clip_function is not None:
             self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
+            if self.privacy is not None:  # each clipped row must be one example's whole gradient
+                verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
 
     def private_gradient(
         self, batch: Any, batch_size: int, mechanism: SubsampledGaussian

@@ -14,6 +14,7 @@ Either way the per-example loss is the user's contract ``(net, batch) -> Tensor[
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
+from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, slice_batch
 
 
 class _Functional(nn.Module):
@@ -106,6 +107,12 @@ class PerSampleGradients:
         else:
             _refuse_transformers_under_vmap(net)
 
+    def close(self) -> None:
+        """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
+        if self._gsm is not None:
+            self._gsm.remove_hooks()
+            self._gsm = None
+
     def __call__(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per-example gradients (one ``[B, *p.shape]`` tensor per parameter) and the per-example losses."""
         size = batch_size_of(batch)
@@ -159,6 +166,63 @@ class PerSampleGradients:
             trainable, batch
         )
         return [grads[n] for n in self.names], losses
+
+
+#: sizes of the probe batches on which :func:`verify_per_example_gradients` compares the per-example gradients
+VERIFY_SIZES = (2, 3)
+
+
+def verify_per_example_gradients(
+    per_sample: PerSampleGradients, examples: Any, sizes: Sequence[int] = VERIFY_SIZES, rtol: float = 1e-3
+) -> None:
+    """Refuse a net whose "per-example" gradients are not each example's own gradient, checked on a few examples.
+
+    Clipping bounds an example's contribution only if what is clipped is that example's whole gradient. Opacus'
+    hooks see a layer's own calls and take the first dimension of its input as the batch, so two kinds of nets
+    break this silently: a parameter also read outside its module (``F.linear(h, self.embedding.weight)``, a bias
+    added again by hand) — its per-example gradient misses that use — and a layer that sees the batch in another
+    dimension (time-major ``[T, B, d]`` input, ``batch_first=False``, a ``[T, T]`` position table) — its rows are
+    positions, and they pass a shape check whenever T equals the batch size. Here, before any step, the
+    per-example gradients of probe batches of each size in ``sizes`` are compared with the autograd gradient of
+    each example's loss computed alone; a relative difference above ``rtol`` for any example refuses the net.
+    Modules run in eval mode (dropout off) during the check and get their modes back after it.
+
+    ``examples`` comes from :func:`pl_dp.privacy.independence.probe_examples` (public or validation examples,
+    private ones by index only when neither exists). The check's only output is pass or refuse before
+    training: for a net whose per-example gradients are right it passes whatever the data.
+    """
+    count = batch_size_of(examples)
+    net, params = per_sample.net, per_sample.params
+    modes = {module: module.training for module in net.modules()}
+    net.eval()
+    wrong: dict[str, float] = {}
+    try:
+        for size in (k for k in sizes if k <= count):
+            rows, _ = per_sample(slice_batch(examples, 0, size))
+            for i in range(size):
+                with torch.enable_grad():
+                    loss = check_per_sample(per_sample.loss_fn(net, slice_batch(examples, i, i + 1)), 1).sum()
+                    own = torch.autograd.grad(loss, params, allow_unused=True)
+                reference = math.sqrt(sum(float(g.double().square().sum()) for g in own if g is not None))
+                for name, row, g in zip(per_sample.names, rows, own):
+                    target = torch.zeros_like(row[i]) if g is None else g
+                    error = float(torch.linalg.vector_norm((row[i] - target).double()))
+                    tolerance = max(rtol, 16 * torch.finfo(row.dtype).eps)  # bf16/fp16 weights round at 1e-2
+                    if error > tolerance * max(reference, 1e-12):
+                        wrong[name] = max(wrong.get(name, 0.0), error / max(reference, 1e-12))
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    if wrong:
+        worst = sorted(wrong, key=wrong.get, reverse=True)
+        raise RuntimeError(
+            f"the per-example gradients of {worst} are not each example's own gradient (relative error up to "
+            f"{max(wrong.values()):.3g} on a probe batch): clipping them would not bound an example's "
+            "contribution. Either a parameter is also used outside its module (e.g. a weight read directly in "
+            "another module's forward, a tied weight used functionally), or a layer sees the batch in another "
+            "dimension than the first (time-major input, batch_first=False). Restructure the net, freeze these "
+            "parameters, or use per_sample='functorch'."
+        )
 
 
 def clipped_sum(

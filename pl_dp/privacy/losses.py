@@ -48,16 +48,17 @@ def split_batch(batch: Any, size: int | None) -> list[Any]:
     total = batch_size_of(batch)
     if size is None or total <= size:
         return [batch]
-    return [_slice(batch, start, min(start + size, total)) for start in range(0, total, size)]
+    return [slice_batch(batch, start, min(start + size, total)) for start in range(0, total, size)]
 
 
-def _slice(batch: Any, start: int, end: int) -> Any:
+def slice_batch(batch: Any, start: int, end: int) -> Any:
+    """Examples ``start`` to ``end`` (exclusive) of ``batch``, every tensor sliced along its first dimension."""
     if isinstance(batch, torch.Tensor):
         return batch[start:end]
     if isinstance(batch, Mapping):
-        return {k: _slice(v, start, end) for k, v in batch.items()}
+        return {k: slice_batch(v, start, end) for k, v in batch.items()}
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(_slice(v, start, end) for v in batch)
+        return type(batch)(slice_batch(v, start, end) for v in batch)
     return batch
 
 
