@@ -21,7 +21,6 @@ new master copied from it.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -40,13 +39,14 @@ class MasterWeights:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = bool(enabled)
-        self._masters: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-        self._offered: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        # (parameter, master) pairs, matched by identity: plain references, so that the store pickles and
+        # deep-copies along with the model that holds the same parameters
+        self._masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._offered: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
-    def _get(table: dict[int, tuple[weakref.ref, torch.Tensor]], p: torch.Tensor) -> torch.Tensor | None:
-        entry = table.get(id(p))
-        return entry[1] if entry is not None and entry[0]() is p else None
+    def _get(table: list[tuple[torch.Tensor, torch.Tensor]], p: torch.Tensor) -> torch.Tensor | None:
+        return next((master for q, master in table if q is p), None)
 
     @torch.no_grad()
     def weights(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -57,7 +57,7 @@ class MasterWeights:
         parameter — the first that rounds exactly to the parameter (moved to its device if needed).
         Masters of parameters not in ``params`` are dropped.
         """
-        kept: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         out: list[torch.Tensor] = []
         for p in params:
             if not self.enabled or p.dtype not in HALF_DTYPES:
@@ -73,10 +73,10 @@ class MasterWeights:
                     break
             if master is None:
                 master = torch.empty_like(p, dtype=torch.float32).copy_(p.detach())  # keeps p's strides
-            kept[id(p)] = (weakref.ref(p), master)
+            kept.append((p, master))
             out.append(master)
         self._masters = kept
-        self._offered = {}
+        self._offered = []
         return out
 
     def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -86,7 +86,7 @@ class MasterWeights:
     @property
     def nbytes(self) -> int:
         """Memory taken by the masters."""
-        return sum(m.numel() * m.element_size() for _, m in self._masters.values())
+        return sum(m.numel() * m.element_size() for _, m in self._masters)
 
     def state_dict(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
         """The masters by parameter name (model weights, not secrets: safe to checkpoint)."""
@@ -107,4 +107,4 @@ class MasterWeights:
         for name, p in named_parameters:
             master = state.get(name)
             if master is not None:
-                self._offered[id(p)] = (weakref.ref(p), master)
+                self._offered.append((p, master))
