@@ -163,6 +163,7 @@ class PerturbationEngine:
         self.masters = MasterWeights() if masters is None else masters
         self.weights = self.masters.weights(self.params)
         self._mastered = [w is not p for w, p in zip(self.weights, self.params)]
+        self._any_mastered, self._all_mastered = any(self._mastered), all(self._mastered)
         self._pending: dict[Key, float] = {}  # perturbation of the mastered parameters, not in their masters
         if isinstance(cache_size, bool) or int(cache_size) != cache_size or cache_size < 1:
             raise ValueError(f"cache_size must be an integer >= 1, got {cache_size!r}.")
@@ -414,27 +415,25 @@ class PerturbationEngine:
         (:meth:`_present` does).
         """
 
-        def terms_of(index: int) -> Sequence[tuple[Key, float]]:
-            return mastered if self._mastered[index] else direct
-
-        if any(key not in self._cache for key, _ in (*direct, *mastered)):
+        drawn = ([(key, alpha) for key, alpha in direct if key not in self._cache], times)
+        drawn_masters = ([(key, alpha) for key, alpha in mastered if key not in self._cache], 1)
+        if drawn[0] or drawn_masters[0]:
 
             def work(chunk: Chunk) -> None:
-                drawn = [(key, alpha) for key, alpha in terms_of(chunk.index) if key not in self._cache]
-                if not drawn:
+                terms, repeat = drawn_masters if self._mastered[chunk.index] else drawn
+                if not terms:
                     return
                 scratch = self._scratch_for(chunk)
                 target = self.weights[chunk.index]
-                repeat = 1 if self._mastered[chunk.index] else times
-                for key, alpha in drawn:
+                for key, alpha in terms:
                     z = self._fill(key, chunk, scratch)
                     for _ in range(repeat):
                         self._place_chunk(target, chunk, z, alpha)
 
             self._run(work)
         for i, w in enumerate(self.weights):
-            repeat = 1 if self._mastered[i] else times
-            for key, alpha in terms_of(i):
+            terms, repeat = (mastered, 1) if self._mastered[i] else (direct, times)
+            for key, alpha in terms:
                 entry = self._cache.get(key)
                 if self._outer[i]:
                     a, b = self._factors(key, i)
@@ -451,7 +450,7 @@ class PerturbationEngine:
         ``param ← (master + Σ_k pending_k·(M·z)(k)).to(param.dtype)`` at the trained coordinates (the
         others already hold their master's rounding), computed chunk by chunk in fp32 on all cores.
         """
-        if not any(self._mastered):
+        if not self._any_mastered:
             return
         pending = list(self._pending.items())
 
@@ -531,9 +530,9 @@ class PerturbationEngine:
         alpha = step_size * self.scale(key)
         if self.cache_size:
             self._kept(key)
-        if not all(self._mastered):
+        if not self._all_mastered:
             self._sweep([(key, alpha)], times=times)
-        if any(self._mastered):
+        if self._any_mastered:
             total = self._pending.pop(key, 0.0) + alpha * times
             if total != 0.0:
                 self._pending[key] = total
@@ -556,7 +555,7 @@ class PerturbationEngine:
         """
         scaled = [(key, coeff * self.scale(key)) for key, coeff in terms if coeff != 0.0]
         mastered: list[tuple[Key, float]] = []
-        if any(self._mastered):
+        if self._any_mastered:
             merged: dict[Key, float] = {}
             for key, alpha in scaled:
                 merged[key] = merged.get(key, 0.0) + alpha
