@@ -65,9 +65,8 @@ def test_a_restore_fused_with_a_zero_update_is_exact_in_bf16():
     net = _net()
     before = _snapshot(net)
     engine = PerturbationEngine(net.parameters(), seed=3)
-    x = torch.randn(4, 16).bfloat16()
     for step in range(1000):
-        engine.two_point((step, 0), 1e-2, lambda: net(x).float().sum(dim=1))
+        engine.two_point((step, 0), 1e-2, lambda: torch.zeros(1))
         engine.combine([((step, 0), 1e-2)])
     for p, b in zip(net.parameters(), before):
         assert torch.equal(p, b)
@@ -124,7 +123,8 @@ def test_perturbed_bf16_weights_are_the_rounding_of_master_plus_lambda_u():
     _assert_rounding_of(net.parameters(), [s - 0.5 * ui for s, ui in zip(start, u)], torch.bfloat16)
 
 
-def test_masked_bf16_directions_restore_exactly_and_accumulate_on_the_mask_only():
+@pytest.mark.parametrize("kind", ["gaussian", "lowrank"])
+def test_masked_bf16_directions_restore_exactly_and_accumulate_on_the_mask_only(kind):
     net = _net()
     before = _snapshot(net)
     start = [p.detach().float() for p in net.parameters()]
@@ -132,7 +132,7 @@ def test_masked_bf16_directions_restore_exactly_and_accumulate_on_the_mask_only(
     indices = [torch.randperm(p.numel(), generator=generator)[: p.numel() // 3].sort().values for p in before]
     values = [torch.rand(i.numel(), generator=generator) + 0.5 for i in indices]
     mask = DirectionMask([p.numel() for p in before], indices, values)
-    engine = PerturbationEngine(net.parameters(), seed=4, mask=mask)
+    engine = PerturbationEngine(net.parameters(), seed=4, mask=mask, direction=kind)
     for step in range(200):
         engine.two_point((step, 0), 1e-3, lambda: torch.zeros(1))
         engine.perturb((step, 0), 1e-3)
@@ -146,6 +146,44 @@ def test_masked_bf16_directions_restore_exactly_and_accumulate_on_the_mask_only(
         assert torch.equal(p.view(-1)[~kept], b.view(-1)[~kept])  # off the mask: never written
         torch.testing.assert_close(w.view(-1)[kept], s.view(-1)[kept] + 1e-3, rtol=ACCUMULATED, atol=1e-9)
         assert torch.equal(p, w.to(torch.bfloat16))
+
+
+def test_a_non_contiguous_bf16_parameter_restores_exactly_and_accumulates():
+    p = nn.Parameter(torch.randn(60, 50).t().bfloat16())  # a transposed leaf, swept whole
+    assert not p.is_contiguous()
+    before = p.detach().clone()
+    engine = PerturbationEngine([p], seed=0)
+    assert not engine.weights[0].is_contiguous()  # the master keeps the parameter's layout
+    for step in range(100):
+        engine.two_point((step, 0), 1e-3, lambda: torch.zeros(1))
+        engine.perturb((step, 0), 1e-3)
+    assert torch.equal(p, before)
+    ones = [torch.ones_like(p)]
+    for _ in range(200):
+        engine.combine([], extra=[(ones, 5e-6)])
+    _assert_rounding_of([p], [before.float() + 1e-3], torch.bfloat16, ACCUMULATED)
+
+
+def test_unrestored_perturbations_are_folded_into_the_masters_and_the_weights_stay_their_rounding():
+    """A caller that keeps perturbing along new directions: at most MAX_PENDING stay pending."""
+    from pl_dp.zo.engine import MAX_PENDING
+
+    net = _net()
+    reference = PerturbationEngine(_net(torch.float32).parameters(), seed=6)
+    start = [p.detach().float() for p in net.parameters()]
+    engine = PerturbationEngine(net.parameters(), seed=6)
+    total = [s.clone() for s in start]
+    for step in range(3 * MAX_PENDING):
+        engine.perturb((step, 0), 1e-3)
+        for t, u in zip(total, reference.direction_tensors((step, 0))):
+            t.add_(u, alpha=1e-3)
+        assert len(engine._pending) <= MAX_PENDING
+    _assert_rounding_of(net.parameters(), total, torch.bfloat16, 1e-5)
+    engine.combine([])  # everything pending goes into the masters
+    assert not engine._pending
+    for p, w, t in zip(net.parameters(), engine.weights, total):
+        assert torch.equal(p, w.to(torch.bfloat16))
+        torch.testing.assert_close(w, t, rtol=1e-5, atol=1e-7)
 
 
 def test_subspace_engine_restores_bf16_exactly_and_keeps_an_fp32_basis():
