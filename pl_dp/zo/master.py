@@ -1,7 +1,7 @@
 """fp32 master weights of half-precision parameters, kept across engines and checkpoints.
 
 A bf16 weight has 8 significant bits: adding λu in place and subtracting it again leaves a rounding
-error each time (drift), and an update smaller than half the weight's ulp (2⁻⁹ relative) vanishes —
+error each time (drift), and an update below half the weight's ulp (2⁻⁹ to 2⁻⁸ of it) vanishes —
 the cause of the fp16 collapses reported for MeZO (Malladi et al. 2023, "Fine-Tuning Language Models
 with Just Forward Passes"). A :class:`MasterWeights` store keeps an fp32 copy of every bf16/fp16
 parameter an engine trains; the engine updates the copy and writes its rounding into the parameter,
@@ -64,10 +64,12 @@ class MasterWeights:
                 out.append(p)
                 continue
             master = None
-            for candidate in (self._get(self._offered, p), self._get(self._masters, p)):
+            offered, kept_master = self._get(self._offered, p), self._get(self._masters, p)
+            for candidate, copy in ((offered, True), (kept_master, False)):
                 if candidate is None or candidate.shape != p.shape:
                     continue
-                candidate = candidate.to(p.device)
+                # an offered master is copied (never shared with whoever offered it); a kept one moves if p did
+                candidate = candidate.to(device=p.device, dtype=torch.float32, copy=copy)
                 if torch.equal(candidate.to(p.dtype), p.detach()):
                     master = candidate
                     break
@@ -89,12 +91,15 @@ class MasterWeights:
         return sum(m.numel() * m.element_size() for _, m in self._masters)
 
     def state_dict(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-        """The masters by parameter name (model weights, not secrets: safe to checkpoint)."""
+        """The masters by parameter name (model weights, not secrets: safe to checkpoint).
+
+        References, like a module's ``state_dict``: no copy of the masters is made to save them.
+        """
         out = {}
         for name, p in named_parameters:
             master = self.master_of(p)
             if master is not None:
-                out[name] = master.detach().clone()
+                out[name] = master.detach()
         return out
 
     def load_state_dict(
