@@ -131,3 +131,31 @@ def test_a_bf16_resume_restores_the_masters_and_is_bit_identical(tmp_path, metho
         assert torch.equal(a, b)  # a resume from the bf16 rounding alone would differ here
     for a, b in zip(resumed.net.parameters(), reference.net.parameters()):
         assert torch.equal(a, b)
+
+
+def test_every_audit_trial_of_a_bf16_model_starts_from_the_same_masters():
+    from pl_dp.audit import audit
+    from pl_dp.data import PrivatePublicDataModule
+    from tests.conftest import blobs
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.layer(x.to(self.layer.weight.dtype))
+
+    torch.manual_seed(0)
+    spec = PrivacySpec(epsilon=100.0, accountant="rdp", noise_multiplier=1.5)
+    model = DPZero(Net().bfloat16(), clip=1.0, queries=2, privacy=spec, noise_seed=0)
+    starts, step = [], model.private_step
+
+    def recorded(*args, **kwargs):
+        starts.append(torch.cat([m.flatten().clone() for m in model.master_parameters()]))
+        return step(*args, **kwargs)
+
+    model.private_step = recorded
+    audit(model, PrivatePublicDataModule(blobs(40), batch_size=8), trials=20)
+    assert len(starts) > 40 and all(torch.equal(s, starts[0]) for s in starts[:-1])  # the last is the real step
+    _assert_weights_are_the_rounding_of_the_masters(model)
