@@ -37,9 +37,10 @@ Design (ARCHITECTURE "The ZO engine", ANCHORS part 1 (b) items 1–3):
   (``_pending``), not added into the master, so restoring it is exact (the parameter is bit-identical
   after any number of perturb/restore cycles) and a fused restore + update adds only the update to the
   master, where updates far below a bf16 ulp accumulate. Directions of such parameters are drawn in
-  fp32. fp32 and fp64 parameters are their own "master" and are written in place as before: no copy,
-  no extra sweep. Without masters, in-place bf16 perturbation drifts and loses small steps — the fp16
-  collapses reported for MeZO (Malladi et al. 2023).
+  fp32. Memory: the masters take 4 bytes per trained half-precision coordinate, and a kept direction
+  is fp32 too. fp32 and fp64 parameters are their own "master" and are written in place as before:
+  no copy, no extra sweep. Without masters, in-place bf16 perturbation drifts and loses small steps —
+  the fp16 collapses reported for MeZO (Malladi et al. 2023).
 
 Every write goes through :meth:`PerturbationEngine._place_chunk` (drawn chunks),
 :meth:`PerturbationEngine.place` (kept directions, dense extra terms) or the low-rank ``addr_`` in
@@ -414,7 +415,6 @@ class PerturbationEngine:
         numbers) and added with one ``addr_`` per matrix. Mastered parameters are not written here
         (:meth:`_present` does).
         """
-
         drawn = ([(key, alpha) for key, alpha in direct if key not in self._cache], times)
         drawn_masters = ([(key, alpha) for key, alpha in mastered if key not in self._cache], 1)
         if drawn[0] or drawn_masters[0]:
