@@ -70,6 +70,23 @@ def test_every_zeroth_order_method_trains_bf16_through_fp32_masters(make):
     _assert_weights_are_the_rounding_of_the_masters(model)
 
 
+def test_dp_zopo_rebuilds_its_engine_for_each_mask_and_keeps_the_masters():
+    """Stagewise + pruning: a new mask per stage rebuilds the engine; the masters carry over, only the mask moves."""
+    from pl_dp.callbacks import PruningSchedule
+
+    model = DPZero(MLP(), lr=2e-2, clip=1.0, privacy=PrivacySpec(8.0, accountant="rdp"), noise_seed=1)
+    before = [p.detach().clone() for p in model.trainable_parameters()]
+    callbacks = [StagewiseSchedule(stages=2), PruningSchedule([0.2, 0.4], strategy="incremental", score="autograd")]
+    make_trainer(max_steps=8, limit_val_batches=0, callbacks=callbacks).fit(model, DigitsDataModule(sampling_seed=3))
+    _assert_weights_are_the_rounding_of_the_masters(model)
+    mask = model.direction_mask
+    for p, b, idx in zip(model.trainable_parameters(), before, mask.indices):
+        if idx is not None:  # coordinates never trained are untouched
+            kept = torch.zeros(p.numel(), dtype=torch.bool)
+            kept[idx] = True
+            assert torch.equal(p.detach().view(-1)[~kept], b.view(-1)[~kept])
+
+
 def test_master_weights_false_writes_bf16_in_place():
     model = DPZero(MLP(), lr=2e-2, clip=1.0, master_weights=False, privacy=None)
     make_trainer(max_steps=3, limit_val_batches=0).fit(model, DigitsDataModule())
@@ -158,4 +175,21 @@ def test_every_audit_trial_of_a_bf16_model_starts_from_the_same_masters():
     model.private_step = recorded
     audit(model, PrivatePublicDataModule(blobs(40), batch_size=8), trials=20)
     assert len(starts) > 40 and all(torch.equal(s, starts[0]) for s in starts[:-1])  # the last is the real step
+    _assert_weights_are_the_rounding_of_the_masters(model)
+
+
+def test_dpzero_fine_tunes_a_bf16_causal_lm_through_fp32_masters(tmp_path, monkeypatch):
+    """Prompt-based fine-tuning of a (tiny, random) OPT loaded in bf16: every weight gets a master."""
+    from pl_dp.data import TextDataModule
+    from pl_dp.nets import PromptClassifier
+    from tests.test_prompt import LABELS, TEXTS
+    from tests.tiny_hf import tiny_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    L.seed_everything(0)
+    net = PromptClassifier(["terrible", "great"], model_path=tiny_model(tmp_path, "opt"), dtype=torch.bfloat16)
+    data = TextDataModule((TEXTS * 4, LABELS * 4), prompt=net, batch_size=8, val_fraction=0.25, test_fraction=0)
+    model = DPZero(net, lr=1e-2, clip=1.0, privacy=PrivacySpec(epsilon=2.0, accountant="rdp"))
+    make_trainer(max_steps=3, limit_val_batches=0).fit(model, data)
+    assert model.private_steps == 3
     _assert_weights_are_the_rounding_of_the_masters(model)
