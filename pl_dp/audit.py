@@ -187,7 +187,9 @@ class _StepTrials:
 
     def run(self, module: PrivateModule, datamodule: Any) -> AuditResult:
         without, with_canary = self._batches(module, datamodule)
+        # the parameters and, where the method trains half-precision ones through fp32 masters, the masters
         params = module.trainable_parameters()
+        params += [m for m in module.master_parameters() if all(m is not p for p in params)]
         start = [p.detach().clone() for p in params]
         public_state = copy.deepcopy(datamodule.state_dict()) if hasattr(datamodule, "state_dict") else None
         # adaptive clipping moves the threshold after each step (a function of the released count)

@@ -131,7 +131,9 @@ class StagewiseSchedule(PrivacyCallback):
     def _enter(self, pl_module: Any, stage: int, anchor: list[Any] | None = None) -> None:
         for name, value in self.values(stage).items():
             setattr(pl_module, name, value)
-        self.anchor = ProximalAnchor(self.proximal, pl_module.trainable_parameters()) if self.proximal else None
+        # the exact θ: fp32 masters where the method trains half-precision parameters through them
+        params = getattr(pl_module, "master_parameters", pl_module.trainable_parameters)
+        self.anchor = ProximalAnchor(self.proximal, params()) if self.proximal else None
         if anchor is not None and self.anchor is not None:
             for mine, saved in zip(self.anchor.anchor, anchor):
                 mine.copy_(saved)

@@ -41,10 +41,13 @@ from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import CountingBatchSampler, poisson_sampler_of
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.zo.master import MasterWeights
 
 _DIRECTION_TAG = 0xD1EC
 #: where a lineage's privacy journal goes, inside the checkpoint directory (or the Trainer's root)
 JOURNAL_DIRECTORY = "pl_dp_journal"
+#: the checkpoint entry holding the fp32 master weights of half-precision parameters, by parameter name
+MASTER_WEIGHTS_KEY = "pl_dp_master_weights"
 
 
 def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
@@ -194,6 +197,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self._plan_ready = False
         self._metrics: nn.ModuleDict = nn.ModuleDict()
         self.proximal: Any = None  # a ProximalAnchor while a StagewiseSchedule holds one
+        # fp32 masters of half-precision parameters, for methods whose engine writes them (zeroth-order, O2NC)
+        self.masters = MasterWeights()
 
     # ---- the method's part -----------------------------------------------------------------
     def mechanism(self, batch_size: int) -> SubsampledGaussian:
@@ -285,6 +290,15 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         return params
+
+    def master_parameters(self) -> list[torch.Tensor]:
+        """The tensors holding the trained values, one per trainable parameter: the parameter itself, or, for
+        methods that train half-precision parameters through fp32 masters (:mod:`pl_dp.zo.master`), its master.
+
+        Whatever reads θ exactly (a proximal anchor, an audit's snapshot) reads these; whatever writes them
+        goes through the method's engine, which rewrites the parameters as their rounding.
+        """
+        return self.trainable_parameters()
 
     @property
     def lr(self) -> float:
@@ -556,14 +570,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
 
     def proximal_terms(self) -> list[tuple[list[torch.Tensor], float]]:
         """The proximal gradient step as dense ``extra`` terms for a fused zeroth-order sweep ([] without one)."""
-        return [] if self.proximal is None else self.proximal.terms(self.lr, self.trainable_parameters())
-
-    @torch.no_grad()
-    def apply_proximal_(self) -> None:
-        """The proximal step as its own sweep, for methods whose update is not a fused ZO sweep."""
-        for tensors, alpha in self.proximal_terms():
-            for p, t in zip(self.trainable_parameters(), tensors):
-                p.add_(t, alpha=alpha)
+        return [] if self.proximal is None else self.proximal.terms(self.lr, self.master_parameters())
 
     # ---- checkpointing -------------------------------------------------------------------------
     def privacy_state_dict(self) -> dict[str, Any]:
@@ -604,6 +611,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         if self.privacy is not None and self.lineage is not None:
             self._write_journal()  # before the checkpoint exists: a resume from it finds every step released
         checkpoint["pl_dp"] = self.privacy_state_dict()
+        masters = self.masters.state_dict(self.named_parameters())
+        if masters:  # the fp32 values the half-precision weights in "state_dict" are the rounding of
+            checkpoint[MASTER_WEIGHTS_KEY] = masters
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "pl_dp" not in checkpoint:
@@ -612,3 +622,5 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
                 "would restart the accountant from zero and under-report epsilon."
             )
         self.load_privacy_state_dict(checkpoint["pl_dp"])
+        # taken by the next engine built, each one only if the loaded weight is still its rounding
+        self.masters.load_state_dict(checkpoint.get(MASTER_WEIGHTS_KEY, {}), self.named_parameters())

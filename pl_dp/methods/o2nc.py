@@ -70,6 +70,8 @@ class O2NC(PrivateModule):
         batch_size: B₂, examples per DIFF round (and per round of the naive variant).
         output: ``"random_average"`` (the paper), ``"last_average"`` or ``"last_iterate"``; loaded into
             the net when training ends (post-processing: free).
+        master_weights: keep the iterates of bf16/fp16 parameters in fp32 (default; the parameters are their
+            rounding, see :mod:`pl_dp.zo.master`); ``False`` keeps them in the parameters' dtype.
 
     The private set is partitioned (not Poisson-sampled): each example is used in one round per pass.
     The datamodule's ``batch_size`` is not used. Mid-epoch checkpoints resume at the next epoch: the
@@ -106,6 +108,7 @@ class O2NC(PrivateModule):
         log_private_metrics: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        master_weights: bool = True,
     ) -> None:
         super().__init__(
             net,
@@ -117,6 +120,7 @@ class O2NC(PrivateModule):
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
         )
+        self.masters.enabled = bool(master_weights)
         _positive("clip", clip)
         _positive("smoothing", smoothing)
         if variant not in ("tree", "naive"):
@@ -222,7 +226,9 @@ class O2NC(PrivateModule):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._engine = PerturbationEngine(self.trainable_parameters(), self.direction_seed, Direction("sphere", 1.0))
+        self._engine = PerturbationEngine(
+            self.trainable_parameters(), self.direction_seed, Direction("sphere", 1.0), masters=self.masters
+        )
         if self.privacy is not None:
             self.log_noise_scale()
 
@@ -239,16 +245,24 @@ class O2NC(PrivateModule):
                 stacklevel=2,
             )
 
+    def master_parameters(self) -> list[torch.Tensor]:
+        return self.trainable_parameters() if self._engine is None else self._engine.weights
+
     # ---- oracles ----------------------------------------------------------------------------
     @torch.no_grad()
     def _set(self, base: list[torch.Tensor], key: tuple[int, ...] | None = None, alpha: float = 0.0) -> None:
-        """θ ← base + alpha·u(key), from the exact copy (no perturb/restore drift: D = δ/T is tiny)."""
+        """θ ← base + alpha·u(key), from the exact copy (no perturb/restore drift: D = δ/T is tiny).
+
+        Written into the engine's weights (fp32 masters of half-precision parameters), then rounded into
+        the parameters: the iterates x, w, Δ and the averages are kept at the weights' precision.
+        """
         engine = self._engine
         scale = 0.0 if key is None else alpha * engine.scale(key)
-        for i, (p, b) in enumerate(zip(engine.params, base)):
-            p.copy_(b)
+        for i, (w, b) in enumerate(zip(engine.weights, base)):
+            w.copy_(b)
             if key is not None:
-                engine.accumulate(p, key, i, scale)
+                engine.accumulate(w, key, i, scale)
+        engine.sync()
 
     def _oracle(
         self,
@@ -265,7 +279,7 @@ class O2NC(PrivateModule):
         """
         engine, delta, m = self._engine, self.smoothing, self.directions
         factor = self.dim / (2 * delta if second is None else delta)
-        out = [torch.zeros_like(p) for p in engine.params]
+        out = [torch.zeros_like(w) for w in engine.weights]
         nonfinite = torch.zeros(())
         for j in range(m):
             key = (key_base, j)
@@ -299,7 +313,7 @@ class O2NC(PrivateModule):
     def private_step(self, batch: Any, batch_size: int, mechanism: TreeAggregatedGaussian) -> dict[str, torch.Tensor]:
         passes, block, t = self._round()
         st = self._state
-        params = self._engine.params
+        params = self._engine.weights
         x = [p.detach().clone() for p in params]
         if t == 0 or "delta" not in st:
             st.update(

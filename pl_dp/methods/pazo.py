@@ -34,12 +34,6 @@ from pl_dp.zo.estimator import per_sample_evaluator, privatize_sum
 from pl_dp.zo.subspace import SubspaceEngine
 
 
-@torch.no_grad()
-def _move(params: list[nn.Parameter], direction: list[torch.Tensor], alpha: float) -> None:
-    for p, d in zip(params, direction):
-        p.add_(d, alpha=alpha)
-
-
 class PAZOM(PublicDataMixin, ZerothOrderModule):
     """PAZO-M (Algorithm 1): θ ← θ − η(α·g_pub + (1−α)·g̃/q).
 
@@ -77,6 +71,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
         max_physical_batch_size: int | None = None,
         cache_directions: bool | None = None,
         one_sided: bool = False,
+        master_weights: bool = True,
     ) -> None:
         super().__init__(
             net,
@@ -95,6 +90,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
             max_physical_batch_size=max_physical_batch_size,
             cache_directions=cache_directions,
             one_sided=one_sided,
+            master_weights=master_weights,
         )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
@@ -166,6 +162,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         max_physical_batch_size: int | None = None,
         cache_directions: bool | None = None,
         one_sided: bool = False,
+        master_weights: bool = True,
     ) -> None:
         super().__init__(
             net,
@@ -184,6 +181,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
             max_physical_batch_size=max_physical_batch_size,
             cache_directions=cache_directions,
             one_sided=one_sided,
+            master_weights=master_weights,
         )
         if direction not in ("gaussian", "sphere"):
             raise ValueError(
@@ -204,7 +202,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
                 "supported for it. Use DPZero or PAZO-M with PruningSchedule."
             )
         return SubspaceEngine(
-            params, self.direction_seed, self.k, coefficients=self._direction.kind, **self.cache_arguments()
+            params, self.direction_seed, self.k, coefficients=self._direction.kind, **self.engine_arguments()
         )
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
@@ -243,6 +241,8 @@ class PAZOS(PublicDataMixin, PrivateModule):
 
     Candidates are evaluated in place one at a time, keeping only the best gradient so far:
     memory inference + 2 parameter copies. Cost: k+1 private forwards, k public forward+backward.
+    ``master_weights`` as for :class:`~pl_dp.methods.zeroth_order.ZerothOrderModule`: every move goes
+    through the engine, which trains half-precision parameters through fp32 masters.
     """
 
     secure_rng_default = True  # k + 1 noisy scalars a step
@@ -262,6 +262,7 @@ class PAZOS(PublicDataMixin, PrivateModule):
         log_private_metrics: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        master_weights: bool = True,
     ) -> None:
         super().__init__(
             net,
@@ -273,6 +274,7 @@ class PAZOS(PublicDataMixin, PrivateModule):
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
         )
+        self.masters.enabled = bool(master_weights)
         _positive("clip", clip, allow_none=privacy is None)
         if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
             raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")
@@ -299,18 +301,28 @@ class PAZOS(PublicDataMixin, PrivateModule):
         self._explorer = None
 
     def _exploration(self) -> PerturbationEngine:
-        if self._explorer is None:  # z′ ~ N(0, I_d) per unit of step size
+        """The engine every move goes through: z′ ~ N(0, I_d) per unit of step size, and the dense moves."""
+        if self._explorer is None:
             params = self.trainable_parameters()
             dim = sum(p.numel() for p in params)
-            self._explorer = PerturbationEngine(params, self.direction_seed, Direction("gaussian", math.sqrt(dim)))
+            self._explorer = PerturbationEngine(
+                params, self.direction_seed, Direction("gaussian", math.sqrt(dim)), masters=self.masters
+            )
         return self._explorer
+
+    def master_parameters(self) -> list[torch.Tensor]:
+        return self._exploration().weights
 
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_privacy_state_dict(state)
         self._explorer = None
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
-        params = self.trainable_parameters()
+        engine = self._exploration()
+
+        def move(direction: list[torch.Tensor], alpha: float) -> None:
+            engine.combine([], extra=[(direction, alpha)])
+
         evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size)
         nonfinite = torch.zeros(())
 
@@ -323,23 +335,23 @@ class PAZOS(PublicDataMixin, PrivateModule):
         best_grad, best_value, best_index = None, math.inf, 0
         for j, public in enumerate(self.public_batches(self.k)):
             grad = self.public_gradient(public)  # at θ_t: the parameters are restored after each query
-            _move(params, grad, -self.lr)
+            move(grad, -self.lr)
             value = query()
-            _move(params, grad, self.lr)
+            move(grad, self.lr)
             if value < best_value:
                 best_grad, best_value, best_index = grad, value, j
             del grad
         self.log_gradient_similarity(batch, best_grad)
-        _move(params, best_grad, -self.lr)
+        move(best_grad, -self.lr)
         chosen = best_index
         if self.perturb_scale > 0:
             key, step = (self.private_steps, self.k), self.lr * self.perturb_scale
-            self._exploration().perturb(key, -step)
+            engine.perturb(key, -step)
             if query() < best_value:
                 chosen = self.k
             else:
-                self._exploration().perturb(key, step)
-        self.apply_proximal_()
+                engine.perturb(key, step)
+        engine.combine([], extra=self.proximal_terms())  # also folds a kept exploration move into the masters
         return {
             "train/chosen_candidate": torch.tensor(float(chosen)),
             "train/best_noisy_loss": torch.tensor(best_value),

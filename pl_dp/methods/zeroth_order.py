@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
@@ -40,6 +41,11 @@ class ZerothOrderModule(PrivateModule):
             keeps as many as fit in 256 MiB (:data:`~pl_dp.zo.engine.CACHE_BUDGET_BYTES`).
         one_sided: difference f(θ + λu_j) against one shared f(θ) — q + 1 forwards instead of 2q,
             same privacy, more variance per query (see :class:`~pl_dp.zo.PrivateTwoPointEstimator`).
+        master_weights: train bf16/fp16 parameters through fp32 master copies (default): restores are
+            exact, updates below a bf16 ulp accumulate, and the parameters are always the rounding of
+            the masters (:mod:`pl_dp.zo.master`). Costs 4 bytes per trained half-precision coordinate;
+            ``False`` perturbs and updates them in place (MeZO's way), for models whose masters do not
+            fit in memory. No effect on fp32 parameters, which are always written in place.
 
     The directions are seeded from ``torch.initial_seed()`` (so ``seed_everything`` makes them
     reproducible) and a step counter; they never share a generator with the DP noise. The q noisy
@@ -68,6 +74,7 @@ class ZerothOrderModule(PrivateModule):
         max_physical_batch_size: int | None = None,
         cache_directions: bool | None = None,
         one_sided: bool = False,
+        master_weights: bool = True,
     ) -> None:
         super().__init__(
             net,
@@ -86,6 +93,7 @@ class ZerothOrderModule(PrivateModule):
         self.joint_clip = bool(joint_clip)
         self.cache_directions = cache_directions
         self.one_sided = bool(one_sided)
+        self.masters.enabled = bool(master_weights)
         self._smoothing = float(smoothing)
         self._direction = Direction(direction, radius)
         self._estimator: PrivateTwoPointEstimator | None = None
@@ -124,13 +132,13 @@ class ZerothOrderModule(PrivateModule):
         if direction.radius is None:
             dim = mask.trained if mask is not None else sum(p.numel() for p in params)
             direction = Direction(direction.kind, self.default_radius(dim))
-        return PerturbationEngine(
-            params, self.direction_seed, direction, mask=mask, **self.cache_arguments()
-        )
+        return PerturbationEngine(params, self.direction_seed, direction, mask=mask, **self.engine_arguments())
 
-    def cache_arguments(self) -> dict[str, Any]:
-        """How the engine keeps directions: the user's ``cache_directions``, for the step's q directions."""
-        return {"cache_directions": self.cache_directions, "cache_size": self.queries}
+    def engine_arguments(self) -> dict[str, Any]:
+        """How the engine keeps directions (the user's ``cache_directions``, for the step's q directions) and
+        where it keeps the fp32 masters of half-precision parameters (this module's store: they outlive the
+        engine, which is rebuilt at every fit start and mask change)."""
+        return {"cache_directions": self.cache_directions, "cache_size": self.queries, "masters": self.masters}
 
     @property
     def estimator(self) -> PrivateTwoPointEstimator:
@@ -141,9 +149,12 @@ class ZerothOrderModule(PrivateModule):
             )
         return self._estimator
 
+    def master_parameters(self) -> list[torch.Tensor]:
+        return self.estimator.engine.weights
+
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._estimator = None  # rebuilt on the parameters as they are now (freezing, device moves)
+        self._estimator = None  # rebuilt on the parameters as they are now (freezing, device and dtype moves)
 
     def mechanism(self, batch_size: int) -> SubsampledGaussian:
         """q scalar releases per step, each with per-example sensitivity C (Gong & Li 2025, §3.4);

@@ -12,12 +12,14 @@ from pl_dp.zo.estimator import (
     privatize_sum,
 )
 from pl_dp.zo.mask import DirectionMask
+from pl_dp.zo.master import MasterWeights
 from pl_dp.zo.pruning import importance_matrix, path_norm_scores
 from pl_dp.zo.subspace import SubspaceEngine, flat_basis
 
 __all__ = [
     "Direction",
     "DirectionMask",
+    "MasterWeights",
     "PerturbationEngine",
     "PrivateTwoPointEstimator",
     "SubspaceEngine",

@@ -32,10 +32,21 @@ with the update):
   perturbation and update of the released DP-ZOPO code no-ops); a non-contiguous parameter raises
   instead of silently copying. d is then the number of kept coordinates.
 
-Every write to a parameter goes through :meth:`PerturbationEngine._place_chunk` (drawn chunks),
+* **Half precision: fp32 masters.** A bf16/fp16 parameter is trained through an fp32 master
+  (:class:`~pl_dp.zo.master.MasterWeights`), and the parameter is only ever written as a rounding:
+  ``param = (master + pending perturbation).to(dtype)``. A perturbation is kept as coefficients
+  (``_pending``), not added into the master, so restoring it is exact (the parameter is bit-identical
+  after any number of perturb/restore cycles) and a fused restore + update adds only the update to the
+  master, where updates far below a bf16 ulp accumulate. Directions of such parameters are drawn in
+  fp32. Memory: the masters take 4 bytes per trained half-precision coordinate, and a kept direction
+  is fp32 too. fp32 and fp64 parameters are their own "master" and are written in place as before:
+  no copy, no extra sweep. Without masters, in-place bf16 perturbation drifts and loses small steps —
+  the fp16 collapses reported for MeZO (Malladi et al. 2023).
+
+Every write goes through :meth:`PerturbationEngine._place_chunk` (drawn chunks),
 :meth:`PerturbationEngine.place` (kept directions, dense extra terms) or the low-rank ``addr_`` in
-:meth:`PerturbationEngine._apply`, all on the tensors of ``self.params``: keeping other master
-weights than the module's parameters means substituting them there.
+:meth:`PerturbationEngine._sweep`, all on the tensors of ``self.weights`` (the parameters, or their
+masters); :meth:`PerturbationEngine._present` is the only writer of a mastered parameter.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from torch import nn
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.zo import parallel
 from pl_dp.zo.mask import DirectionMask
+from pl_dp.zo.master import MasterWeights
 
 Key = tuple[int, ...]
 
@@ -68,6 +80,10 @@ PARALLEL_MIN = 1 << 17
 CACHE_BUDGET_BYTES = 256 * 2**20
 
 DIRECTION_KINDS = ("gaussian", "sphere", "rademacher", "lowrank")
+
+#: most perturbations of half-precision parameters kept pending (unrestored) at once; older ones are folded
+#: into the masters, so a caller that never restores does not make every sweep redraw a growing list
+MAX_PENDING = 8
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,13 @@ class PerturbationEngine:
             (one copy of the drawn coordinates each; low-rank factors are redrawn, they cost m + n
             numbers). ``None``: as many as fit in :data:`CACHE_BUDGET_BYTES`, up to ``cache_size``.
         cache_size: how many directions to keep (a method passes its q).
+        masters: where the fp32 masters of half-precision parameters live (a method passes one store for
+            all the engines it builds, so that the masters survive a rebuild); ``None``: a store of this
+            engine's own. ``MasterWeights(enabled=False)`` writes half-precision parameters in place.
+
+    ``params`` are the module's parameters; ``weights`` the tensors that hold their trained values (the
+    parameter itself, or the fp32 master of a bf16/fp16 one). A caller that writes ``weights`` directly
+    calls :meth:`sync` afterwards.
     """
 
     def __init__(
@@ -135,10 +158,16 @@ class PerturbationEngine:
         mask: DirectionMask | None = None,
         cache_directions: bool | None = None,
         cache_size: int = 1,
+        masters: MasterWeights | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+        self.masters = MasterWeights() if masters is None else masters
+        self.weights = self.masters.weights(self.params)
+        self._mastered = [w is not p for w, p in zip(self.weights, self.params)]
+        self._any_mastered, self._all_mastered = any(self._mastered), all(self._mastered)
+        self._pending: dict[Key, float] = {}  # perturbation of the mastered parameters, not in their masters
         if isinstance(cache_size, bool) or int(cache_size) != cache_size or cache_size < 1:
             raise ValueError(f"cache_size must be an integer >= 1, got {cache_size!r}.")
         self.seed = int(seed)
@@ -149,7 +178,7 @@ class PerturbationEngine:
         self.radius = self.direction.resolved_radius(self.dim)
         # low-rank parameters: drawn as a·bᵀ; added with one addr_ when the whole tensor is trained ("outer")
         lowrank = self.direction.kind == "lowrank"
-        self._factored = [lowrank and p.dim() >= 2 and p.is_contiguous() for p in self.params]
+        self._factored = [lowrank and w.dim() >= 2 and w.is_contiguous() for w in self.weights]
         self._outer = [f and self._indices(i) is None and self._values(i) is None for i, f in enumerate(self._factored)]
         self.chunks = self._plan_chunks()
         self._chunks_of: dict[int, list[Chunk]] = {}
@@ -158,7 +187,7 @@ class PerturbationEngine:
         self._cpu_chunks = [c for c in self.chunks if self._group(c)[0].type == "cpu"]
         self._other_chunks = [c for c in self.chunks if self._group(c)[0].type != "cpu"]
         self._parallel = sum(c.stop - c.start for c in self._cpu_chunks) >= PARALLEL_MIN
-        copy_bytes = sum((c.stop - c.start) * self.params[c.index].element_size() for c in self.chunks)
+        copy_bytes = sum((c.stop - c.start) * self.weights[c.index].element_size() for c in self.chunks)
         if cache_directions is None:
             cache_size = min(cache_size, CACHE_BUDGET_BYTES // copy_bytes) if copy_bytes else 0
         self.cache_size = int(cache_size) if cache_directions is not False and copy_bytes else 0
@@ -189,7 +218,7 @@ class PerturbationEngine:
 
     def _plan_chunks(self) -> list[Chunk]:
         chunks = []
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(self.weights):
             if self._outer[i]:
                 continue
             # one chunk per tensor on accelerators, and for a non-contiguous tensor swept whole (no flat view)
@@ -202,7 +231,7 @@ class PerturbationEngine:
     # ---- drawing ---------------------------------------------------------------------------
     def _factors(self, key: Key, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """a ∈ ℝ^m, b ∈ ℝ^n of the low-rank draw a·bᵀ of parameter ``index`` (viewed as m × n)."""
-        p = self.params[index]
+        p = self.weights[index]
         rows = p.shape[0]
         g = parallel.generator(p.device)
         g.manual_seed(self._parameter_seed(key, index))
@@ -221,7 +250,7 @@ class PerturbationEngine:
 
     def _fill(self, key: Key, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
         """Draw chunk ``chunk`` of the unscaled M·z of direction ``key`` into ``out`` (1-D) and return it."""
-        p = self.params[chunk.index]
+        p = self.weights[chunk.index]
         if self._factored[chunk.index]:  # a low-rank parameter under a mask: the kept entries of a·bᵀ
             a, b = self._factors(key, chunk.index)
             idx = self._indices(chunk.index)
@@ -243,19 +272,19 @@ class PerturbationEngine:
             out.mul_(value[chunk.start : chunk.stop])
         return out
 
-    def _scratch_for(self, chunk: Chunk) -> torch.Tensor:
-        """The calling thread's buffer for one chunk of parameter ``chunk.index``."""
-        p = self.params[chunk.index]
-        k = (threading.get_ident(), p.device, p.dtype)
+    def _scratch_for(self, chunk: Chunk, slot: int = 0) -> torch.Tensor:
+        """The calling thread's buffer number ``slot`` for one chunk of parameter ``chunk.index``."""
+        p = self.weights[chunk.index]
+        k = (threading.get_ident(), p.device, p.dtype, slot)
         buf = self._scratch.get(k)
         if buf is None:
-            size = max(c.stop - c.start for c in self.chunks if self._group(c) == k[1:])
+            size = max(c.stop - c.start for c in self.chunks if self._group(c) == k[1:3])
             buf = self._scratch[k] = torch.empty(size, device=p.device, dtype=p.dtype)
         size = chunk.stop - chunk.start
         return buf if buf.numel() == size else buf[:size]
 
     def _group(self, chunk: Chunk) -> tuple[torch.device, torch.dtype]:
-        p = self.params[chunk.index]
+        p = self.weights[chunk.index]
         return p.device, p.dtype
 
     def _run(self, work: Callable[[Chunk], None]) -> None:
@@ -265,17 +294,17 @@ class PerturbationEngine:
 
     def _buffer(self, index: int) -> torch.Tensor:
         """A flat buffer for the whole draw of parameter ``index`` (shared by the parameters of a device and dtype)."""
-        p = self.params[index]
+        p = self.weights[index]
         k = (p.device, p.dtype)
         buf = self._buffers.get(k)
         if buf is None:
-            size = max(self.counts[i] for i, q in enumerate(self.params) if (q.device, q.dtype) == k)
+            size = max(self.counts[i] for i, q in enumerate(self.weights) if (q.device, q.dtype) == k)
             buf = self._buffers[k] = torch.empty(size, device=p.device, dtype=p.dtype)
         return buf[: self.counts[index]]
 
     def _shaped(self, values: torch.Tensor, index: int) -> torch.Tensor:
         """A flat draw of parameter ``index`` shaped as :meth:`raw` returns it."""
-        return values.view(self.params[index].shape) if self._indices(index) is None else values
+        return values.view(self.weights[index].shape) if self._indices(index) is None else values
 
     def _kept(self, key: Key) -> list[torch.Tensor | None]:
         """The kept raw draw of ``key``, drawn now on all cores if it is not kept yet (least recent evicted)."""
@@ -286,7 +315,7 @@ class PerturbationEngine:
         if len(self._cache) >= self.cache_size:
             _, entry = self._cache.popitem(last=False)  # reuse the oldest direction's memory
         else:
-            entry = [None if outer else p.new_empty(n) for p, n, outer in zip(self.params, self.counts, self._outer)]
+            entry = [None if outer else w.new_empty(n) for w, n, outer in zip(self.weights, self.counts, self._outer)]
         self._run(lambda c: self._fill(key, c, entry[c.index][c.start : c.stop]))
         self._cache[key] = entry
         return entry
@@ -322,7 +351,7 @@ class PerturbationEngine:
         if idx is None:
             target.add_(values, alpha=alpha)
         elif idx.numel():
-            target.view(-1).index_add_(0, idx, values, alpha=alpha)
+            target.view(-1).index_add_(0, idx, values.to(target.dtype), alpha=alpha)
 
     def _place_chunk(self, target: torch.Tensor, chunk: Chunk, values: torch.Tensor, alpha: float) -> None:
         """target ← target + alpha·values at the coordinates of ``chunk``, in place (``values``: 1-D)."""
@@ -366,58 +395,151 @@ class PerturbationEngine:
         return self.radius / norm
 
     def direction_tensors(self, key: Key) -> list[torch.Tensor]:
-        """Materialize u for ``key`` (one tensor per parameter). For tests and diagnostics only."""
+        """Materialize u for ``key`` (one tensor per parameter, in the dtype of ``weights``). Tests and diagnostics."""
         s = self.scale(key)
-        out = [torch.zeros_like(p) for p in self.params]
+        out = [torch.zeros_like(w) for w in self.weights]
         for i, t in enumerate(out):
             self.accumulate(t, key, i, s)
         return out
 
     # ---- sweeps ----------------------------------------------------------------------------
-    def _apply(self, terms: Sequence[tuple[Key, float]], times: int = 1) -> None:
-        """θ ← θ + Σ_j alpha_j·(M·z)(key_j), each term added ``times`` times from one draw.
+    def _sweep(
+        self,
+        direct: Sequence[tuple[Key, float]],
+        mastered: Sequence[tuple[Key, float]] = (),
+        times: int = 1,
+    ) -> None:
+        """w ← w + Σ_j alpha_j·(M·z)(key_j) on ``weights``: the ``direct`` terms on the parameters written in
+        place, each added ``times`` times from one draw; the ``mastered`` terms (once) on the fp32 masters.
 
         Kept directions are added tensor by tensor; the others are drawn chunk by chunk on all
         cores, each chunk added while it is still in cache; low-rank factors are redrawn (m + n
-        numbers) and added with one ``addr_`` per matrix.
+        numbers) and added with one ``addr_`` per matrix. Mastered parameters are not written here
+        (:meth:`_present` does).
         """
-        drawn = [(key, alpha) for key, alpha in terms if key not in self._cache]
-        if drawn:
+        drawn = ([(key, alpha) for key, alpha in direct if key not in self._cache], times)
+        drawn_masters = ([(key, alpha) for key, alpha in mastered if key not in self._cache], 1)
+        if drawn[0] or drawn_masters[0]:
 
             def work(chunk: Chunk) -> None:
+                terms, repeat = drawn_masters if self._mastered[chunk.index] else drawn
+                if not terms:
+                    return
                 scratch = self._scratch_for(chunk)
-                target = self.params[chunk.index]
-                for key, alpha in drawn:
+                target = self.weights[chunk.index]
+                for key, alpha in terms:
                     z = self._fill(key, chunk, scratch)
-                    for _ in range(times):
+                    for _ in range(repeat):
                         self._place_chunk(target, chunk, z, alpha)
 
             self._run(work)
-        for key, alpha in terms:
-            entry = self._cache.get(key)
-            for i, p in enumerate(self.params):
+        for i, w in enumerate(self.weights):
+            terms, repeat = (mastered, 1) if self._mastered[i] else (direct, times)
+            for key, alpha in terms:
+                entry = self._cache.get(key)
                 if self._outer[i]:
                     a, b = self._factors(key, i)
-                    matrix = p.view(a.numel(), b.numel())
-                    for _ in range(times):
+                    matrix = w.view(a.numel(), b.numel())
+                    for _ in range(repeat):
                         matrix.addr_(a, b, alpha=alpha)
                 elif entry is not None:
-                    for _ in range(times):
-                        self.place(p, i, self._shaped(entry[i], i), alpha)
+                    for _ in range(repeat):
+                        self.place(w, i, self._shaped(entry[i], i), alpha)
+
+    def _present(self) -> None:
+        """Write each mastered parameter as the rounding of its master plus the pending perturbation.
+
+        ``param ← (master + Σ_k pending_k·(M·z)(k)).to(param.dtype)`` at the trained coordinates (the
+        others already hold their master's rounding), computed chunk by chunk in fp32 on all cores.
+        """
+        if not self._any_mastered:
+            return
+        pending = list(self._pending.items())
+
+        def work(chunk: Chunk) -> None:
+            i = chunk.index
+            if not self._mastered[i]:
+                return
+            master, param = self.weights[i], self.params[i]
+            if not pending and self._indices(i) is None:
+                if param.is_contiguous():
+                    param.view(-1)[chunk.start : chunk.stop].copy_(master.view(-1)[chunk.start : chunk.stop])
+                else:  # a non-contiguous parameter is one chunk
+                    param.copy_(master)
+                return
+            value = self._read_chunk(master, chunk, self._scratch_for(chunk, 1))
+            for key, alpha in pending:
+                entry = self._cache.get(key)
+                if entry is not None:
+                    value.add_(entry[i][chunk.start : chunk.stop], alpha=alpha)
+                else:
+                    value.add_(self._fill(key, chunk, self._scratch_for(chunk)), alpha=alpha)
+            self._write_chunk(param, chunk, value)
+
+        self._run(work)
+        for i, (master, param) in enumerate(zip(self.weights, self.params)):
+            if not (self._mastered[i] and self._outer[i]):
+                continue
+            if not pending:
+                param.copy_(master)
+                continue
+            value = self._buffer(i).view(param.shape[0], -1)
+            value.copy_(master.view(value.shape))
+            for key, alpha in pending:
+                a, b = self._factors(key, i)
+                value.addr_(a, b, alpha=alpha)
+            param.view(value.shape).copy_(value)
+
+    def _read_chunk(self, source: torch.Tensor, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (1-D) ← ``source`` at the coordinates of ``chunk``."""
+        idx = self._indices(chunk.index)
+        if idx is not None:
+            return torch.index_select(source.view(-1), 0, idx[chunk.start : chunk.stop], out=out)
+        if source.is_contiguous():
+            return out.copy_(source.view(-1)[chunk.start : chunk.stop])
+        out.view(source.shape).copy_(source)  # a non-contiguous parameter is one chunk
+        return out
+
+    def _write_chunk(self, target: torch.Tensor, chunk: Chunk, values: torch.Tensor) -> None:
+        """``target`` ← ``values`` (1-D, rounded to ``target``'s dtype) at the coordinates of ``chunk``."""
+        idx = self._indices(chunk.index)
+        if idx is not None:
+            target.view(-1).index_copy_(0, idx[chunk.start : chunk.stop], values.to(target.dtype))
+        elif target.is_contiguous():
+            target.view(-1)[chunk.start : chunk.stop].copy_(values)
+        else:
+            target.copy_(values.view(target.shape))
+
+    def _fold(self, keep: int) -> None:
+        """Add all but the ``keep`` most recent pending perturbations into the masters (θ does not change)."""
+        old = list(self._pending.items())[: max(len(self._pending) - keep, 0)]
+        for key, _ in old:
+            del self._pending[key]
+        if old:
+            self._sweep([], old)
 
     @torch.no_grad()
     def perturb(self, key: Key, step_size: float, times: int = 1) -> None:
         """θ ← θ + step_size · u(key), applied ``times`` times from one draw.
 
-        Moving by −λu twice rather than by −2λu once keeps the later +λu restore (nearly) exact
-        in floating point: fl(fl(p − a) + a) = p whenever |a| ≪ |p|, while fl(fl(p + a) − 2a) + a
-        accumulates a rounding error every cycle. With ``cache_directions`` the draw is kept for
-        the sweeps that follow.
+        Parameters written in place: moving by −λu twice rather than by −2λu once keeps the later +λu
+        restore (nearly) exact in floating point: fl(fl(p − a) + a) = p whenever |a| ≪ |p|, while
+        fl(fl(p + a) − 2a) + a accumulates a rounding error every cycle. Half-precision parameters:
+        the step is added to the pending coefficient of ``key`` (exactly: the restore brings it back to
+        0) and the parameters are rewritten from their masters. With ``cache_directions`` the draw is
+        kept for the sweeps that follow.
         """
         alpha = step_size * self.scale(key)
         if self.cache_size:
             self._kept(key)
-        self._apply([(key, alpha)], times)
+        if not self._all_mastered:
+            self._sweep([(key, alpha)], times=times)
+        if self._any_mastered:
+            total = self._pending.pop(key, 0.0) + alpha * times
+            if total != 0.0:
+                self._pending[key] = total
+                self._fold(MAX_PENDING)
+            self._present()
 
     @torch.no_grad()
     def combine(
@@ -428,15 +550,38 @@ class PerturbationEngine:
         """θ ← θ + Σ_j c_j · u(key_j) + Σ_k a_k · t_k in one sweep over the parameters.
 
         ``extra`` adds dense per-parameter tensors (e.g. a public gradient, the proximal term) after
-        the directions; under a mask only their trained coordinates are applied (unscaled by M).
+        the directions; under a mask only their trained coordinates are applied (unscaled by M). A
+        ``t_k`` may be ``weights`` itself (it then reads θ after the directions). Half-precision
+        parameters: the pending perturbation and the c_j are summed per key as coefficients first, so
+        a restore fused with an update adds only the update to the masters.
         """
-        self._apply([(key, coeff * self.scale(key)) for key, coeff in terms if coeff != 0.0])
-        for i, p in enumerate(self.params):
+        scaled = [(key, coeff * self.scale(key)) for key, coeff in terms if coeff != 0.0]
+        mastered: list[tuple[Key, float]] = []
+        if self._any_mastered:
+            merged: dict[Key, float] = {}
+            for key, alpha in scaled:
+                merged[key] = merged.get(key, 0.0) + alpha
+            for key, alpha in self._pending.items():
+                merged[key] = merged.get(key, 0.0) + alpha
+            self._pending.clear()
+            mastered = [(key, alpha) for key, alpha in merged.items() if alpha != 0.0]
+        self._sweep(scaled, mastered)
+        for i, w in enumerate(self.weights):
             idx = self._indices(i)
             for tensors, alpha in extra:
                 t = tensors[i]
                 if t is not None and alpha != 0.0:
-                    self.place(p, i, t if idx is None else t.reshape(-1).index_select(0, idx), alpha)
+                    self.place(w, i, t if idx is None else t.reshape(-1).index_select(0, idx), alpha)
+        self._present()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Rewrite the half-precision parameters from their masters, after ``weights`` were written directly.
+
+        Each becomes the rounding of its master (plus any pending perturbation). Nothing to do when
+        every parameter is written in place.
+        """
+        self._present()
 
     def two_point(self, key: Key, smoothing: float, evaluate: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Per-example [f(θ + λu) − f(θ − λu)] / (2λ) for direction ``key`` (Gong & Li 2025, Eq. 1).

@@ -186,7 +186,7 @@ class PrivateTwoPointEstimator:
         coeffs = [(key, s * self.engine.scale(key)) for key, s in zip(estimate.keys, estimate.scalars.tolist())]
         dot = sq = 0.0
         for i, t in enumerate(tensors):
-            g = torch.zeros_like(t)
+            g = torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32))  # bf16 would round g̃
             for key, c in coeffs:
                 self.engine.accumulate(g, key, i, c)
             dot += float((g * t).sum())

@@ -16,6 +16,7 @@ from torch import nn
 
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.zo.engine import Chunk, Direction, Key, PerturbationEngine
+from pl_dp.zo.master import MasterWeights
 
 _COEFF_TAG = 0xC0EF
 
@@ -32,6 +33,8 @@ class SubspaceEngine(PerturbationEngine):
             (the theory, Algorithm 2).
         cache_directions, cache_size: as for :class:`PerturbationEngine` (a kept v saves k − 1 of
             the k ``add_`` per coordinate that each sweep would otherwise redo).
+        masters: as for :class:`PerturbationEngine`; the basis of a half-precision parameter is fp32, like
+            its master.
     """
 
     def __init__(
@@ -42,15 +45,24 @@ class SubspaceEngine(PerturbationEngine):
         coefficients: str = "gaussian",
         cache_directions: bool | None = None,
         cache_size: int = 1,
+        masters: MasterWeights | None = None,
     ) -> None:
-        super().__init__(params, seed, Direction("gaussian"), cache_directions=cache_directions, cache_size=cache_size)
+        super().__init__(
+            params,
+            seed,
+            Direction("gaussian"),
+            cache_directions=cache_directions,
+            cache_size=cache_size,
+            masters=masters,
+        )
         if isinstance(k, bool) or int(k) != k or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}.")
         self.k = int(k)
         if coefficients not in ("gaussian", "sphere"):
             raise ValueError(f"subspace coefficients must be 'gaussian' or 'sphere', got {coefficients!r}.")
         self.coefficients_kind = coefficients
-        self.basis = [torch.zeros((self.k, *p.shape), dtype=p.dtype, device=p.device) for p in self.params]
+        # in the dtype of the weights: fp32 for half-precision parameters (an orthonormal basis rounded to bf16 is not)
+        self.basis = [torch.zeros((self.k, *w.shape), dtype=w.dtype, device=w.device) for w in self.weights]
         self.rank = 0
         self._coeff_cache: dict[Key, torch.Tensor] = {}
 
