@@ -56,6 +56,8 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
             pos += _BLOCK - pos % _BLOCK
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # a run still being written: its last chunk is not complete yet
+            break
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind not in (1, 4):
