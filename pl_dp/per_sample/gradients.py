@@ -9,13 +9,15 @@
   ``transformers`` models branch on their attention masks (``mask.all()``), which ``vmap`` cannot
   follow, so they are refused with a pointer to ``"hooks"``.
 
-Either way the per-example loss is the user's contract ``(net, batch) -> Tensor[B]``.
+Either way the per-example loss is the user's contract ``(net, batch) -> Tensor[B]``. For the clipped sum
+without per-example gradients (ghost clipping), see :mod:`pl_dp.per_sample.ghost`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,14 +41,14 @@ class _Functional(nn.Module):
         return functional_call(self.net, self.params, args, kwargs)
 
 
-class _RecordingGradSampleModule(GradSampleModule):
-    """Opacus' ``GradSampleModule``, recording activations whenever its hooks are enabled, in eval mode too.
+class RecordsInEvalMode:
+    """Mixin for Opacus' hook classes: record activations whenever the hooks are enabled, in eval mode too.
 
     Opacus records a layer's input in its forward hook only when ``module.training`` is set, but its backward
     hook runs in either mode and raises ``No activations detected for <layer>`` when nothing was recorded. A
     pretrained Hugging Face model is in eval mode after ``from_pretrained`` (and Lightning keeps submodule modes),
     and ``peft`` wraps it as it is, so every trainable layer of a user's ``PeftModel`` hits that error. Here the
-    hooks are enabled only around one per-example computation (:class:`PerSampleGradients`), so the training
+    hooks are enabled only around one per-example computation (per-example gradients or norms), so the training
     flag need not gate recording: the layer's mode keeps deciding its forward (dropout), and its input is
     recorded either way. The flag is raised only while Opacus' hook reads it, after the forward ran.
     """
@@ -58,6 +60,93 @@ class _RecordingGradSampleModule(GradSampleModule):
             super().capture_activations_hook(module, forward_input, forward_output)
         finally:
             module.training = training
+
+
+class _RecordingGradSampleModule(RecordsInEvalMode, GradSampleModule):
+    """Opacus' ``GradSampleModule`` recording activations in eval mode too (see :class:`RecordsInEvalMode`)."""
+
+
+class BroadcastLookups:
+    """Gives each example its own rows in a trainable ``nn.Embedding`` that the net looks up once for the batch.
+
+    BERT's and GPT-2's position embeddings are looked up with position ids of shape ``[1, T]`` and the result is
+    broadcast over the batch, so Opacus' hooks see one "example" in that layer and cannot split its gradient by
+    example (the whole of full fine-tuning fails on it). During the per-example passes such indices (leading size
+    1 in a batch of B > 1) are expanded to ``[B, T]``: the same rows, once per example. This changes nothing when
+    the lookup's output is broadcast over the batch, which :meth:`check` verifies once, on the first batch where
+    an expansion happened, by comparing the per-example losses with and without it (eval mode, no autograd).
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        self.net = net
+        self.embeddings = {
+            m: name or "<the net itself>"
+            for name, m in net.named_modules()
+            if isinstance(m, nn.Embedding) and m.weight.requires_grad
+        }
+        self.expanded: set[str] = set()
+        self.checked = False
+
+    @contextlib.contextmanager
+    def expanding(self, size: int) -> Iterator[None]:
+        """Within the block, lookups of a batch of ``size`` examples with leading size 1 are expanded to ``size``.
+
+        Indices are also made contiguous (an ``expand``-ed index tensor is not): Opacus' ghost norm of an
+        embedding views them flat.
+        """
+        if not self.embeddings:
+            yield
+            return
+
+        def expand(module: nn.Module, args: tuple) -> tuple | None:
+            if not args or not isinstance(args[0], torch.Tensor):
+                return None
+            indices = args[0]
+            if size > 1 and indices.dim() >= 1 and indices.shape[0] == 1:
+                self.expanded.add(self.embeddings[module])
+                indices = indices.expand(size, *indices.shape[1:])
+            return None if indices.is_contiguous() else (indices.contiguous(), *args[1:])
+
+        handles = [m.register_forward_pre_hook(expand) for m in self.embeddings]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def check(self, loss_fn: PerSampleLoss, batch: Any, size: int) -> None:
+        """Refuse (once, after the first expansion) a net whose losses change when a lookup is expanded."""
+        if self.checked or not self.expanded:
+            return
+        modes = {m: m.training for m in self.net.modules()}
+        try:
+            self.net.eval()  # no dropout: the two forwards must be comparable
+            with torch.no_grad():
+                plain = check_per_sample(loss_fn(self.net, batch), size)
+                with self.expanding(size):
+                    expanded = check_per_sample(loss_fn(self.net, batch), size)
+        finally:
+            for m, training in modes.items():
+                m.training = training
+        if not torch.allclose(plain, expanded, rtol=1e-4, atol=1e-6, equal_nan=True):
+            raise RuntimeError(
+                f"{sorted(self.expanded)} are looked up once for the whole batch (indices of leading size 1), and "
+                "giving each example its own lookup changes the per-example losses: their output is not simply "
+                "broadcast over the batch, so their gradient cannot be split by example. Freeze them "
+                "(requires_grad=False) or use per_sample='functorch'."
+            )
+        self.checked = True
+
+
+def refuse_rows_not_examples(names: list[str], size: int, what: str) -> None:
+    """Raise when a layer's per-example quantities came back with a leading size other than the batch's."""
+    if names:  # clipping rows that are not examples would bound no example's contribution
+        raise RuntimeError(
+            f"Opacus' hooks returned {what} per input row, not per example, for {names} (a batch of {size}): the "
+            "model merges the batch dimension with another before these layers (OPT's fc1 and fc2 see "
+            "[batch x tokens, width]) or feeds them one input for the whole batch. Train other parameters (e.g. "
+            "trainable='lora' on the attention projections) or use a zeroth-order method."
+        )
 
 
 def _refuse_transformers_under_vmap(net: nn.Module) -> None:
@@ -103,6 +192,7 @@ class PerSampleGradients:
         if mode == "hooks":
             self._gsm = _RecordingGradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
             self._gsm.disable_hooks()
+            self._lookups = BroadcastLookups(net)
         else:
             _refuse_transformers_under_vmap(net)
 
@@ -113,11 +203,17 @@ class PerSampleGradients:
             return self._hooks(batch, size)
         return self._functorch(batch, size)
 
+    def clipped_sum(self, batch: Any, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """:func:`clipped_sum` of this batch's per-example gradients (freed before returning)."""
+        per_example, _ = self(batch)
+        return clipped_sum(per_example, clip_fn)
+
     def _hooks(self, batch: Any, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         gsm = self._gsm
         gsm.enable_hooks()
         try:
-            losses = check_per_sample(self.loss_fn(gsm, batch), size)
+            with self._lookups.expanding(size):
+                losses = check_per_sample(self.loss_fn(gsm, batch), size)
             grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)  # the hooks fill grad_sample
         finally:
             gsm.disable_hooks()
@@ -136,13 +232,8 @@ class PerSampleGradients:
                 "are used outside the module that holds them (e.g. a weight read directly in another module's "
                 "forward). Use per_sample='functorch' or restructure the net so each parameter is used by its module."
             )
-        if not_per_example:  # clipping rows that are not examples would bound no example's contribution
-            raise RuntimeError(
-                f"Opacus' hooks returned gradients per input row, not per example, for {not_per_example} (a batch "
-                f"of {size}): the model merges the batch dimension with another before these layers (OPT's fc1 and "
-                "fc2 see [batch x tokens, width]). Train other parameters (e.g. trainable='lora' on the attention "
-                "projections) or use a zeroth-order method."
-            )
+        refuse_rows_not_examples(not_per_example, size, "gradients")
+        self._lookups.check(self.loss_fn, batch, size)
         return out, losses.detach()
 
     def _functorch(self, batch: Any, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -176,9 +267,8 @@ def clipped_sum(
         [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float32) for g in per_sample], dim=1
     )
     norms = torch.linalg.vector_norm(per_param, dim=1)
-    finite = torch.isfinite(norms)
+    weights, finite = clip_fn.finite_weights(norms)
     nonfinite = (~finite).sum()
-    weights = torch.where(finite, clip_fn.weights(torch.where(finite, norms, torch.zeros_like(norms))), 0.0)
     masked = bool(nonfinite)  # one host sync; a copy of the per-example tensors only when needed
     sums = []
     for g in per_sample:
