@@ -69,3 +69,38 @@ class PeakMemory(L.Callback):
     def on_train_end(self, trainer, pl_module):
         if self.base is not None:
             self.peak_mb = (status_kb("VmHWM") - self.base) / 1024
+
+
+class FitMemory(L.Callback):
+    """Resident memory of a fit, in MB over the RSS just before ``Trainer.fit`` (model and data loaded).
+
+    * ``live_mb``: RSS after ``warmup`` training batches — what the method keeps between steps (optimizer
+      state, hooks' buffers, kept directions, …) plus allocator caches;
+    * ``step_peak_mb``: the peak-RSS growth of the later steps over that (what one step allocates and frees:
+      activations, gradients, per-example gradients);
+    * ``fit_peak_mb``: the peak RSS of the whole fit, warm-up steps included.
+
+    Linux only (``/proc/self``); :meth:`start` must be called right before ``fit``.
+    """
+
+    def __init__(self, warmup: int = 2) -> None:
+        self.warmup, self.batches = warmup, 0
+        self.base = self.live = self.warmup_peak = None
+        self.live_mb = self.step_peak_mb = self.fit_peak_mb = None
+
+    def start(self) -> None:
+        self.base = reset_peak_rss()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.batches == self.warmup:
+            self.warmup_peak = status_kb("VmHWM")
+            self.live = reset_peak_rss()
+        self.batches += 1
+
+    def on_train_end(self, trainer, pl_module):
+        if self.live is None:
+            return
+        peak = status_kb("VmHWM")
+        self.live_mb = (self.live - self.base) / 1024
+        self.step_peak_mb = (peak - self.live) / 1024
+        self.fit_peak_mb = (max(peak, self.warmup_peak) - self.base) / 1024

@@ -14,6 +14,15 @@ by side in one process with interleaved repeats and medians:
 * ``dpzero / opacus``   — engine step over an Opacus DP-SGD step (GradSampleModule + DPOptimizer)
   on the same model and batch;
 
+``--suite fine_tune`` (what ``--cases minilm`` runs by default) fine-tunes every parameter with DPZero,
+PAZO-M, DP-SGD on per-example gradients (Opacus hooks), DP-SGD with ghost clipping and non-private SGD,
+side by side: each method in its own fresh process (``--rounds`` round-robin), the same Poisson batches for
+all (fixed sampling seed), the median step time of the steps after two warm-up steps, and resident memory
+(RSS) over what was resident before ``Trainer.fit``: kept between steps, a step's transient peak, and the
+fit's peak. The machine's load average is recorded at the start and end. For MiniLM:
+
+    python benchmarks/step_cost.py --cases minilm --json benchmarks/results/step_cost_minilm.json
+
 ``--suite logging`` times a DPZero step on the small digits MLP when every step logs its metrics
 (``log_every_n_steps=1``) over logging on Lightning's default cadence, interleaved fits.
 
@@ -58,7 +67,7 @@ from torch.utils.data import TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _measure import PeakMemory, StepTimer, reset_peak_rss, status_kb  # noqa: E402
+from _measure import FitMemory, PeakMemory, StepTimer, reset_peak_rss, status_kb  # noqa: E402
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import PrivatePublicDataModule, digits_splits  # noqa: E402
@@ -118,6 +127,22 @@ FIRST_ORDER = {
     ),
     "dpsgd_psac": lambda net: DPSGD(net, lr=1e-4, clip=1.0, clip_fn="psac", privacy=PrivacySpec(8.0, accountant="rdp")),
     "coupling": lambda net: Coupling(net, lr=1e-4, alpha=0.5, privacy=PrivacySpec(8.0, accountant="rdp")),
+}
+
+
+#: full fine-tuning side by side (``--suite fine_tune``; what ``--cases minilm`` measures): every parameter trainable
+FINE_TUNE = {
+    "dpzero": ("DPZero (q = 1)", METHODS["dpzero"]),
+    "pazo_m": ("PAZO-M", METHODS["pazo_m"]),
+    "dpsgd_hooks": (
+        "DP-SGD, per-example gradients (Opacus hooks)",
+        lambda net: DPSGD(net, lr=1e-4, clip=1.0, per_sample="hooks", privacy=PrivacySpec(8.0, accountant="rdp")),
+    ),
+    "dpsgd_ghost": (
+        "DP-SGD, ghost clipping",
+        lambda net: DPSGD(net, lr=1e-4, clip=1.0, per_sample="ghost", privacy=PrivacySpec(8.0, accountant="rdp")),
+    ),
+    "sgd": ("non-private SGD (same loop, clip=None)", lambda net: DPSGD(net, lr=1e-4, clip=None)),
 }
 
 
@@ -567,6 +592,123 @@ def memory_case(name, quick, probes=3):
     return out
 
 
+class _BatchSizes(L.Callback):
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.sizes.append(int(batch[1].shape[0]))
+
+
+def fine_tune_probe(name, method, quick, steps):
+    """Run in a fresh process: ``steps`` steps of ``method`` in ``Trainer.fit``; step times and resident memory.
+
+    Every method sees the same Poisson batches (a fixed sampling seed), so the same realized batch sizes.
+    """
+    torch.set_num_threads(2)
+    net, dataset, public, batch_size = make_case(name, quick)
+    timer, memory, sizes = StepTimer(), FitMemory(warmup=2), _BatchSizes()
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[timer, memory, sizes],
+    )
+    data = PrivatePublicDataModule(
+        dataset, public=public, batch_size=batch_size, public_batch_size=PUBLIC_BATCH, sampling_seed=0
+    )
+    model = FINE_TUNE[method][1](net)
+    memory.start()
+    trainer.fit(model, data)
+    return {
+        "step_ms": [1e3 * t for t in timer.times[2:]],
+        "batch_sizes": sizes.sizes,
+        "trainable_parameters": sum(p.numel() for p in net.parameters() if p.requires_grad),
+        "live_mb": memory.live_mb,
+        "step_peak_mb": memory.step_peak_mb,
+        "fit_peak_mb": memory.fit_peak_mb,
+    }
+
+
+def fine_tune_case(name, quick, rounds, steps=6):
+    """Each method in its own fresh process, ``rounds`` times round-robin; medians over rounds.
+
+    A method that fails (out of memory, unsupported) is reported with its error instead of numbers.
+    """
+    import os
+
+    net, _, _, batch_size = make_case(name, quick)
+    weights_mb = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
+    row = {
+        "case": name,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "batch_size": batch_size,
+        "steps_per_fit": steps,
+        "measured_steps_per_fit": steps - 2,
+        "rounds": rounds,
+        "weights_mb": weights_mb,
+        "load_average_at_start": list(os.getloadavg()),
+        "memory": "RSS (Linux /proc/self/status), MB over the RSS just before Trainer.fit (model and data loaded)",
+    }
+    runs = {m: [] for m in FINE_TUNE}
+    for _ in range(rounds):
+        for m in FINE_TUNE:
+            args = [sys.executable, __file__, "--fine-tune-probe", name, m, str(steps)] + (["--quick"] if quick else [])
+            done = subprocess.run(args, capture_output=True, text=True)
+            if done.returncode != 0:
+                tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+                runs[m].append({"error": f"exit {done.returncode}: {tail}"})
+            else:
+                runs[m].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    med = statistics.median
+    for m, results in runs.items():
+        ok = [r for r in results if "error" not in r]
+        row[f"{m}_label"] = FINE_TUNE[m][0]
+        if not ok:
+            row[f"{m}_error"] = results[-1]["error"]
+            continue
+        row[f"{m}_trainable_parameters"] = ok[0]["trainable_parameters"]
+        row[f"{m}_batch_sizes"] = ok[0]["batch_sizes"]
+        row[f"{m}_step_ms"] = med(med(r["step_ms"]) for r in ok)
+        for k in ("live_mb", "step_peak_mb", "fit_peak_mb"):
+            row[f"{m}_{k}"] = med(r[k] for r in ok)
+    if "dpsgd_ghost_step_ms" in row and "sgd_step_ms" in row:
+        row["ghost_over_sgd_step_time"] = row["dpsgd_ghost_step_ms"] / row["sgd_step_ms"]
+        row["ghost_over_sgd_fit_peak"] = row["dpsgd_ghost_fit_peak_mb"] / row["sgd_fit_peak_mb"]
+        row["ghost_over_sgd_step_peak"] = row["dpsgd_ghost_step_peak_mb"] / row["sgd_step_peak_mb"]
+        row["ghost_over_sgd_peak_with_weights"] = (row["dpsgd_ghost_fit_peak_mb"] + weights_mb) / (
+            row["sgd_fit_peak_mb"] + weights_mb
+        )
+    if "dpsgd_ghost_step_ms" in row and "dpsgd_hooks_step_ms" in row:
+        row["hooks_over_ghost_step_time"] = row["dpsgd_hooks_step_ms"] / row["dpsgd_ghost_step_ms"]
+        row["hooks_over_ghost_fit_peak"] = row["dpsgd_hooks_fit_peak_mb"] / row["dpsgd_ghost_fit_peak_mb"]
+    row["load_average_at_end"] = list(os.getloadavg())
+    return row
+
+
+def fine_tune_table(rows):
+    lines = [
+        "| case | method | trainable | step ms | live MB | step peak MB | fit peak MB | fit peak ÷ non-private |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for m in FINE_TUNE:
+            if f"{m}_error" in r:
+                lines.append(f"| {r['case']} | {r[f'{m}_label']} | — | failed: {r[f'{m}_error']} | | | | |")
+                continue
+            ratio = r[f"{m}_fit_peak_mb"] / r["sgd_fit_peak_mb"] if "sgd_fit_peak_mb" in r else float("nan")
+            lines.append(
+                f"| {r['case']} | {r[f'{m}_label']} | {r[f'{m}_trainable_parameters'] / 1e6:.2f}M "
+                f"| {r[f'{m}_step_ms']:.0f} | {r[f'{m}_live_mb']:.0f} | {r[f'{m}_step_peak_mb']:.0f} "
+                f"| {r[f'{m}_fit_peak_mb']:.0f} | {ratio:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 TARGETS = [  # (metric, case or None for every case, bound)
     ("pazo_m_over_dpzero", None, 1.3),
     ("engine_over_two_forwards", "transformer", 1.15),
@@ -579,6 +721,7 @@ TARGETS = [  # (metric, case or None for every case, bound)
     ("dpsgd_psac_over_constant", None, 1.05),
     ("coupling_over_dpsgd_plus_public", None, 1.0),
     ("masked_step_1_over_unmasked", None, 1.10),
+    ("ghost_over_sgd_fit_peak", None, 2.0),
 ]
 
 
@@ -642,25 +785,37 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny models and few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument(
-        "--suite", choices=["all", "zo", "directions", "queries", "first_order", "pruning", "logging"], default="all"
+        "--suite",
+        choices=["all", "zo", "directions", "queries", "first_order", "pruning", "logging", "fine_tune"],
+        default="all",
+        help="all: every suite but fine_tune on digits-mlp and transformer; on minilm, fine_tune only",
     )
     parser.add_argument(
         "--cases",
         nargs="+",
         choices=["digits-mlp", "transformer", "minilm"],
         default=["digits-mlp", "transformer"],
-        help="minilm (the packaged pretrained MiniLM at batch 32) is opt-in: Opacus needs ~3 GB for it",
+        help="minilm (the packaged pretrained MiniLM at batch 32) is opt-in: per-example gradients need ~3 GB",
     )
+    parser.add_argument("--rounds", type=int, default=2, help="fine_tune: fresh processes per method (round-robin)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--memory-probe", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--fine-tune-probe", nargs=3, metavar=("CASE", "METHOD", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
         print(memory_probe(*args.memory_probe, args.quick))
         return
+    if args.fine_tune_probe:
+        name, method, steps = args.fine_tune_probe
+        print(json.dumps(fine_tune_probe(name, method, args.quick, int(steps))))
+        return
     torch.set_num_threads(2)
     repeats = args.repeats or (3 if args.quick else 9)
-    rows, directions, queries, first_order, pruning = [], [], [], [], []
+    rows, directions, queries, first_order, pruning, fine_tune = [], [], [], [], [], []
     for name in args.cases:
+        if args.suite == "fine_tune" or (args.suite == "all" and name == "minilm"):
+            fine_tune.append(fine_tune_case(name, args.quick, args.rounds))
+            continue
         if args.suite in ("all", "zo"):
             row = time_case(name, args.quick, repeats)
             row.update(memory_case(name, args.quick, probes=1 if args.quick else 3))
@@ -673,10 +828,11 @@ def main():
             first_order.append(time_first_order(name, args.quick, repeats))
         if args.suite in ("all", "pruning"):
             pruning.append(time_pruning(name, args.quick, repeats))
-    logging_row = time_logging(repeats) if args.suite in ("all", "logging") else None
+    small_cases = any(name != "minilm" for name in args.cases)
+    logging_row = time_logging(repeats) if args.suite == "logging" or (args.suite == "all" and small_cases) else None
     checks = []
     for metric, case, bound in TARGETS:
-        for r in rows + first_order + pruning:
+        for r in rows + first_order + pruning + fine_tune:
             if metric not in r:
                 continue
             if case in (None, r["case"]):
@@ -711,6 +867,7 @@ def main():
         "queries": queries,
         "first_order": first_order,
         "pruning": pruning,
+        "fine_tune": fine_tune,
         "logging": logging_row,
         "targets": checks,
     }
@@ -726,6 +883,9 @@ def main():
     if pruning:
         print()
         print(pruning_table(pruning))
+    if fine_tune:
+        print()
+        print(fine_tune_table(fine_tune))
     if logging_row:
         print()
         row = logging_row

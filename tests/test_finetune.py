@@ -117,6 +117,18 @@ def test_dpsgd_per_sample_hooks_on_a_local_bert(tmp_path, vader):
     assert model.private_steps == 2
 
 
+@pytest.mark.parametrize("per_sample", ["hooks", "ghost"])
+def test_dpsgd_fine_tunes_every_parameter_of_a_local_bert(tmp_path, vader, per_sample):
+    """Full fine-tuning: the position embeddings, looked up once for the batch, get per-example gradients too."""
+    L.seed_everything(0)
+    net = HFClassifier(_tiny_bert(tmp_path), num_labels=2, trainable="all")
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    model = DPSGD(net, lr=0.1, clip=1.0, per_sample=per_sample, privacy=PrivacySpec(epsilon=2.0, accountant="rdp"))
+    make_trainer(max_steps=2, limit_val_batches=0).fit(model, vader)
+    assert model.private_steps == 2 and 0 < model.epsilon <= 2.0
+    assert all(not torch.equal(p, before[n]) for n, p in net.named_parameters())
+
+
 @pytest.fixture(scope="module")
 def vader_embeddings():
     return VaderEmbeddingDataModule(batch_size=64)

@@ -183,6 +183,7 @@ METHODS = {
     "o2nc": (O2NC, {}),
     "dpsgd-hooks": (DPSGD, {}),
     "dpsgd-functorch": (DPSGD, {"per_sample": "functorch"}),
+    "dpsgd-ghost": (DPSGD, {"per_sample": "ghost"}),
     "coupling": (Coupling, {}),
 }
 

@@ -1,5 +1,7 @@
 """LoRA adapters through peft: zeroth-order methods move only adapters (and head), DP-SGD's hooks see them."""
 
+import functools
+
 import lightning as L
 import pytest
 import torch
@@ -13,6 +15,8 @@ from tests.test_prompt import LABELS, TEXTS
 from tests.tiny_hf import tiny_model
 
 pytest.importorskip("peft")
+
+GHOST = functools.partial(DPSGD, per_sample="ghost")  # DP-SGD with ghost clipping
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +45,15 @@ def _fit_and_check(net, method, data, trainable_names):
 
 @pytest.mark.parametrize(
     "architecture, method",
-    [("bert-mlm", DPZero), ("bert-mlm", DPSGD), ("gpt2", DPSGD), ("opt", DPSGD), ("minilm", DPZero)],
+    [
+        ("bert-mlm", DPZero),
+        ("bert-mlm", DPSGD),
+        ("bert-mlm", GHOST),
+        ("gpt2", DPSGD),
+        ("opt", DPSGD),
+        ("minilm", DPZero),
+    ],
+    ids=["bert-mlm-dpzero", "bert-mlm-dpsgd", "bert-mlm-ghost", "gpt2-dpsgd", "opt-dpsgd", "minilm-dpzero"],
 )
 def test_prompt_lora_trains_only_the_adapters_and_the_head(tmp_path, architecture, method):
     """GPT-2's adapters sit on its Conv1D attention; OPT's on q/v projections, which see one row per example; the
@@ -53,7 +65,7 @@ def test_prompt_lora_trains_only_the_adapters_and_the_head(tmp_path, architectur
     _fit_and_check(net, method, _data(prompt=net), adapters | ({"head.weight"} if path is None else set()))
 
 
-@pytest.mark.parametrize("method", [DPZero, DPSGD])
+@pytest.mark.parametrize("method", [DPZero, DPSGD, GHOST], ids=["dpzero", "dpsgd", "ghost"])
 def test_seq_cls_lora_trains_adapters_and_the_head_copy(tmp_path, method):
     """peft's task_type="SEQ_CLS" wraps the head in a ModulesToSaveWrapper: its trainable copy is the head."""
     path = tiny_model(tmp_path, "bert-cls")
@@ -66,7 +78,7 @@ def test_seq_cls_lora_trains_adapters_and_the_head_copy(tmp_path, method):
     _fit_and_check(net, method, _data(tokenizer=path), trainable)
 
 
-@pytest.mark.parametrize("method", [DPZero, DPSGD])
+@pytest.mark.parametrize("method", [DPZero, DPSGD, GHOST], ids=["dpzero", "dpsgd", "ghost"])
 def test_a_users_peft_model_is_a_net(tmp_path, method):
     """A PeftModel straight from from_pretrained (eval mode, as Lightning keeps it) trains under both families."""
     from peft import LoraConfig, get_peft_model

@@ -14,7 +14,7 @@ from torch import nn
 
 from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
-from pl_dp.per_sample import PerSampleGradients, clipped_sum, verify_per_example_gradients
+from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
@@ -34,7 +34,12 @@ class FirstOrderModule(PrivateModule):
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` — post-processing of the privatized
             gradient, so momentum and adaptive steps cost no privacy.
         momentum, weight_decay: optimizer options.
-        per_sample: ``"hooks"`` (Opacus GradSampleModule) or ``"functorch"`` (``torch.func.vmap``).
+        per_sample: ``"hooks"`` (Opacus GradSampleModule), ``"functorch"`` (``torch.func.vmap``) or ``"ghost"``
+            (ghost clipping, Li et al. 2022: per-example gradient norms from Opacus'
+            GradSampleModuleFastGradientClipping, then a second backward of Σ_i c_i·ℓ_i gives the clipped sum;
+            no per-example gradient is ever stored, so full fine-tuning of a transformer costs about the memory
+            of a non-private step. Its two passes run in fp32 even under a mixed-precision trainer; see
+            :mod:`pl_dp.per_sample.ghost`). Same clipping rules, noise and accounting in all three modes.
         clip_quantile: adaptive clipping (AdaMix's rule, with constant clipping only): the threshold
             R_t follows the ``clip_quantile`` quantile of per-example gradient norms by the geometric
             update R ← R·exp(−η_C·(b̃ − γ)) of Andrew et al. 2021, where b̃ is the *privatized*
@@ -93,14 +98,14 @@ class FirstOrderModule(PrivateModule):
             raise ValueError("clip must be a number > 0 for a private run, got None.")
         if optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}.")
-        if per_sample not in ("hooks", "functorch"):
-            raise ValueError(f"per_sample must be 'hooks' or 'functorch', got {per_sample!r}.")
+        if per_sample not in ("hooks", "functorch", "ghost"):
+            raise ValueError(f"per_sample must be 'hooks', 'functorch' or 'ghost', got {per_sample!r}.")
         self.clip_function = None if clip is None else ClipFunction(clip_fn, clip, r)
         self.optimizer_name = optimizer
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
         self.per_sample_mode = per_sample
-        self._per_sample: PerSampleGradients | None = None
+        self._per_sample: PerSampleGradients | GhostClipping | None = None
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         kwargs: dict[str, Any] = {"lr": self._lr, "weight_decay": self.weight_decay}
@@ -125,7 +130,10 @@ class FirstOrderModule(PrivateModule):
             self._per_sample.close()
             self._per_sample = None
         if self.clip_function is not None:
-            self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
+            if self.per_sample_mode == "ghost":
+                self._per_sample = GhostClipping(self.net, self.loss_fn)
+            else:
+                self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
             if self.privacy is not None:  # each clipped row must be one example's whole gradient
                 verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
 
@@ -148,11 +156,9 @@ class FirstOrderModule(PrivateModule):
             return sums, {}
         device = params[0].device
         norms, nonfinite = [torch.zeros(0, device=device)], torch.zeros((), dtype=torch.long, device=device)
-        if batch_size > 0:  # per-example gradients of one physical micro-batch at a time, clipped sums added up
+        if batch_size > 0:  # one physical micro-batch at a time, clipped sums added up (one noise draw below)
             for part in split_batch(batch, self.max_physical_batch_size):
-                per_example, _ = self._per_sample(part)
-                part_sums, part_norms, part_nonfinite = clipped_sum(per_example, self.clip_function)
-                del per_example
+                part_sums, part_norms, part_nonfinite = self._per_sample.clipped_sum(part, self.clip_function)
                 for s, t in zip(sums, part_sums):
                     s.add_(t.to(s.dtype))
                 norms.append(part_norms)
@@ -237,6 +243,10 @@ class DPSGD(FirstOrderModule):
     C/(s + r/(s + r)) (``"psac"``, DP-PSAC, r = 0.1 by default). All three bound each example's
     contribution by C, so the accounting is DP-SGD's. Normalized by the expected b, never the
     realized batch size (Xia et al. 2023, Algorithm 1, also divide by the fixed input B).
+
+    ``per_sample="ghost"`` releases the same sum without forming any per-example gradient (ghost clipping,
+    Li et al. 2022, "Large Language Models Can Be Strong Differentially Private Learners"): full
+    fine-tuning of a transformer at about the memory of a non-private step.
     """
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:

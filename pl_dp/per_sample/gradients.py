@@ -9,14 +9,16 @@
   ``transformers`` models branch on their attention masks (``mask.all()``), which ``vmap`` cannot
   follow, so they are refused with a pointer to ``"hooks"``.
 
-Either way the per-example loss is the user's contract ``(net, batch) -> Tensor[B]``.
+Either way the per-example loss is the user's contract ``(net, batch) -> Tensor[B]``. For the clipped sum
+without per-example gradients (ghost clipping), see :mod:`pl_dp.per_sample.ghost`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, slice_batch
+from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
 
 
 class _Functional(nn.Module):
@@ -40,14 +42,14 @@ class _Functional(nn.Module):
         return functional_call(self.net, self.params, args, kwargs)
 
 
-class _RecordingGradSampleModule(GradSampleModule):
-    """Opacus' ``GradSampleModule``, recording activations whenever its hooks are enabled, in eval mode too.
+class RecordsInEvalMode:
+    """Mixin for Opacus' hook classes: record activations whenever the hooks are enabled, in eval mode too.
 
     Opacus records a layer's input in its forward hook only when ``module.training`` is set, but its backward
     hook runs in either mode and raises ``No activations detected for <layer>`` when nothing was recorded. A
     pretrained Hugging Face model is in eval mode after ``from_pretrained`` (and Lightning keeps submodule modes),
     and ``peft`` wraps it as it is, so every trainable layer of a user's ``PeftModel`` hits that error. Here the
-    hooks are enabled only around one per-example computation (:class:`PerSampleGradients`), so the training
+    hooks are enabled only around one per-example computation (per-example gradients or norms), so the training
     flag need not gate recording: the layer's mode keeps deciding its forward (dropout), and its input is
     recorded either way. The flag is raised only while Opacus' hook reads it, after the forward ran.
     """
@@ -59,6 +61,93 @@ class _RecordingGradSampleModule(GradSampleModule):
             super().capture_activations_hook(module, forward_input, forward_output)
         finally:
             module.training = training
+
+
+class _RecordingGradSampleModule(RecordsInEvalMode, GradSampleModule):
+    """Opacus' ``GradSampleModule`` recording activations in eval mode too (see :class:`RecordsInEvalMode`)."""
+
+
+class BroadcastLookups:
+    """Gives each example its own rows in a trainable ``nn.Embedding`` that the net looks up once for the batch.
+
+    BERT's and GPT-2's position embeddings are looked up with position ids of shape ``[1, T]`` and the result is
+    broadcast over the batch, so Opacus' hooks see one "example" in that layer and cannot split its gradient by
+    example (the whole of full fine-tuning fails on it). During the per-example passes such indices (leading size
+    1 in a batch of B > 1) are expanded to ``[B, T]``: the same rows, once per example. This changes nothing when
+    the lookup's output is broadcast over the batch, which :meth:`check` verifies once, on the first batch where
+    an expansion happened, by comparing the per-example losses with and without it (eval mode, no autograd).
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        self.net = net
+        self.embeddings = {
+            m: name or "<the net itself>"
+            for name, m in net.named_modules()
+            if isinstance(m, nn.Embedding) and m.weight.requires_grad
+        }
+        self.expanded: set[str] = set()
+        self.checked = False
+
+    @contextlib.contextmanager
+    def expanding(self, size: int) -> Iterator[None]:
+        """Within the block, lookups of a batch of ``size`` examples with leading size 1 are expanded to ``size``.
+
+        Indices are also made contiguous (an ``expand``-ed index tensor is not): Opacus' ghost norm of an
+        embedding views them flat.
+        """
+        if not self.embeddings:
+            yield
+            return
+
+        def expand(module: nn.Module, args: tuple) -> tuple | None:
+            if not args or not isinstance(args[0], torch.Tensor):
+                return None
+            indices = args[0]
+            if size > 1 and indices.dim() >= 1 and indices.shape[0] == 1:
+                self.expanded.add(self.embeddings[module])
+                indices = indices.expand(size, *indices.shape[1:])
+            return None if indices.is_contiguous() else (indices.contiguous(), *args[1:])
+
+        handles = [m.register_forward_pre_hook(expand) for m in self.embeddings]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def check(self, loss_fn: PerSampleLoss, batch: Any, size: int) -> None:
+        """Refuse (once, after the first expansion) a net whose losses change when a lookup is expanded."""
+        if self.checked or not self.expanded:
+            return
+        modes = {m: m.training for m in self.net.modules()}
+        try:
+            self.net.eval()  # no dropout: the two forwards must be comparable
+            with torch.no_grad():
+                plain = check_per_sample(loss_fn(self.net, batch), size)
+                with self.expanding(size):
+                    expanded = check_per_sample(loss_fn(self.net, batch), size)
+        finally:
+            for m, training in modes.items():
+                m.training = training
+        if not torch.allclose(plain, expanded, rtol=1e-4, atol=1e-6, equal_nan=True):
+            raise RuntimeError(
+                f"{sorted(self.expanded)} are looked up once for the whole batch (indices of leading size 1), and "
+                "giving each example its own lookup changes the per-example losses: their output is not simply "
+                "broadcast over the batch, so their gradient cannot be split by example. Freeze them "
+                "(requires_grad=False) or use per_sample='functorch'."
+            )
+        self.checked = True
+
+
+def refuse_rows_not_examples(names: list[str], size: int, what: str) -> None:
+    """Raise when a layer's per-example quantities came back with a leading size other than the batch's."""
+    if names:  # clipping rows that are not examples would bound no example's contribution
+        raise RuntimeError(
+            f"Opacus' hooks returned {what} per input row, not per example, for {names} (a batch of {size}): the "
+            "model merges the batch dimension with another before these layers (OPT's fc1 and fc2 see "
+            "[batch x tokens, width]) or feeds them one input for the whole batch. Train other parameters (e.g. "
+            "trainable='lora' on the attention projections) or use a zeroth-order method."
+        )
 
 
 def _refuse_transformers_under_vmap(net: nn.Module) -> None:
@@ -104,6 +193,7 @@ class PerSampleGradients:
         if mode == "hooks":
             self._gsm = _RecordingGradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
             self._gsm.disable_hooks()
+            self._lookups = BroadcastLookups(net)
         else:
             _refuse_transformers_under_vmap(net)
 
@@ -120,11 +210,17 @@ class PerSampleGradients:
             return self._hooks(batch, size)
         return self._functorch(batch, size)
 
+    def clipped_sum(self, batch: Any, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """:func:`clipped_sum` of this batch's per-example gradients (freed before returning)."""
+        per_example, _ = self(batch)
+        return clipped_sum(per_example, clip_fn)
+
     def _hooks(self, batch: Any, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         gsm = self._gsm
         gsm.enable_hooks()
         try:
-            losses = check_per_sample(self.loss_fn(gsm, batch), size)
+            with self._lookups.expanding(size):
+                losses = check_per_sample(self.loss_fn(gsm, batch), size)
             grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)  # the hooks fill grad_sample
         finally:
             gsm.disable_hooks()
@@ -143,13 +239,8 @@ class PerSampleGradients:
                 "are used outside the module that holds them (e.g. a weight read directly in another module's "
                 "forward). Use per_sample='functorch' or restructure the net so each parameter is used by its module."
             )
-        if not_per_example:  # clipping rows that are not examples would bound no example's contribution
-            raise RuntimeError(
-                f"Opacus' hooks returned gradients per input row, not per example, for {not_per_example} (a batch "
-                f"of {size}): the model merges the batch dimension with another before these layers (OPT's fc1 and "
-                "fc2 see [batch x tokens, width]). Train other parameters (e.g. trainable='lora' on the attention "
-                "projections) or use a zeroth-order method."
-            )
+        refuse_rows_not_examples(not_per_example, size, "gradients")
+        self._lookups.check(self.loss_fn, batch, size)
         return out, losses.detach()
 
     def _functorch(self, batch: Any, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -173,43 +264,56 @@ VERIFY_SIZES = (2, 3)
 
 
 def verify_per_example_gradients(
-    per_sample: PerSampleGradients, examples: Any, sizes: Sequence[int] = VERIFY_SIZES, rtol: float = 1e-3
+    per_sample: Any, examples: Any, sizes: Sequence[int] = VERIFY_SIZES, rtol: float = 1e-3
 ) -> None:
-    """Refuse a net whose "per-example" gradients are not each example's own gradient, checked on a few examples.
+    """Refuse a net whose clipping would not bound each example's contribution, checked on a few examples.
 
     Clipping bounds an example's contribution only if what is clipped is that example's whole gradient. Opacus'
     hooks see a layer's own calls and take the first dimension of its input as the batch, so two kinds of nets
     break this silently: a parameter also read outside its module (``F.linear(h, self.embedding.weight)``, a bias
     added again by hand) — its per-example gradient misses that use — and a layer that sees the batch in another
     dimension (time-major ``[T, B, d]`` input, ``batch_first=False``, a ``[T, T]`` position table) — its rows are
-    positions, and they pass a shape check whenever T equals the batch size. Here, before any step, the
-    per-example gradients of probe batches of each size in ``sizes`` are compared with the autograd gradient of
-    each example's loss computed alone; a relative difference above ``rtol`` for any example refuses the net.
-    Modules run in eval mode (dropout off) during the check and get their modes back after it.
+    positions, and they pass a shape check whenever T equals the batch size. Here, before any step, probe batches
+    of each size in ``sizes`` are compared with the autograd gradient of each example's loss computed alone:
 
-    ``examples`` comes from :func:`pl_dp.privacy.independence.probe_examples` (public or validation examples,
-    private ones by index only when neither exists). The check's only output is pass or refuse before
-    training: for a net whose per-example gradients are right it passes whatever the data.
+    * per-example gradients (:class:`PerSampleGradients`): each row must equal the example's own gradient to
+      within ``rtol`` (relative);
+    * ghost clipping (:class:`~pl_dp.per_sample.GhostClipping`, whose second pass differentiates the weighted
+      losses, so the clipped quantity is the true gradient): each per-example norm must be at least the true
+      norm (within ``rtol``) — a larger norm only clips harder.
+
+    Modules run in eval mode (dropout off) during the check and get their modes back after it. ``examples``
+    comes from :func:`pl_dp.privacy.independence.probe_examples` (public or validation examples, private ones by
+    index only when neither exists); the check's only output is pass or refuse before training: for a net whose
+    per-example gradients are right it passes whatever the data.
     """
     count = batch_size_of(examples)
     net, params = per_sample.net, per_sample.params
+    ghost = hasattr(per_sample, "per_example_norms")
     modes = {module: module.training for module in net.modules()}
     net.eval()
     wrong: dict[str, float] = {}
     try:
         for size in (k for k in sizes if k <= count):
-            rows, _ = per_sample(slice_batch(examples, 0, size))
+            batch = select_examples(examples, torch.arange(size))
+            rows = per_sample.per_example_norms(batch) if ghost else per_sample(batch)[0]
             for i in range(size):
                 with torch.enable_grad():
-                    loss = check_per_sample(per_sample.loss_fn(net, slice_batch(examples, i, i + 1)), 1).sum()
-                    own = torch.autograd.grad(loss, params, allow_unused=True)
-                reference = math.sqrt(sum(float(g.double().square().sum()) for g in own if g is not None))
+                    single = select_examples(examples, torch.tensor([i]))
+                    own = torch.autograd.grad(
+                        check_per_sample(per_sample.loss_fn(net, single), 1).sum(), params, allow_unused=True
+                    )
+                reference = max(math.sqrt(sum(float(g.double().square().sum()) for g in own if g is not None)), 1e-12)
+                if ghost:
+                    shortfall = 1 - float(rows[i]) / reference
+                    if shortfall > rtol:
+                        wrong["ghost norms"] = max(wrong.get("ghost norms", 0.0), shortfall)
+                    continue
                 for name, row, g in zip(per_sample.names, rows, own):
                     target = torch.zeros_like(row[i]) if g is None else g
                     error = float(torch.linalg.vector_norm((row[i] - target).double()))
-                    tolerance = max(rtol, 16 * torch.finfo(row.dtype).eps)  # bf16/fp16 weights round at 1e-2
-                    if error > tolerance * max(reference, 1e-12):
-                        wrong[name] = max(wrong.get(name, 0.0), error / max(reference, 1e-12))
+                    if error > max(rtol, 16 * torch.finfo(row.dtype).eps) * reference:  # bf16 weights round at 1e-2
+                        wrong[name] = max(wrong.get(name, 0.0), error / reference)
     finally:
         for module, training in modes.items():
             module.training = training
@@ -217,11 +321,11 @@ def verify_per_example_gradients(
         worst = sorted(wrong, key=wrong.get, reverse=True)
         raise RuntimeError(
             f"the per-example gradients of {worst} are not each example's own gradient (relative error up to "
-            f"{max(wrong.values()):.3g} on a probe batch): clipping them would not bound an example's "
-            "contribution. Either a parameter is also used outside its module (e.g. a weight read directly in "
-            "another module's forward, a tied weight used functionally), or a layer sees the batch in another "
-            "dimension than the first (time-major input, batch_first=False). Restructure the net, freeze these "
-            "parameters, or use per_sample='functorch'."
+            f"{max(float(v) for v in wrong.values()):.3g} on a probe batch): clipping them would not bound an "
+            "example's contribution. Either a parameter is also used outside its module (e.g. a weight read "
+            "directly in another module's forward, a tied weight used functionally), or a layer sees the batch in "
+            "another dimension than the first (time-major input, batch_first=False). Restructure the net, freeze "
+            "these parameters, or use per_sample='functorch'."
         )
 
 
@@ -241,9 +345,8 @@ def clipped_sum(
         [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float32) for g in per_sample], dim=1
     )
     norms = torch.linalg.vector_norm(per_param, dim=1)
-    finite = torch.isfinite(norms)
+    weights, finite = clip_fn.finite_weights(norms)
     nonfinite = (~finite).sum()
-    weights = torch.where(finite, clip_fn.weights(torch.where(finite, norms, torch.zeros_like(norms))), 0.0)
     masked = bool(nonfinite)  # one host sync; a copy of the per-example tensors only when needed
     sums = []
     for g in per_sample:

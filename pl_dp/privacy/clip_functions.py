@@ -63,3 +63,13 @@ class ClipFunction:
         if self.kind == "automatic":
             return self.clip / (s + self.r)
         return self.clip / (s + self.r / (s + self.r))
+
+    def finite_weights(self, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c(s) in fp32 for every finite norm and 0 for a non-finite one, with the mask of finite norms.
+
+        An example whose gradient norm is not finite contributes nothing (its weight is 0, which keeps the
+        sensitivity bound); the caller counts it from the mask.
+        """
+        finite = torch.isfinite(norms)
+        safe = torch.where(finite, norms, torch.zeros_like(norms))
+        return torch.where(finite, self.weights(safe), 0.0), finite

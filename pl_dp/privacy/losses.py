@@ -48,17 +48,21 @@ def split_batch(batch: Any, size: int | None) -> list[Any]:
     total = batch_size_of(batch)
     if size is None or total <= size:
         return [batch]
-    return [slice_batch(batch, start, min(start + size, total)) for start in range(0, total, size)]
+    return [_take(batch, slice(start, min(start + size, total))) for start in range(0, total, size)]
 
 
-def slice_batch(batch: Any, start: int, end: int) -> Any:
-    """Examples ``start`` to ``end`` (exclusive) of ``batch``, every tensor sliced along its first dimension."""
+def select_examples(batch: Any, index: torch.Tensor) -> Any:
+    """The examples of ``batch`` at positions ``index`` (a 1-d integer tensor), in that order, same structure."""
+    return _take(batch, index)
+
+
+def _take(batch: Any, index: slice | torch.Tensor) -> Any:
     if isinstance(batch, torch.Tensor):
-        return batch[start:end]
+        return batch[index if isinstance(index, slice) else index.to(batch.device)]
     if isinstance(batch, Mapping):
-        return {k: slice_batch(v, start, end) for k, v in batch.items()}
+        return {k: _take(v, index) for k, v in batch.items()}
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(slice_batch(v, start, end) for v in batch)
+        return type(batch)(_take(v, index) for v in batch)
     return batch
 
 

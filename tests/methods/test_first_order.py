@@ -31,7 +31,7 @@ def _dm(n=40, batch_size=10, public=True):
 
 
 @pytest.mark.parametrize("clip_fn", ["constant", "automatic", "psac"])
-@pytest.mark.parametrize("per_sample", ["hooks", "functorch"])
+@pytest.mark.parametrize("per_sample", ["hooks", "functorch", "ghost"])
 def test_dpsgd_step_equals_the_formula_by_hand(clip_fn, per_sample):
     L.seed_everything(0)
     net = nn.Linear(4, 3)
@@ -156,12 +156,61 @@ def test_dpsgd_learns_privately(clip_fn):
     assert trainer.callback_metrics["val/acc"] > 0.9
 
 
+def _digits_fit(per_sample, clip_fn, steps=4):
+    from pl_dp.data import DigitsDataModule
+    from pl_dp.nets import MLP
+
+    L.seed_everything(0)
+    model = DPSGD(
+        MLP(64, [32], 10),
+        lr=0.5,
+        clip=0.5,
+        clip_fn=clip_fn,
+        per_sample=per_sample,
+        privacy=PrivacySpec(epsilon=4.0, accountant="rdp"),
+        noise_seed=3,
+    )
+    trainer = make_trainer(max_steps=steps, val_check_interval=steps, limit_val_batches=2)
+    trainer.fit(model, DigitsDataModule(batch_size=64, sampling_seed=5))
+    return model, trainer
+
+
+@pytest.mark.parametrize("clip_fn", ["constant", "automatic", "psac"])
+def test_ghost_clipping_fits_digits_and_releases_what_hooks_release(clip_fn):
+    """Same batches and noise: the same mechanism, the same ε, and the same parameters up to rounding."""
+    (ghost, trainer), (hooks, _) = _digits_fit("ghost", clip_fn), _digits_fit("hooks", clip_fn)
+    assert ghost.private_steps == hooks.private_steps == 4
+    assert ghost.accountant.history == hooks.accountant.history
+    assert ghost.noise_multiplier == hooks.noise_multiplier and ghost.epsilon == hooks.epsilon
+    assert 0 < ghost.epsilon <= 4.0 and torch.isfinite(trainer.callback_metrics["val/loss"])
+    for a, b in zip(ghost.net.parameters(), hooks.net.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert ghost._per_sample.__class__.__name__ == "GhostClipping"
+
+
+def test_ghost_clipping_refuses_an_unsupported_net_at_fit_start():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.outer.weight = self.inner.weight
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(self.outer(self.inner(x)))
+
+    model = DPSGD(Tied(), clip=1.0, per_sample="ghost", privacy=SPEC)
+    with pytest.raises(ValueError, match=r"tied across modules: \['inner\.weight = outer\.weight'\]"):
+        make_trainer(max_steps=1).fit(model, _dm())
+    assert model.private_steps == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"clip": None}, "clip"),
         ({"optimizer": "lbfgs"}, "optimizer"),
-        ({"per_sample": "ghost"}, "per_sample"),
+        ({"per_sample": "vmap"}, "per_sample"),
         ({"clip_fn": "median"}, "clip_fn"),
     ],
 )

@@ -15,7 +15,13 @@ from tests.conftest import blobs, make_trainer
 METHODS = {
     "dpsgd-hooks": (DPSGD, {"clip": 1.0}),
     "dpsgd-functorch": (DPSGD, {"clip": 1.0, "per_sample": "functorch"}),
+    "dpsgd-ghost": (DPSGD, {"clip": 1.0, "per_sample": "ghost"}),
+    "dpsgd-ghost-psac": (DPSGD, {"clip": 1.0, "clip_fn": "psac", "per_sample": "ghost"}),
     "adamix": (Coupling, {"clip": 1.0, "alpha": 0.5, "clip_fn": "constant", "clip_quantile": 0.5}),
+    "adamix-ghost": (
+        Coupling,
+        {"clip": 1.0, "alpha": 0.5, "clip_fn": "constant", "clip_quantile": 0.5, "per_sample": "ghost"},
+    ),
     "dpzero": (DPZero, {"clip": 1.0, "queries": 2}),
     "pazo-s": (PAZOS, {"clip": 2.0, "k": 2}),
     "o2nc": (O2NC, {"clip": 1.0, "inner_steps": 4, "batch_size": 4}),

@@ -1,0 +1,232 @@
+"""Ghost clipping: DP-SGD's clipped sum Σ_i c(‖g_i‖)·g_i without forming any per-example gradient.
+
+The norm of a per-example gradient needs only what backpropagation already has. For a linear layer applied to
+an example's T positions, with inputs a_t and output gradients b_t, the example's weight gradient is
+Σ_t b_t a_tᵀ and
+
+    ‖Σ_t b_t a_tᵀ‖²_F = Σ_{t,s} (b_t·b_s)(a_t·a_s),
+
+the product of two T×T Gram matrices instead of a d_out×d_in matrix per example (Goodfellow, 2015, "Efficient
+Per-Example Gradient Computations", for T = 1; Li, Tramèr, Liang & Hashimoto, 2022, "Large Language Models Can
+Be Strong Differentially Private Learners", ghost clipping for sequences). Opacus'
+``GradSampleModuleFastGradientClipping`` computes these norms in its hooks: ghost norms for ``nn.Linear`` and
+``nn.Embedding``, and for the other layers it supports (LayerNorm, Conv, …) the per-example gradient of that one
+layer, reduced to its norm at once. :class:`GhostClipping` runs, per (micro-)batch:
+
+1. one backward of Σ_i ℓ_i that records every example's norm ‖g_i‖, keeping the graph;
+2. the weights c_i = c(‖g_i‖) of the clipping rule in use (constant, automatic/Auto-S, DP-PSAC — the same
+   :class:`~pl_dp.privacy.ClipFunction` as per-example gradients), 0 for a non-finite norm;
+3. a second backward, of Σ_i c_i·ℓ_i through the kept graph, whose parameter gradients are Σ_i c_i·g_i: the
+   clipped sum itself.
+
+Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation;
+time is about one forward and two backwards. Examples whose norm is not finite are dropped: the two passes are
+run again on the other examples (a zero weight alone would not do: 0·NaN is NaN in the second backward), and
+they are counted. Both passes run in fp32 with autocast disabled, whatever the trainer's precision, so that each
+weight is applied to the very gradient whose norm it was computed from; trainable parameters must be fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.layers import DPGRU, DPLSTM, DPRNN
+from opacus.utils.module_utils import trainable_modules
+from torch import nn
+
+from pl_dp.per_sample.gradients import BroadcastLookups, RecordsInEvalMode, refuse_rows_not_examples
+from pl_dp.privacy.clip_functions import ClipFunction
+from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
+
+
+class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
+    """Opacus' fast-gradient-clipping module, recording in eval mode too, and naming a layer it cannot handle.
+
+    A ghost-norm layer (Linear, Embedding) called twice in one forward would have its norm overwritten by its
+    second call; Opacus refuses it without saying which layer, this names it.
+    """
+
+    layer_names: dict[nn.Module, str]
+
+    def capture_activations_hook(self, module: nn.Module, forward_input: Any, forward_output: Any) -> None:
+        if (
+            self.hooks_enabled
+            and torch.is_grad_enabled()
+            and getattr(module, "activations", None)
+            and type(module) in self.NORM_SAMPLERS
+        ):
+            raise NotImplementedError(
+                f"ghost clipping cannot handle {self.layer_names.get(module, '?')!r} ({type(module).__name__}): it is "
+                "called more than once in one forward (a reused layer or tied weights), and Opacus' ghost norm of "
+                "such a layer covers one call only. Use per_sample='hooks'."
+            )
+        super().capture_activations_hook(module, forward_input, forward_output)
+
+
+_OPACUS_RNNS = (DPRNN, DPLSTM, DPGRU)
+#: trainable layers whose per-example norms Opacus computes only for its own replacement of them
+_REPLACED_BY_OPACUS = {nn.MultiheadAttention: "DPMultiheadAttention", nn.RNNBase: "DPRNN, DPLSTM or DPGRU"}
+
+
+def unsupported_layers(net: nn.Module) -> list[str]:
+    """One line per trainable layer of ``net`` that Opacus' hooks cannot give per-example norms for."""
+    found = []
+    for name, module in trainable_modules(net):
+        for kind, replacement in _REPLACED_BY_OPACUS.items():
+            if isinstance(module, kind) and not isinstance(module, _OPACUS_RNNS):
+                found.append(f"{name or '<the net itself>'!r} ({type(module).__name__}): use Opacus' {replacement}")
+    return found
+
+
+def shared_parameters(net: nn.Module) -> list[str]:
+    """One line per trainable parameter held by more than one hooked module of ``net`` (tied weights).
+
+    Opacus' recurrent layers alias their cells' parameters and are not hooked themselves: they do not count.
+    """
+    owners: dict[int, list[str]] = {}
+    modules: dict[int, set[int]] = {}
+    for name, module in net.named_modules(remove_duplicate=False):
+        if isinstance(module, _OPACUS_RNNS):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if p.requires_grad:
+                owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+                modules.setdefault(id(p), set()).add(id(module))
+    return [" = ".join(names) for key, names in owners.items() if len(modules[key]) > 1]
+
+
+class GhostClipping:
+    """The clipped sum Σ_i c(‖g_i‖)·g_i of a batch for the trainable parameters of ``net``, by ghost clipping.
+
+    Refused at construction, each with the parameter or layer named: trainable parameters in a precision below
+    fp32, and trainable parameters tied across modules (a language-model head sharing the input embeddings: each
+    layer's ghost norm would cover only its own part). Refused at the first batch: a layer called twice in one
+    forward, a parameter whose norm the hooks cannot compute (used outside its module, or an ``nn.Linear`` whose
+    input is neither ``[B, d]`` nor ``[B, T, d]``), and a layer that sees the batch merged with another dimension.
+    """
+
+    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
+        self.net = net
+        self.loss_fn = loss_fn
+        self.names = [n for n, p in net.named_parameters() if p.requires_grad]
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+        full = (torch.float32, torch.float64)
+        low = [f"{n} ({p.dtype})" for n, p in zip(self.names, self.params) if p.dtype not in full]
+        if low:
+            raise ValueError(
+                f"per_sample='ghost' needs fp32 trainable parameters, got {low[:3]}{' …' if len(low) > 3 else ''}: "
+                "the clipped sum comes out of autograd in the parameters' dtype, and summing clipped gradients in "
+                "half precision would let one example move it by more than the clip bound. Load the model in fp32 "
+                "(Trainer(precision='bf16-mixed') keeps fp32 weights) or use per_sample='hooks'."
+            )
+        unsupported = unsupported_layers(net)
+        if unsupported:
+            raise ValueError(
+                "per_sample='ghost' cannot compute per-example gradient norms for these trainable layers:\n  - "
+                + "\n  - ".join(unsupported)
+                + "\n(opacus.validators.ModuleValidator.fix(net) swaps them), or freeze them (requires_grad=False)."
+            )
+        shared = shared_parameters(net)
+        if shared:
+            raise ValueError(
+                f"per_sample='ghost' cannot clip parameters tied across modules: {shared}. Ghost clipping computes "
+                "each layer's norm alone, so a shared parameter's per-example norm would miss the other layers' "
+                "part. Freeze or untie them, or use per_sample='hooks'."
+            )
+        self._gsm = _GhostNormModule(net, batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
+        self._gsm.layer_names = {m: name or "<the net itself>" for name, m in net.named_modules()}
+        self._gsm.disable_hooks()
+        self._lookups = BroadcastLookups(net)
+
+    def clipped_sum(self, batch: Any, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Σ_i c(‖g_i‖)·g_i per parameter (fp32), the per-example norms ‖g_i‖ (fp32) and the non-finite count.
+
+        The same three values as :func:`~pl_dp.per_sample.clipped_sum` of the per-example gradients.
+        """
+        size = batch_size_of(batch)
+        norms, losses = self._norms(batch, size)
+        weights, finite = clip_fn.finite_weights(norms)
+        nonfinite = (~finite).sum()
+        if bool(nonfinite):  # 0·NaN is NaN: the others' sum is computed again without them
+            del losses
+            keep = finite.nonzero().squeeze(1)
+            if keep.numel():
+                sums, _, more = self.clipped_sum(select_examples(batch, keep), clip_fn)
+                nonfinite = nonfinite + more
+            else:
+                sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        else:
+            sums = self._weighted_sum(losses, weights)
+        self._lookups.check(self.loss_fn, batch, size)
+        return sums, norms, nonfinite
+
+    def per_example_norms(self, batch: Any) -> torch.Tensor:
+        """The per-example gradient norms ‖g_i‖ (fp32) that the first pass computes, and nothing else."""
+        return self._norms(batch, batch_size_of(batch))[0].detach()
+
+    def close(self) -> None:
+        """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
+        self._gsm.remove_hooks()
+
+    def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
+        for p in self.params:
+            p._norm_sample = None
+        gsm = self._gsm
+        gsm.enable_hooks()
+        try:
+            with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
+                losses = check_per_sample(self.loss_fn(gsm, batch), size)
+                grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=True, allow_unused=True)
+        finally:
+            gsm.disable_hooks()
+            self._reset_hook_state()
+        missed, not_per_example = [], []
+        for name, p, g in zip(self.names, self.params, grads):
+            norm = p._norm_sample
+            if norm is None:
+                if g is not None:
+                    missed.append(name)
+                p._norm_sample = torch.zeros(size, device=p.device)  # a parameter the loss does not use
+            elif norm.shape != (size,):
+                not_per_example.append(name)
+        del grads
+        if missed:  # a zero in place of a norm would let the parameter's part of the gradient pass unclipped
+            raise RuntimeError(
+                f"the loss depends on {missed}, but Opacus' ghost-clipping hooks recorded no per-example norm for "
+                "them: they are used outside the module that holds them (e.g. a weight read directly in another "
+                "module's forward), or their layer's input has a shape its norm sampler does not handle (nn.Linear: "
+                "[batch, width] or [batch, tokens, width]). Use per_sample='hooks' or 'functorch'."
+            )
+        refuse_rows_not_examples(not_per_example, size, "gradient norms")
+        norms = gsm.get_norm_sample().float()  # ‖g_i‖ over all trainable parameters
+        for p in self.params:
+            p._norm_sample = None
+        return norms, losses
+
+    def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Second pass, hooks off: the gradient of Σ_i c_i·ℓ_i through the kept graph is Σ_i c_i·g_i."""
+        with torch.enable_grad(), _full_precision(self.params[0].device):  # autocast would reach the backward's ops
+            grads = torch.autograd.grad((weights.detach() * losses).sum(), self.params, allow_unused=True)
+        return [
+            torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for p, g in zip(self.params, grads)
+        ]
+
+    def _reset_hook_state(self) -> None:
+        """Leave no recorded input or call count behind (a layer run but not reached by the backward keeps one)."""
+        for _, module in trainable_modules(self.net):
+            for attr in ("activations", "max_batch_len"):
+                if hasattr(module, attr):
+                    delattr(module, attr)
+        for p in self.params:
+            p._forward_counter = 0
+            p.grad_sample = None
+
+
+def _full_precision(device: torch.device) -> torch.autocast:
+    """Autocast off: the passes compute in the parameters' precision (fp32) under a mixed-precision trainer."""
+    return torch.autocast(device_type=device.type, enabled=False)

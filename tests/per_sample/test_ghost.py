@@ -1,0 +1,227 @@
+"""Ghost clipping: the same norms and clipped sums as per-example gradients, without forming them."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pl_dp.nets import HFClassifier, TinyTransformerClassifier
+from pl_dp.per_sample import GhostClipping, PerSampleGradients
+from pl_dp.privacy import ClipFunction
+from pl_dp.privacy.losses import cross_entropy
+from tests.tiny_hf import tiny_model
+
+KINDS = ["constant", "automatic", "psac"]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("bert"), "bert-cls")
+
+
+def _case(name, tiny_bert=None):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        net = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+        return net, (torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g))
+    if name == "transformer":
+        net = TinyTransformerClassifier(vocab_size=50, width=16, depth=2, heads=2, max_length=8, num_classes=3)
+        return net, (torch.randint(0, 50, (6, 8), generator=g), torch.randint(0, 3, (6,), generator=g))
+    # a random BERT, every parameter trainable: its position embeddings are looked up once for the batch
+    trainable = {"bert": "all", "bert-last-1": "last-1"}[name]
+    net = HFClassifier(tiny_bert, trainable=trainable).eval()  # no dropout: both passes see the same function
+    ids = torch.randint(1000, 3000, (5, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 5:] = 0  # padding: the last two positions of example 0 are masked out
+    return net, {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 2, (5,), generator=g)}
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "bert", "bert-last-1"])
+def test_ghost_norms_and_clipped_sums_equal_those_of_per_example_gradients(name, tiny_bert):
+    net, batch = _case(name, tiny_bert)
+    hooks = PerSampleGradients(copy.deepcopy(net), cross_entropy, "hooks")
+    ghost = GhostClipping(copy.deepcopy(net), cross_entropy)
+    assert ghost.names == hooks.names  # the same trainable subset
+    for kind in KINDS:
+        fn = ClipFunction(kind, clip=0.3, r=0.1)  # small C: every example is clipped or rescaled
+        expected_sums, expected_norms, _ = hooks.clipped_sum(batch, fn)
+        sums, norms, nonfinite = ghost.clipped_sum(batch, fn)
+        torch.testing.assert_close(norms, expected_norms, rtol=1e-4, atol=1e-6)
+        assert int(nonfinite) == 0 and all(s.dtype == torch.float32 for s in sums)
+        for n, s, e in zip(ghost.names, sums, expected_sums):
+            torch.testing.assert_close(s, e, rtol=1e-4, atol=1e-6, msg=f"{kind}: {n}")
+
+
+def _scaled_loss(net, batch):
+    x, y, scale = batch
+    return F.cross_entropy(net(x), y, reduction="none") * scale
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_example_with_a_huge_loss_moves_the_sum_by_at_most_the_clip(kind):
+    """Sensitivity: adding one example changes the clipped sum by at most C, however large its gradient."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    scale = torch.ones(6)
+    scale[0] = 1e6
+    clip = 0.5
+    ghost = GhostClipping(net, _scaled_loss)
+    with_it, norms, _ = ghost.clipped_sum((x, y, scale), ClipFunction(kind, clip))
+    without, _, _ = ghost.clipped_sum((x[1:], y[1:], scale[1:]), ClipFunction(kind, clip))
+    moved = torch.sqrt(sum((a - b).double().square().sum() for a, b in zip(with_it, without)))
+    assert norms[0] > 1e4 * clip  # unweighted, this example alone would move the sum by ‖g_0‖
+    assert moved <= clip * (1 + 1e-5)
+
+
+def test_a_non_finite_example_is_dropped_and_counted():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    x[2, 1] = float("nan")
+    fn = ClipFunction("constant", 0.5)
+    sums, norms, nonfinite = GhostClipping(copy.deepcopy(net), cross_entropy).clipped_sum((x, y), fn)
+    keep = torch.tensor([0, 1, 3, 4, 5])
+    expected, _, _ = GhostClipping(copy.deepcopy(net), cross_entropy).clipped_sum((x[keep], y[keep]), fn)
+    assert int(nonfinite) == 1 and not torch.isfinite(norms[2]) and torch.isfinite(norms[keep]).all()
+    for s, e in zip(sums, expected):
+        assert torch.isfinite(s).all()  # 0·NaN would have poisoned the second backward
+        torch.testing.assert_close(s, e)
+    all_bad, _, count = GhostClipping(net, cross_entropy).clipped_sum((x[2:3], y[2:3]), fn)
+    assert int(count) == 1 and all(torch.equal(s, torch.zeros_like(s)) for s in all_bad)
+
+
+def test_ghost_norms_are_fp32_and_the_passes_run_without_autocast():
+    """Under a bf16 autocast the norms and the sum are still those of the fp32 per-example gradients."""
+    net, batch = _case("mlp")
+    fn = ClipFunction("constant", 0.3)
+    expected, expected_norms, _ = GhostClipping(copy.deepcopy(net), cross_entropy).clipped_sum(batch, fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sums, norms, _ = GhostClipping(copy.deepcopy(net), cross_entropy).clipped_sum(batch, fn)
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms, expected_norms)
+    for s, e in zip(sums, expected):
+        torch.testing.assert_close(s, e)
+
+
+class _PositionsBroadcast(nn.Module):
+    """Position embeddings looked up with ``[1, T]`` indices and broadcast over the batch, as BERT and GPT-2 do."""
+
+    def __init__(self, sum_positions=False):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(20, 4), nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 3)
+        self.sum_positions = sum_positions
+
+    def forward(self, ids):
+        pos = self.positions(torch.arange(ids.shape[1]).unsqueeze(0))
+        if self.sum_positions:  # not a broadcast: the output's size over the batch changes the result
+            return self.head(self.tokens(ids).mean(1)) * pos.abs().sum()
+        return self.head((self.tokens(ids) + pos).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_lookup_broadcast_over_the_batch_gets_per_example_gradients(mode):
+    torch.manual_seed(0)
+    net, ids, y = _PositionsBroadcast(), torch.randint(0, 20, (5, 6)), torch.randint(0, 3, (5,))
+    fn = ClipFunction("constant", 0.2)
+    engine = GhostClipping(net, cross_entropy) if mode == "ghost" else PerSampleGradients(net, cross_entropy)
+    sums, norms, _ = engine.clipped_sum((ids, y), fn)
+    expected = [torch.zeros_like(p) for p in net.parameters()]
+    for i in range(5):
+        g = torch.autograd.grad(F.cross_entropy(net(ids[i : i + 1]), y[i : i + 1]), list(net.parameters()))
+        norm = torch.sqrt(sum(t.square().sum() for t in g))
+        torch.testing.assert_close(norms[i], norm)
+        expected = [e + fn.weights(norm.reshape(1))[0] * t for e, t in zip(expected, g)]
+    for s, e in zip(sums, expected):
+        torch.testing.assert_close(s, e)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_lookup_whose_output_is_not_broadcast_is_refused(mode):
+    net, ids, y = _PositionsBroadcast(sum_positions=True), torch.randint(0, 20, (5, 6)), torch.randint(0, 3, (5,))
+    engine = GhostClipping(net, cross_entropy) if mode == "ghost" else PerSampleGradients(net, cross_entropy)
+    with pytest.raises(RuntimeError, match=r"\['positions'\].*changes the per-example losses"):
+        engine.clipped_sum((ids, y), ClipFunction("constant", 1.0))
+
+
+# ---- what ghost clipping cannot do: refused, with the layer named ------------------------------------
+class _Reused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.inner(self.inner(x)))
+
+
+class _Tied(nn.Module):
+    """A language-model-like head sharing the input embeddings' weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(self.embed(ids).mean(1))
+
+
+class _FourDimensional(nn.Module):
+    """A Linear applied to [B, heads, T, d]: Opacus' ghost norm handles [B, d] and [B, T, d] only."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.proj(x.view(x.shape[0], 2, 2, 4)).mean((1, 2))
+
+
+class _FlattensTheBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x.reshape(-1, 5)).view(x.shape[0], -1, 3).mean(1)
+
+
+class _WithLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 4, batch_first=True), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0].mean(1))
+
+
+def test_layers_ghost_clipping_cannot_handle_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"tied across modules: \['embed\.weight = out\.weight'\]"):
+        GhostClipping(_Tied(), cross_entropy)
+    with pytest.raises(ValueError, match=r"'rnn' \(LSTM\): use Opacus' DPRNN, DPLSTM or DPGRU"):
+        GhostClipping(_WithLSTM(), cross_entropy)
+    with pytest.raises(ValueError, match=r"fp32 trainable parameters.*torch\.bfloat16"):
+        GhostClipping(nn.Linear(4, 3).to(torch.bfloat16), cross_entropy)
+    frozen = _Tied()
+    frozen.embed.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        GhostClipping(frozen, cross_entropy)
+
+
+@pytest.mark.parametrize(
+    ("net", "x", "match"),
+    [
+        (_Reused(), torch.randn(4, 5), r"cannot handle 'inner' \(Linear\): it is called more than once"),
+        (_FourDimensional(), torch.randn(4, 16), r"\['proj\.weight', 'proj\.bias'\].*no per-example norm"),
+        (_FlattensTheBatch(), torch.randn(4, 7, 5), r"norms per input row, not per example, for \['fc\.weight'"),
+    ],
+)
+def test_layers_ghost_clipping_cannot_handle_are_refused_at_the_first_batch(net, x, match):
+    ghost = GhostClipping(net, cross_entropy)
+    with pytest.raises((RuntimeError, NotImplementedError), match=match):
+        ghost.clipped_sum((x, torch.zeros(4, dtype=torch.long)), ClipFunction("constant", 1.0))
+    assert not any(hasattr(m, "activations") for m in net.modules())  # nothing left behind for the next batch
