@@ -547,21 +547,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         final = trainer.should_stop or trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
         return final or (every > 0 and trainer.global_step % every == 0)
 
-    def _logging_step(self) -> bool:
-        """Whether to log this step's on-step metrics: on the loggers' cadence and at the end.
-
-        Metrics logged on other steps are dropped by the loggers anyway, and each ``self.log`` call
-        costs about a millisecond on a CPU — several times the whole step of a small model — so the
-        per-step statistics are logged every ``log_every_n_steps`` only. ``global_step`` counts this
-        step already (the optimizer has stepped), which matches Lightning's ``+ 1`` convention. The
-        last batch of each epoch and the final step are logged too, so that ``callback_metrics``
-        (read by ``ModelCheckpoint``/``EarlyStopping`` and after ``fit``) hold current values.
-        """
-        trainer = self.trainer
-        every = trainer.log_every_n_steps
-        final = trainer.should_stop or trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
-        return final or (every > 0 and trainer.global_step % every == 0)
-
     # ---- the proximal term of a StagewiseSchedule ------------------------------------------------
     @property
     def proximal_anchor(self) -> list[torch.Tensor] | None:
