@@ -8,17 +8,24 @@ from sklearn.datasets import load_digits
 from torch.utils.data import TensorDataset
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.shift import public_shift_weights
 
 _SPLIT_SEED = 20240229  # fixed: the splits never move with the training seed
 
 
-def digits_splits(public_fraction: float = 0.04, val_fraction: float = 0.1, test_fraction: float = 0.2):
+def digits_splits(
+    public_fraction: float = 0.04,
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.2,
+    public_shift: str = "strong",
+):
     """Fixed (private, public, val, test) TensorDatasets of the UCI digits.
 
     Features are pixel intensities scaled to [0, 1]. The public split is drawn from the
-    training pool with mild class imbalance — class c is picked with weight 1.5 − c/9, so
-    class 0 is about three times as likely as class 9 — mimicking the shifted public sets of
-    PAZO's CIFAR-10 setup (Gong & Li 2025, §5.1).
+    training pool with class imbalance (``public_shift``, :mod:`pl_dp.data.shift`): by default
+    class c is picked with weight 1.5 − c/9, so class 0 is three times as likely as class 9 —
+    mimicking the shifted public sets of PAZO's CIFAR-10 setup (Gong & Li 2025, §5.1);
+    ``"mild"`` makes it 1.5 times, ``"none"`` draws uniformly.
     """
     if not 0 <= public_fraction < 1:
         raise ValueError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
@@ -31,7 +38,7 @@ def digits_splits(public_fraction: float = 0.04, val_fraction: float = 0.1, test
     n_val = int(round(val_fraction * len(y)))
     test_idx, val_idx, pool = order[:n_test], order[n_test : n_test + n_val], order[n_test + n_val :]
     n_public = int(round(public_fraction * len(pool)))
-    weights = 1.5 - y[pool].numpy() / 9.0
+    weights = public_shift_weights(y[pool].numpy(), 10, public_shift)
     public_idx = rng.choice(pool, size=n_public, replace=False, p=weights / weights.sum()) if n_public else pool[:0]
     private_idx = np.setdiff1d(pool, public_idx)
 
@@ -46,7 +53,8 @@ class DigitsDataModule(PrivatePublicDataModule):
     """Digits as private/public/val/test splits (see :func:`digits_splits`).
 
     With the defaults: 1,208 private, 50 public, 180 validation and 359 test examples; public batches
-    of 16, so that PAZO-P's default k = 3 disjoint public batches fit the 50 public examples. Arguments as
+    of 16, so that PAZO-P's default k = 3 disjoint public batches fit the 50 public examples. ``public_shift``
+    (``"none"``, ``"mild"``, ``"strong"``) sets the public split's class imbalance. Arguments as
     :class:`~pl_dp.data.PrivatePublicDataModule`; ``sampling_seed`` (secret Poisson sampling) stays
     ``None`` unless reproducing a run.
     """
@@ -59,8 +67,9 @@ class DigitsDataModule(PrivatePublicDataModule):
         seed: int = 0,
         merge_public: bool = False,
         sampling_seed: int | None = None,
+        public_shift: str = "strong",
     ) -> None:
-        splits = dict(zip(("private", "public", "val", "test"), digits_splits(public_fraction)))
+        splits = dict(zip(("private", "public", "val", "test"), digits_splits(public_fraction, public_shift=public_shift)))
         super().__init__(
             **self.from_splits(
                 splits,

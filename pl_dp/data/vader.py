@@ -11,7 +11,8 @@ Dataset card.
 * Splits (fixed, independent of the training seed): 15 % test, 10 % validation, the rest the
   training pool; the public split (``public_fraction`` of the pool) is drawn with positives three
   times as likely as negatives — a documented class-imbalance shift (about 70 % positive against
-  44 % in the private split), like the shifted public sets of the PAZO experiments.
+  44 % in the private split), like the shifted public sets of the PAZO experiments; ``public_shift``
+  ``"mild"`` makes positives 1.5 times as likely, ``"none"`` draws uniformly (:mod:`pl_dp.data.shift`).
 * Inputs: each entry tokenized alone (or in a prompt template), at most ``max_length`` tokens, as
   ``{"input_ids", "attention_mask", "labels"}``; each batch is padded to its longest entry.
 * Privacy unit: one lexicon entry (its ten ratings). The lexicon is public, so this is a
@@ -29,6 +30,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.shift import public_shift_weights
 from pl_dp.data.text import TextDataModule
 
 _SPLIT_SEED = 20140601
@@ -50,7 +52,9 @@ def vader_lexicon() -> list[tuple[str, float]]:
     return rows
 
 
-def vader_splits(public_fraction: float = 0.04) -> dict[str, tuple[list[str], torch.Tensor]]:
+def vader_splits(
+    public_fraction: float = 0.04, public_shift: str = "strong"
+) -> dict[str, tuple[list[str], torch.Tensor]]:
     """Fixed (texts, labels) for ``private``, ``public``, ``val`` and ``test`` (see the module docstring)."""
     if not 0 <= public_fraction < 1:
         raise ValueError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
@@ -69,7 +73,7 @@ def vader_splits(public_fraction: float = 0.04) -> dict[str, tuple[list[str], to
     n_test, n_val = round(0.15 * len(rows)), round(0.10 * len(rows))
     test, val, pool = order[:n_test], order[n_test : n_test + n_val], order[n_test + n_val :]
     n_public = round(public_fraction * len(pool))
-    weights = np.where(labels[pool].numpy() == 1, 3.0, 1.0)
+    weights = public_shift_weights(labels[pool].numpy(), 2, public_shift, favoured="last")
     public = rng.choice(pool, size=n_public, replace=False, p=weights / weights.sum()) if n_public else pool[:0]
     private = np.setdiff1d(pool, public)
     return {
@@ -86,6 +90,7 @@ class VaderSentimentDataModule(TextDataModule):
     Args:
         batch_size: expected private batch size (Poisson sampling).
         public_fraction: share of the training pool that is public (shifted towards positives).
+        public_shift: the public split's class imbalance, ``"none"``, ``"mild"`` or ``"strong"`` (3:1).
         public_batch_size: public batch size (at most the public split's size).
         seed: seed of the public shuffling (the splits are fixed).
         sampling_seed: secret seed of the private Poisson sampling; ``None`` (default): OS entropy
@@ -110,10 +115,11 @@ class VaderSentimentDataModule(TextDataModule):
         sampling_seed: int | None = None,
         template: str | None = None,
         prompt: Any | None = None,
+        public_shift: str = "strong",
     ) -> None:
         from pl_dp.nets.hf import minilm_path
 
-        splits = vader_splits(public_fraction)
+        splits = vader_splits(public_fraction, public_shift)
         super().__init__(
             data=splits["private"],
             public=splits["public"],
@@ -157,8 +163,10 @@ def minilm_embeddings(texts: list[str], model_path: str | None = None, max_lengt
 
 
 @functools.lru_cache(maxsize=4)
-def _embedded_splits(public_fraction: float, max_length: int, model_path: str | None) -> dict[str, TensorDataset]:
-    splits = vader_splits(public_fraction)
+def _embedded_splits(
+    public_fraction: float, max_length: int, model_path: str | None, public_shift: str
+) -> dict[str, TensorDataset]:
+    splits = vader_splits(public_fraction, public_shift)
     names = list(splits)
     texts = [t for name in names for t in splits[name][0]]
     vectors = minilm_embeddings(texts, model_path, max_length).split([len(splits[n][0]) for n in names])
@@ -191,8 +199,9 @@ class VaderEmbeddingDataModule(PrivatePublicDataModule):
         eval_batch_size: int = 1024,
         merge_public: bool = False,
         sampling_seed: int | None = None,
+        public_shift: str = "strong",
     ) -> None:
-        splits = _embedded_splits(public_fraction, max_length, model_path)
+        splits = _embedded_splits(public_fraction, max_length, model_path, public_shift)
         super().__init__(
             **self.from_splits(
                 splits,
