@@ -2,6 +2,7 @@
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
 from pl_dp.data.digits import DigitsDataModule, digits_splits
+from pl_dp.data.synthetic import SyntheticClassificationDataModule, synthetic_splits
 from pl_dp.data.text import TextDataModule, TokenizedTexts, read_texts, tokenize_prompts
 from pl_dp.data.vader import (
     VaderEmbeddingDataModule,
@@ -14,6 +15,7 @@ from pl_dp.data.vader import (
 __all__ = [
     "DigitsDataModule",
     "PrivatePublicDataModule",
+    "SyntheticClassificationDataModule",
     "TextDataModule",
     "TokenizedTexts",
     "VaderEmbeddingDataModule",
@@ -21,6 +23,7 @@ __all__ = [
     "digits_splits",
     "minilm_embeddings",
     "read_texts",
+    "synthetic_splits",
     "tokenize_prompts",
     "vader_lexicon",
     "vader_splits",
