@@ -1,13 +1,13 @@
-"""Privacy–utility reproduction: every pl_dp method on two datasets, five ε, three seeds.
+"""Privacy–utility reproduction (second edition): every pl_dp method, tuned per method, in four settings.
 
-    python benchmarks/reproduce.py            # full run (about an hour on 2 CPU cores); resumable
-    python benchmarks/reproduce.py --quick    # smoke run: 1 seed, 1 setting, a few steps (~2 min)
+    python benchmarks/reproduce.py            # full run (about 1.5 hours with --jobs 2 on 2 CPU cores); resumable
+    python benchmarks/reproduce.py --quick    # smoke run: digits and synthetic, ε = 1, 1 seed, no tuning, 24 steps
     python benchmarks/reproduce.py --report   # rebuild RESULTS.md and the plots from the JSON only
 
 This file is the command line. The benchmark is three modules, each readable alone:
-``reproduce_protocol.py`` (methods, datasets, levels, seeds, step-size grid, the config of one run,
+``reproduce_protocol.py`` (methods, settings, shifts, levels, seeds, tuning stages, the config of one run,
 the selection rule), ``reproduce_runner.py`` (worker processes, the resumable JSON store) and
-``reproduce_report.py`` (tables, the papers' claims, plots, RESULTS.md).
+``reproduce_report.py`` (tables, paired tests of the papers' claims, plots, RESULTS.md).
 
 Results accumulate in ``results/reproduce.json`` (one record per run, written after every run):
 a rerun skips every finished run, so an interrupted benchmark resumes where it stopped.
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when loaded by path
 
 import reproduce_protocol  # noqa: E402
-from reproduce_protocol import BY_NAME, DATASETS, EPSILONS, LR_GRID, METHODS, ROOT, SEEDS, cells  # noqa: E402, F401
+from reproduce_protocol import BY_NAME, EPSILONS, METHODS, ROOT, SEEDS, SETTINGS, SHIFTS, cells  # noqa: E402, F401
 from reproduce_report import PAZO, claims, report, summarize  # noqa: E402, F401  (PAZO, claims: for the tests)
 from reproduce_runner import Store, execute  # noqa: E402
 
@@ -35,13 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=f"{__doc__}\n{protocol}", formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: digits, ε ∈ {1}, 1 seed, 1 setting, 24 steps")
+    parser.add_argument("--quick", action="store_true", help="smoke run: digits, synthetic, ε = 1, 1 seed, 24 steps")
     parser.add_argument("--report", action="store_true", help="only rebuild RESULTS.md and the plots from the JSON")
     parser.add_argument(
         "--out", type=Path, default=None, help="output folder (default benchmarks/, quick: benchmarks/quick)"
     )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
-    parser.add_argument("--datasets", nargs="+", choices=sorted(DATASETS), default=None)
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=None)
+    parser.add_argument("--shifts", nargs="+", choices=SHIFTS, default=None, help="public shifts of the shift study")
     parser.add_argument("--methods", nargs="+", choices=[m.name for m in METHODS], default=None)
     parser.add_argument("--epsilons", nargs="+", type=float, default=None)
     args = parser.parse_args(argv)
@@ -56,11 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     data_dir = out / "results" if not quick else out
     data_dir.mkdir(parents=True, exist_ok=True)
     meta = {
-        "datasets": args.datasets or (["digits"] if quick else list(DATASETS)),
+        "datasets": args.settings or (["digits", "synthetic"] if quick else list(SETTINGS)),
         "methods": args.methods or [m.name for m in METHODS],
         "epsilons": args.epsilons or ([1.0] if quick else list(EPSILONS)),
+        "shifts": args.shifts or (["mild"] if quick else list(SHIFTS)),
         "seeds": [0] if quick else list(SEEDS),
-        "lr_grid": [1.0] if quick else list(LR_GRID),
         "max_steps": 24 if quick else None,
         "jobs": args.jobs,
         "command": "python benchmarks/reproduce.py" + (" --quick" if quick else ""),
@@ -68,11 +69,12 @@ def main(argv: list[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     store = Store(data_dir / "reproduce.json", meta, keep_meta=args.report)
+    meta = store.data["meta"]
+    plan = cells(meta["datasets"], meta["methods"], meta["epsilons"], meta["shifts"])
     if not args.report:
-        plan = list(cells(meta["datasets"], meta["methods"], meta["epsilons"]))
         extra = {"max_steps": meta["max_steps"]} if meta["max_steps"] else {}
-        execute(store, plan, meta["lr_grid"], meta["seeds"], args.jobs, extra)
-    print(report(store, data_dir, results_md))
+        execute(store, plan, meta["seeds"], args.jobs, extra)
+    print(report(store, data_dir, results_md, plan))
     print(f"wrote {results_md}, {store.path} and the plots in {data_dir}")
 
 

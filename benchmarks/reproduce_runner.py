@@ -1,11 +1,12 @@
 """The reproduction benchmark's runner: train each run of the protocol in worker processes, store every record.
 
-:func:`run_one` trains, validates and tests one job (a dict: dataset, method, ε, η, seed) through the
-``pl-dp`` LightningCLI and returns its record (accuracies, ε spent, σ, steps, median step time, peak
-memory, or the error); it never raises. :class:`Store` is the JSON of finished runs
+:func:`run_one` trains, validates and tests one job (a dict: setting, public shift, method, ε, knobs,
+seed) through the ``pl-dp`` LightningCLI and returns its record (accuracies, ε spent, σ, steps, median
+step time, peak memory, or the error); it never raises. :class:`Store` is the JSON of finished runs
 (``results/reproduce.json``), rewritten atomically after each run, so a rerun skips every finished run
-and an interrupted benchmark resumes where it stopped. :func:`execute` runs the η grid (seed 0) of
-every cell and, as soon as a cell's grid is done, its chosen η on the other seeds.
+and an interrupted benchmark resumes where it stopped. :func:`execute` keeps the workers busy with the
+runs of the earliest unfinished cells (:func:`~reproduce_protocol.schedule` says which runs a cell needs
+next), so cells complete in the protocol's order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from reproduce_protocol import build_config, choose, grid_jobs, run_key
+from reproduce_protocol import BY_NAME, build_config, run_key, schedule
 
 
 # ---- one run -----------------------------------------------------------------------------------
@@ -44,16 +45,17 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         )
         timer, memory = StepTimer(), PeakMemory()
         cli.trainer.callbacks.extend([timer, memory])
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        if BY_NAME[job["method"]].train:
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         val = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
         test = cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)[0]
         model = cli.model
         record.update(
             val_acc=float(val["val/acc"]),
             test_acc=float(test["test/acc"]),
-            epsilon_spent=float(model.epsilon),
+            epsilon_spent=float(model.epsilon) if model.privacy is not None else None,
             noise_multiplier=None if model.privacy is None else float(model.noise_multiplier),
-            private_steps=int(model.private_steps),
+            private_steps=int(getattr(model, "private_steps", 0)),
             steps=len(timer.times),
             step_ms=1000 * statistics.median(timer.times[2:] or timer.times) if timer.times else None,
             peak_mb=memory.peak_mb,
@@ -97,56 +99,45 @@ class Store:
         tmp.replace(self.path)
 
 
-def execute(store: Store, plan: list[tuple], lr_grid, seeds, jobs: int, extra: dict[str, Any]) -> None:
-    """Grid (seed 0) for every cell; as soon as a cell's grid is done, its chosen η on the other seeds."""
-    pending: list[dict[str, Any]] = []
-    waiting: dict[tuple, list[str]] = {}
-    for cell in plan:
-        grid = grid_jobs(cell, lr_grid, extra)
-        waiting[cell] = [run_key(j) for j in grid]
-        pending += [j for j in grid if run_key(j) not in store.runs]
+def execute(store: Store, plan: list[tuple], seeds, jobs: int, extra: dict[str, Any]) -> None:
+    """Run every cell's schedule to completion, the earliest cells' runs first, ``jobs`` at a time."""
+    open_cells = list(plan)
+    submitted: set[str] = set()
+    done, t0 = 0, time.perf_counter()
 
-    def follow_ups() -> list[dict[str, Any]]:
-        out = []
-        for cell, keys in list(waiting.items()):
-            if all(k in store.runs for k in keys):
-                del waiting[cell]
-                best = choose([store.runs[k] for k in keys])
-                if best is not None:
-                    more = [dict(best_job(best), seed=s) for s in seeds if s != 0]
-                    out += [j for j in more if run_key(j) not in store.runs]
-        return out
+    def next_job() -> dict[str, Any] | None:
+        for cell in list(open_cells):
+            needed, complete = schedule(cell, store.runs, seeds, extra)
+            if complete:
+                open_cells.remove(cell)
+                continue
+            for job in needed:
+                key = run_key(job)
+                if key not in store.runs and key not in submitted:
+                    submitted.add(key)
+                    return job
+        return None
 
-    pending += follow_ups()
-    total, done, t0 = len(pending), 0, time.perf_counter()
-
-    def finished(record):
+    def finished(record: dict[str, Any]) -> None:
         nonlocal done
         done += 1
         store.add(record)
         acc = f"val {record['val_acc']:.3f} test {record['test_acc']:.3f}" if "error" not in record else record["error"]
-        print(f"[{done}/{total}+ {time.perf_counter() - t0:6.0f}s] {record['key']}: {acc}", flush=True)
+        print(f"[{done} {time.perf_counter() - t0:6.0f}s] {record['key']}: {acc}", flush=True)
 
     if jobs <= 1:
         _init_worker()
-        while pending:
-            finished(run_one(pending.pop(0)))
-            new = follow_ups()
-            total += len(new)
-            pending += new
+        while (job := next_job()) is not None:
+            finished(run_one(job))
         return
     context = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker) as pool:
-        running = {pool.submit(run_one, j) for j in pending}
-        while running:
+        running: set[futures.Future] = set()
+        while True:
+            while len(running) < jobs and (job := next_job()) is not None:
+                running.add(pool.submit(run_one, job))
+            if not running:
+                return
             complete, running = futures.wait(running, return_when=futures.FIRST_COMPLETED)
             for f in complete:
                 finished(f.result())
-            new = follow_ups()
-            total += len(new)
-            running |= {pool.submit(run_one, j) for j in new}
-
-
-def best_job(record: dict[str, Any]) -> dict[str, Any]:
-    keys = ("dataset", "method", "epsilon", "lr", "seed", "max_steps")
-    return {k: record[k] for k in keys if k in record}

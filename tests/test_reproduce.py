@@ -1,4 +1,4 @@
-"""benchmarks/reproduce.py: the quick run end to end (table, plots, resume) and validation-only tuning."""
+"""benchmarks/reproduce.py: tuning on validation only, the staged schedule, paired tests, the quick run end to end."""
 
 import importlib.util
 import json
@@ -8,75 +8,103 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _reproduce():
-    if "reproduce" not in sys.modules:  # dataclasses need the module registered while it executes
-        spec = importlib.util.spec_from_file_location("reproduce", ROOT / "benchmarks" / "reproduce.py")
-        sys.modules["reproduce"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["reproduce"])
-    return sys.modules["reproduce"]
+def _load(name: str):
+    if name not in sys.modules:  # dataclasses need the module registered while it executes
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
-def _run(lr, seed, val, test, epsilon=1.0):
-    return {
-        "dataset": "digits",
-        "method": "DP-SGD",
-        "epsilon": epsilon,
-        "lr": lr,
-        "seed": seed,
-        "val_acc": val,
-        "test_acc": test,
-        "step_ms": 1.0,
-        "peak_mb": 1.0,
-        "epsilon_spent": 0.9,
-        "private_steps": 10,
-        "steps": 10,
-        "fit_s": 1.0,
-    }
+def _record(job, val, test):
+    protocol = _load("reproduce_protocol")
+    return dict(job, key=protocol.run_key(job), val_acc=val, test_acc=test, step_ms=1.0, steps=10, epsilon_spent=0.9)
 
 
-def test_the_step_size_is_chosen_on_validation_accuracy_only():
-    reproduce = _reproduce()
-    base = reproduce.BY_NAME["DP-SGD"].lr["digits"]
-    runs = [
-        _run(0.5 * base, 0, val=0.70, test=0.99),  # best test accuracy, never chosen
-        _run(1.0 * base, 0, val=0.75, test=0.80),
-        _run(2.0 * base, 0, val=0.80, test=0.60),  # best validation accuracy: chosen
-        _run(2.0 * base, 1, val=0.10, test=0.70),
-        _run(2.0 * base, 2, val=0.10, test=0.80),
-        _run(0.5 * base, 1, val=0.99, test=0.99),  # other seeds never enter the choice
-        _run(8.0 * base, 0, val=0.99, test=0.99),  # a stale run outside the grid is ignored
-    ]
-    meta = {"lr_grid": [0.5, 1.0, 2.0], "seeds": [0, 1, 2], "max_steps": None}
-    summary = reproduce.summarize({str(i): r for i, r in enumerate(runs)}, meta)
-    cell = summary[("digits", "DP-SGD", 1.0)]
-    assert cell["lr"] == 2.0 * base and cell["seeds"] == 3
-    assert abs(cell["mean"] - 70.0) < 1e-9 and abs(cell["std"] - 10.0) < 1e-9
+def test_schedule_tunes_in_stages_on_seed_zero_and_chooses_on_validation_only():
+    protocol, report = _load("reproduce_protocol"), _load("reproduce_report")
+    cell = ("digits", "mild", "PAZO-M", 1.0)
+    runs = {}
+    jobs, complete = protocol.schedule(cell, runs, protocol.SEEDS, {})
+    assert not complete and len(jobs) == 9 and {j["seed"] for j in jobs} == {0}  # stage 1: C × η
+    clips = sorted({j["knobs"][protocol.CLIP] for j in jobs})
+    assert clips == pytest.approx([0.2, 0.6, 2.0])
+    for i, job in enumerate(jobs):  # job 4 is best on validation, job 0 best on test
+        runs[protocol.run_key(job)] = _record(job, val=0.9 if i == 4 else 0.5, test=0.99 if i == 0 else 0.6)
+    stage_two, complete = protocol.schedule(cell, runs, protocol.SEEDS, {})
+    added = stage_two[9:]
+    assert not complete and len(added) == 2  # stage 2: α at stage 1's choice
+    assert all(j["knobs"][protocol.LR] == jobs[4]["knobs"][protocol.LR] for j in added)
+    assert sorted(j["knobs"][protocol.ALPHA_PAZO.path] for j in added) == [0.2, 0.8]
+    for job in added:
+        runs[protocol.run_key(job)] = _record(job, val=0.1, test=0.99)  # worse on validation: not chosen
+    final, complete = protocol.schedule(cell, runs, protocol.SEEDS, {})
+    seeds = final[11:]
+    assert not complete and [j["seed"] for j in seeds] == [1, 2, 3, 4]
+    assert all(j["knobs"] == jobs[4]["knobs"] for j in seeds)
+    for s, job in enumerate(seeds, start=1):
+        runs[protocol.run_key(job)] = _record(job, val=0.0, test=0.6 + 0.01 * s)
+    assert protocol.schedule(cell, runs, protocol.SEEDS, {})[1]
+    meta = {"seeds": list(protocol.SEEDS), "max_steps": None}
+    summary = report.summarize(runs, meta, [cell])[cell]
+    assert summary["knobs"] == jobs[4]["knobs"] and summary["n"] == 5 and summary["tuning_runs"] == 11
+    assert summary["mean"] == pytest.approx(62.0)  # seeds 0–4: 60, 61, 62, 63, 64 (test accuracy of the choice)
 
 
-def test_claims_say_plainly_when_they_do_not_reproduce():
-    reproduce = _reproduce()
-    dpzero = {"mean": 80.0, "std": 1.0, "seeds": 3, "step_ms": 1.0}
-    pazo = {"mean": 70.0, "std": 1.0, "seeds": 3, "step_ms": 2.0}
-    summary = {("digits", "DPZero", e): dpzero for e in reproduce.EPSILONS} | {
-        ("digits", p, e): pazo for p in reproduce.PAZO for e in reproduce.EPSILONS
-    }
-    row = next(line for line in reproduce.claims(summary, ["digits"], reproduce.EPSILONS) if "beats DPZero at" in line)
-    assert "**does not reproduce**" in row and "PAZO-M > DPZero in 0/5 cells" in row
-    assert row.rstrip(" |").endswith("20/20")  # a 10-point gap is more than one pooled std (√2) everywhere
+def test_paired_interval_matches_scipy():
+    from scipy import stats
+
+    report = _load("reproduce_report")
+    a = {0: 80.0, 1: 82.5, 2: 79.0, 3: 85.0, 4: 81.0}
+    b = {0: 78.0, 1: 80.0, 2: 79.5, 3: 81.0, 4: 80.0, 9: 0.0}  # seed 9 has no partner: left out
+    p = report.paired("x", a, b)
+    reference = stats.ttest_rel([a[s] for s in range(5)], [b[s] for s in range(5)]).confidence_interval(0.95)
+    assert p.n == 5 and p.low == pytest.approx(reference.low) and p.high == pytest.approx(reference.high)
+    assert p.sign == (1 if reference.low > 0 else -1 if reference.high < 0 else 0)
 
 
-def test_quick_run_writes_a_table_plots_and_resumes(tmp_path):
+def test_claims_say_plainly_when_they_reverse_or_cannot_be_told_apart():
+    report = _load("reproduce_report")
+    ahead = report.Claim("P", "a beats b", "T", [report.paired("c", {0: 80, 1: 81, 2: 82}, {0: 70, 1: 70.5, 2: 71})])
+    behind = report.Claim("P", "a beats b", "T", [report.paired("c", {0: 60, 1: 61, 2: 62}, {0: 70, 1: 70.5, 2: 71})])
+    noise = report.Claim("P", "a beats b", "T", [report.paired("c", {0: 70, 1: 72, 2: 68}, {0: 71, 1: 69, 2: 70})])
+    assert ahead.verdict == "**reproduces**" and behind.verdict == "**reverses**"
+    assert noise.verdict == "**no difference detected**"
+    at_least = report.Claim("P", "a ≥ b", "T", behind.comparisons, at_least=True)
+    assert at_least.verdict.startswith("**contradicted**")
+
+
+def test_every_method_builds_in_every_setting_with_its_knobs():
+    protocol = _load("reproduce_protocol")
+    for method in protocol.METHODS:
+        for setting in method.settings:
+            cell = (setting, protocol.MAIN_SHIFT, method.name, 1.0 if method.private else None)
+            for job in protocol.schedule(cell, {}, protocol.SEEDS, {})[0]:
+                config = protocol.build_config(job)
+                for path, value in job["knobs"].items():
+                    assert protocol._get(config, path) == value
+                assert config["seed_everything"] == job["seed"]
+                assert config["trainer"]["max_epochs"] == protocol.budget_epochs(method, protocol.SETTINGS[setting])
+            if method.knob is not None:  # the knob's path exists in the shipped config
+                protocol._get(protocol.shipped_config(method), method.knob.path)
+
+
+def test_quick_run_writes_tables_plots_and_resumes(tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, "benchmarks/reproduce.py", "--quick", "--jobs", "2", "--out", str(tmp_path)]
-    first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
 
+    protocol = _load("reproduce_protocol")
     runs = list(json.loads((tmp_path / "reproduce.json").read_text())["runs"].values())
-    reproduce = _reproduce()
-    assert {r["method"] for r in runs} == set(reproduce.BY_NAME)
+    expected = {m.name for m in protocol.METHODS if {"digits", "synthetic"} & set(m.settings)}
+    assert {r["method"] for r in runs} == expected
     assert not [r["error"] for r in runs if "error" in r]
     for r in runs:
         assert r["steps"] == 24 and r["step_ms"] > 0
@@ -84,13 +112,11 @@ def test_quick_run_writes_a_table_plots_and_resumes(tmp_path):
             assert 0 < r["epsilon_spent"] <= r["epsilon"] + 1e-9 and r["private_steps"] > 0
 
     text = (tmp_path / "RESULTS.md").read_text()
-    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ") and " | " in line}
     number = re.compile(r"\d+\.\d ± \d+\.\d")
-    for name, method in reproduce.BY_NAME.items():
-        cells = rows[name].strip("| ").split(" | ")[2:]
-        assert len(cells) == 2 and number.fullmatch(cells[-1].strip("*")), rows[name]  # ε=1, non-private
-        assert number.fullmatch(cells[0].strip("*")) if method.private or name == "OnlyPub" else cells[0] == ""
-    assert "## The papers' claims on our data" in text and "**" in text.split("claims on our data")[1]
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ZO") or line.startswith("| FO")]
+    assert len(rows) >= 14 and all(number.fullmatch(cells[2]) for cells in rows)
+    assert "O2NC (replace-one ε; outside its regime)" in text and "O2NC (in regime) (replace-one ε)" in text
+    assert "## Verdicts" in text and "## The papers' claims on our data" in text and "**untested** (one seed)" in text
     for png in ("accuracy_vs_epsilon.png", "accuracy_vs_step_time.png"):
         data = (tmp_path / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -98,4 +124,4 @@ def test_quick_run_writes_a_table_plots_and_resumes(tmp_path):
 
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert not re.search(r"^\[\d+/", again.stdout, re.M), "a finished run was trained again"
+    assert not re.search(r"^\[\d+ ", again.stdout, re.M), "a finished run was trained again"
