@@ -32,29 +32,36 @@ def test_schedule_tunes_in_stages_on_seed_zero_and_chooses_on_validation_only():
     cell = ("digits", "mild", "PAZO-M", 1.0)
     runs = {}
     jobs, complete = protocol.schedule(cell, runs, protocol.SEEDS, {})
-    assert not complete and len(jobs) == 9 and {j["seed"] for j in jobs} == {0}  # stage 1: C × η
+    assert not complete and len(jobs) == 12 and {j["seed"] for j in jobs} == {protocol.TUNING_SEED}  # C × η
     clips = sorted({j["knobs"][protocol.CLIP] for j in jobs})
-    assert clips == pytest.approx([0.2, 0.6, 2.0])
-    for i, job in enumerate(jobs):  # job 4 is best on validation, job 0 best on test
+    assert clips == pytest.approx([0.2, 0.6, 2.0, 6.0])
+    for i, job in enumerate(jobs):  # job 4 (C = 0.6, the middle η) is best on validation, job 0 best on test
         runs[protocol.run_key(job)] = _record(job, val=0.9 if i == 4 else 0.5, test=0.99 if i == 0 else 0.6)
     stage_two, complete = protocol.schedule(cell, runs, protocol.SEEDS, {})
-    added = stage_two[9:]
+    added = stage_two[12:]
     assert not complete and len(added) == 2  # stage 2: α at stage 1's choice
     assert all(j["knobs"][protocol.LR] == jobs[4]["knobs"][protocol.LR] for j in added)
     assert sorted(j["knobs"][protocol.ALPHA_PAZO.path] for j in added) == [0.2, 0.8]
     for job in added:
         runs[protocol.run_key(job)] = _record(job, val=0.1, test=0.99)  # worse on validation: not chosen
     final, complete = protocol.schedule(cell, runs, protocol.SEEDS, {})
-    seeds = final[11:]
-    assert not complete and [j["seed"] for j in seeds] == [1, 2, 3, 4]
+    seeds = final[14:]
+    assert not complete and [j["seed"] for j in seeds] == [1, 2, 3, 4, 5]  # fresh seeds, not the tuning seed
     assert all(j["knobs"] == jobs[4]["knobs"] for j in seeds)
     for s, job in enumerate(seeds, start=1):
         runs[protocol.run_key(job)] = _record(job, val=0.0, test=0.6 + 0.01 * s)
     assert protocol.schedule(cell, runs, protocol.SEEDS, {})[1]
     meta = {"seeds": list(protocol.SEEDS), "max_steps": None}
     summary = report.summarize(runs, meta, [cell])[cell]
-    assert summary["knobs"] == jobs[4]["knobs"] and summary["n"] == 5 and summary["tuning_runs"] == 11
-    assert summary["mean"] == pytest.approx(62.0)  # seeds 0–4: 60, 61, 62, 63, 64 (test accuracy of the choice)
+    assert summary["knobs"] == jobs[4]["knobs"] and summary["n"] == 5 and summary["tuning_runs"] == 14
+    assert summary["mean"] == pytest.approx(63.0)  # seeds 1–5: 61 … 65; the tuning run's test accuracy never counts
+
+
+def test_ties_go_to_the_earliest_run_of_the_schedule():
+    protocol = _load("reproduce_protocol")
+    job = dict(dataset="digits", shift="mild", method="DP-SGD", epsilon=1.0, seed=protocol.TUNING_SEED)
+    first, second = (_record(dict(job, knobs={protocol.LR: lr}), val=0.5, test=t) for lr, t in ((0.1, 0.2), (0.2, 0.9)))
+    assert protocol.choose([first, second]) is first and protocol.choose([second, first]) is second
 
 
 def test_paired_interval_matches_scipy():
@@ -66,7 +73,7 @@ def test_paired_interval_matches_scipy():
     p = report.paired("x", a, b)
     reference = stats.ttest_rel([a[s] for s in range(5)], [b[s] for s in range(5)]).confidence_interval(0.95)
     assert p.n == 5 and p.low == pytest.approx(reference.low) and p.high == pytest.approx(reference.high)
-    assert p.sign == (1 if reference.low > 0 else -1 if reference.high < 0 else 0)
+    assert p.sign() == (1 if reference.low > 0 else -1 if reference.high < 0 else 0)
 
 
 def test_claims_say_plainly_when_they_reverse_or_cannot_be_told_apart():
@@ -77,7 +84,18 @@ def test_claims_say_plainly_when_they_reverse_or_cannot_be_told_apart():
     assert ahead.verdict == "**reproduces**" and behind.verdict == "**reverses**"
     assert noise.verdict == "**no difference detected**"
     at_least = report.Claim("P", "a ≥ b", "T", behind.comparisons, at_least=True)
-    assert at_least.verdict.startswith("**contradicted**")
+    assert at_least.verdict.startswith("**contradicted**") and not at_least.reproduces
+    consistent = report.Claim("P", "a ≥ b", "T", noise.comparisons, at_least=True)
+    assert consistent.verdict.startswith("**consistent**") and not consistent.reproduces
+    assert report.Claim("P", "a ≥ b", "T", ahead.comparisons, at_least=True).verdict == "**holds**"
+    # non-inferiority: "a within 2 points of b" needs the whole interval above −2
+    close = report.paired("c", {0: 79.0, 1: 79.5, 2: 80.0}, {0: 80.0, 1: 80.0, 2: 80.5})
+    far = report.paired("c", {0: 70.0, 1: 76.0, 2: 79.0}, {0: 80.0, 1: 80.0, 2: 80.5})
+    assert report.Claim("P", "within 2", "T", [close], threshold=-2.0).verdict == "**reproduces**"
+    assert report.Claim("P", "within 2", "T", [far], threshold=-2.0).verdict == "**no difference detected**"
+    assert report.Claim("P", "a beats b", "T", [report.paired("c", {0: 1.0}, {0: 0.0})]).verdict.startswith(
+        "**untested**"
+    )
 
 
 def test_every_method_builds_in_every_setting_with_its_knobs():
@@ -112,9 +130,12 @@ def test_quick_run_writes_tables_plots_and_resumes(tmp_path):
             assert 0 < r["epsilon_spent"] <= r["epsilon"] + 1e-9 and r["private_steps"] > 0
 
     text = (tmp_path / "RESULTS.md").read_text()
-    number = re.compile(r"\d+\.\d ± \d+\.\d")
-    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ZO") or line.startswith("| FO")]
-    assert len(rows) >= 14 and all(number.fullmatch(cells[2]) for cells in rows)
+    number = re.compile(r"\d+\.\d ± \d+\.\d( \(collapsed\))?")
+    rows = [line.strip("| ").split(" | ") for line in text.splitlines() if re.match(r"\| (ZO|FO|PUB|none)", line)]
+    assert len(rows) == len(expected)
+    for row in rows:  # every filled cell is a mean ± std (the quick mode has one seed: ± 0.0)
+        filled = [cell for cell in row[2:] if cell.strip()]
+        assert filled and all(number.fullmatch(cell.strip()) for cell in filled), row
     assert "O2NC (replace-one ε; outside its regime)" in text and "O2NC (in regime) (replace-one ε)" in text
     assert "## Verdicts" in text and "## The papers' claims on our data" in text and "**untested** (one seed)" in text
     for png in ("accuracy_vs_epsilon.png", "accuracy_vs_step_time.png"):
@@ -125,3 +146,31 @@ def test_quick_run_writes_tables_plots_and_resumes(tmp_path):
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert not re.search(r"^\[\d+ ", again.stdout, re.M), "a finished run was trained again"
+
+
+def test_step_size_grid_widens_while_the_best_sits_at_an_end():
+    protocol = _load("reproduce_protocol")
+    cell = ("digits", "mild", "DP-SGD Auto-S", 1.0)  # η only: three values
+    runs = {}
+    jobs, _ = protocol.schedule(cell, runs, protocol.SEEDS, {})
+    lrs = [j["knobs"][protocol.LR] for j in jobs]
+    for job in jobs:  # the largest η is best on validation
+        runs[protocol.run_key(job)] = _record(job, val=job["knobs"][protocol.LR], test=0.5)
+    jobs, complete = protocol.schedule(cell, runs, protocol.SEEDS, {})
+    assert not complete and jobs[-1]["knobs"][protocol.LR] == pytest.approx(2 * max(lrs))
+    assert jobs[-1]["seed"] == protocol.TUNING_SEED
+    runs[protocol.run_key(jobs[-1])] = _record(jobs[-1], val=0.0, test=0.99)  # worse: the widening stops
+    jobs, _ = protocol.schedule(cell, runs, protocol.SEEDS, {})
+    assert [j["seed"] for j in jobs[4:]] == [1, 2, 3, 4, 5] and jobs[-1]["knobs"][protocol.LR] == max(lrs)
+    for job in jobs[4:]:
+        runs[protocol.run_key(job)] = _record(job, val=0.0, test=0.5)
+    ever_better = {}  # a best that keeps sitting at the end widens at most LR_EXTENSIONS times
+    jobs, _ = protocol.schedule(cell, ever_better, protocol.SEEDS, {})
+    while True:
+        for job in jobs:
+            ever_better[protocol.run_key(job)] = _record(job, val=job["knobs"][protocol.LR], test=0.5)
+        jobs, complete = protocol.schedule(cell, ever_better, protocol.SEEDS, {})
+        if complete:
+            break
+    tuned = {r["knobs"][protocol.LR] for r in ever_better.values() if r["seed"] == 0}
+    assert len(tuned) == len(protocol.LR_FACTORS) + protocol.LR_EXTENSIONS
