@@ -90,8 +90,22 @@ def summarize(runs: dict[str, dict[str, Any]], meta: dict[str, Any], plan: list[
             "steps": _median([r.get("steps") for r in chosen]),
             "epsilon_spent": max((r["epsilon_spent"] or 0.0) for r in chosen),
             "tuning_runs": len([r for r in records if r["seed"] == TUNING_SEED]),
+            "lr_edge": lr_edge(best, records),
         }
     return out
+
+
+def lr_edge(best: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """ "↑" ("↓") when the chosen η is the largest (smallest) tried at its other knobs — the widening cap was hit."""
+    knobs = best["knobs"]
+    same = [
+        r["knobs"][LR]
+        for r in records
+        if r["seed"] == TUNING_SEED and all(r["knobs"].get(k) == v for k, v in knobs.items() if k != LR)
+    ]
+    if len(same) < 2:
+        return ""
+    return "↑" if knobs[LR] == max(same) else "↓" if knobs[LR] == min(same) else ""
 
 
 @functools.cache
@@ -433,7 +447,7 @@ def _cell_text(s, n_seeds: int) -> str:
 
 def _name(method: str, setting: str) -> str:
     m = BY_NAME[method]
-    if m.adjacency != ADD_REMOVE:
+    if m.adjacency != ADD_REMOVE and m.private:
         suffix = " (replace-one ε" + ("; outside its regime)" if setting in TABULAR else ")")
         return method + suffix
     return method
@@ -461,13 +475,15 @@ def accuracy_table(summary, setting: str, methods, levels, n_seeds: int) -> list
 KNOB_LABELS = {LR: "η", CLIP: "C"}
 
 
-def _knobs_text(knobs: dict[str, Any]) -> str:
+def _knobs_text(knobs: dict[str, Any], lr_mark: str = "") -> str:
     labels = dict(KNOB_LABELS)
     for m in BY_NAME.values():
         if m.knob:
             labels[m.knob.path] = m.knob.label
     return ", ".join(
-        f"{labels.get(k, k.rsplit('.', 1)[-1])}={v:g}" if isinstance(v, float) else f"{labels.get(k, k)}={v}"
+        f"{labels.get(k, k.rsplit('.', 1)[-1])}={v:g}{lr_mark if k == LR else ''}"
+        if isinstance(v, float)
+        else f"{labels.get(k, k)}={v}"
         for k, v in sorted(knobs.items(), key=lambda kv: list(labels).index(kv[0]) if kv[0] in labels else 99)
     )
 
@@ -484,7 +500,7 @@ def knobs_table(summary, setting: str, methods, levels) -> list[str]:
             if m.private
             else [None] * len(levels) + [cell_of(summary, setting, name, None)]
         )
-        row = [_knobs_text(s["knobs"]) + f" ({s['tuning_runs']} runs)" if s else "" for s in found]
+        row = [_knobs_text(s["knobs"], s["lr_edge"]) + f" ({s['tuning_runs']} runs)" if s else "" for s in found]
         lines.append("| " + " | ".join([name, *row]) + " |")
     return lines
 
@@ -656,7 +672,8 @@ def report(store: Store, out: Path, results_md: Path, plan: list[tuple]) -> str:
             "",
             *accuracy_table(summary, d, methods, levels, _seed_count(d, meta)),
             "",
-            "Chosen knobs per cell (and the number of seed-0 tuning runs they were chosen from):",
+            "Chosen knobs per cell and the number of tuning-seed runs they were chosen from (η↑ / η↓: the largest "
+            "/ smallest η tried at that C after widening — the optimum may lie beyond):",
             "",
             *knobs_table(summary, d, methods, levels),
             "",
@@ -675,6 +692,8 @@ def report(store: Store, out: Path, results_md: Path, plan: list[tuple]) -> str:
             f"Test accuracy (%), mean ± sample std over seeds {', '.join(map(str, spec.seeds))}.",
             "",
             *accuracy_table(summary, d, methods, spec.epsilons, _seed_count(d, meta)),
+            "",
+            "Chosen knobs (η↑ / η↓ as above):",
             "",
             *knobs_table(summary, d, methods, spec.epsilons),
             "",
