@@ -1,6 +1,6 @@
 """Privacy–utility reproduction (second edition): every pl_dp method, tuned per method, in four settings.
 
-    python benchmarks/reproduce.py            # full run (about 1.5 hours with --jobs 2 on 2 CPU cores); resumable
+    python benchmarks/reproduce.py            # full run (175 worker-minutes, 1.5 hours with --jobs 2); resumable
     python benchmarks/reproduce.py --quick    # smoke run: digits and synthetic, ε = 1, 1 seed, no tuning, 24 steps
     python benchmarks/reproduce.py --report   # rebuild RESULTS.md and the plots from the JSON only
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-EPSILONS = (0.1, 1.0)
+EPSILONS = (0.1, 1.0, 3.0)
 SHIFTS = ("none", "mild", "strong")
 MAIN_SHIFT = "mild"
 SHIFT_EPSILON = 1.0  # the shift study's ε, as PAZO's Table 7
