@@ -69,7 +69,8 @@ class DigitsDataModule(PrivatePublicDataModule):
         sampling_seed: int | None = None,
         public_shift: str = "strong",
     ) -> None:
-        splits = dict(zip(("private", "public", "val", "test"), digits_splits(public_fraction, public_shift=public_shift)))
+        names = ("private", "public", "val", "test")
+        splits = dict(zip(names, digits_splits(public_fraction, public_shift=public_shift)))
         super().__init__(
             **self.from_splits(
                 splits,
