@@ -6,7 +6,8 @@ system's CSPRNG (``secrets``) and derives every draw from (key, private step, dr
 noise of step t never depends on how many draws earlier steps made, and nothing but the key is
 state. It has no ``state_dict`` on purpose: the key is never written to a checkpoint, hparams, a
 log or an artifact, and a resumed run, being a new process, draws a new key (privacy state survives a
-checkpoint, secrets do not).
+checkpoint, secrets do not). Pickles and deep copies (``torch.save(model)``, ``copy.deepcopy``) leave the
+key out, and the copy draws a key of its own.
 
 Two generators:
 
@@ -60,6 +61,19 @@ class NoiseSource:
             self._key = hashlib.sha256(b"pl_dp noise seed " + str(int(seed)).encode()).digest()
         self._step = 0
         self._draws = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle or a deep copy of this source holds: no key unless a user seed made it public."""
+        state = dict(self.__dict__)
+        if not self.seeded:
+            del state["_key"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy without the key draws its own from OS entropy: it never replays the original's noise."""
+        self.__dict__.update(state)
+        if "_key" not in state:
+            self._key = secrets.token_bytes(_KEY_BYTES)
 
     def start_step(self, step: int) -> None:
         """Draws from now on belong to private step ``step`` (a pure function of key, step, draw index)."""

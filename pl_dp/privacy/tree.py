@@ -323,8 +323,12 @@ class TreeAggregatedGaussian:
             raise ValueError(f"a private tree needs a finite sensitivity > 0, got {sensitivity}.")
         self.noise_multiplier = float(noise_multiplier)
         self.sensitivity = float(sensitivity)
-        self._nodes: list[tuple[int, list[torch.Tensor]]] = []  # (right endpoint b, ξ_b) of the current prefix
+        self._nodes: list[tuple[int, list[torch.Tensor]]] | None = []  # (right endpoint b, ξ_b) of the prefix
         self._released: TreeLeaf | None = None  # the leaf released and not yet accounted
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickle or deep copy holds no node noise (a secret: it would remove the noise of every release)."""
+        return dict(self.__dict__, _nodes=None)
 
     @property
     def noise_std(self) -> float:
@@ -334,6 +338,11 @@ class TreeAggregatedGaussian:
         """TREE(t): draws ξ_t, keeps the ξ_b of NODE(t), returns their sum (shaped like ``like``)."""
         if t == 1:
             self._nodes = []
+        if self._nodes is None:
+            raise RuntimeError(
+                "this tree's node noises are secrets that a pickle or a deep copy does not carry: a copy can start "
+                "a new tree (t = 1), not continue one mid-way (its release would lack the earlier nodes' noise)."
+            )
         ends = {b for _, b in tree_nodes(t)}
         self._nodes = [(b, xi) for b, xi in self._nodes if b in ends]
         fresh = [noise.normal(x.shape, self.noise_std, x.device, x.dtype) for x in like]

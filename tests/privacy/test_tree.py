@@ -50,6 +50,19 @@ def test_tree_noise_variance_matches_the_node_count():
     assert (seven - six).var().item() == pytest.approx(1.0, rel=0.05)
 
 
+def test_a_copy_of_a_tree_holds_no_node_noise_and_cannot_continue_it():
+    import copy
+
+    tree, noise, like = TreeAggregatedGaussian(noise_multiplier=2.0, sensitivity=0.5), NoiseSource(), [torch.zeros(8)]
+    for t in range(1, 3):
+        tree.noise(t, like, noise)
+    clone = copy.deepcopy(tree)
+    with pytest.raises(RuntimeError, match="node noises are secrets"):
+        clone.noise(3, like, noise)  # TREE(3) = ξ(1, 2) + ξ(3): never released without ξ(1, 2)
+    assert clone.noise(1, like, noise)[0].shape == (8,)  # a new tree is fine
+    tree.noise(3, like, noise)  # the original goes on
+
+
 def _epsilon_of_nodes(nodes, z, delta):
     """ε of ``nodes`` Gaussian releases with multiplier z, by dp-accounting's RDP accountant (an independent check)."""
     accountant = dp_accounting.rdp.RdpAccountant()
