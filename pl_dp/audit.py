@@ -21,14 +21,16 @@ The claimed ε is the accountant's ε for the same experiment: one step of the m
 mechanism with multiplier σ, the canary present with certainty (sample rate 1). A lower bound
 above the claim means the implementation adds less noise than it accounts for.
 
-Audit on small models: the canary construction scales float inputs, and each trial is one step.
+Audit on small models: the canary construction scales float inputs, and each trial is one step. Both
+neighbouring batches are built by the run's own private loader's ``collate_fn``, so what batching does (padding
+to the longest example, a user's per-batch transform) is part of what is audited.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -110,9 +112,11 @@ class _RecordingMechanism:
         return torch.cat(self.released) if self.released else torch.zeros(0, dtype=torch.float64)
 
 
-def make_canary(net: torch.nn.Module, example: Any, input_scale: float) -> Any:
+def make_canary(
+    net: torch.nn.Module, example: Any, input_scale: float, collate: Callable[[list], Any] = default_collate
+) -> Any:
     """A worst-case version of ``example``: float inputs × ``input_scale``, label = least likely class."""
-    inputs, _ = split_inputs_targets(default_collate([example]))
+    inputs, _ = split_inputs_targets(collate([example]))
     if torch.is_tensor(inputs) and inputs.is_floating_point():
         inputs = inputs * input_scale
     with torch.no_grad():
@@ -177,13 +181,12 @@ class _StepTrials:
                 f"{self.reference_size + 1} examples."
             )
         examples = [private[i] for i in range(self.reference_size)]
+        collate = module.trainer.train_dataloader.collate_fn  # the run's own batching: padding, masks and all
         canary = self.canary
         if canary is None:
-            canary = make_canary(module.net, private[self.reference_size], self.input_scale)
-        return tuple(
-            module.transfer_batch_to_device(default_collate(batch), module.device, 0)
-            for batch in (examples, examples + [canary])
-        )
+            canary = make_canary(module.net, private[self.reference_size], self.input_scale, collate)
+        batches = (examples, examples + [canary])
+        return tuple(module.transfer_batch_to_device(collate(batch), module.device, 0) for batch in batches)
 
     def run(self, module: PrivateModule, datamodule: Any) -> AuditResult:
         without, with_canary = self._batches(module, datamodule)

@@ -43,12 +43,15 @@ def minilm():
     return PromptClassifier(["terrible", "great"])
 
 
-def _batch(net, texts=TEXTS, labels=LABELS):
+def _examples(net, texts=TEXTS, labels=LABELS):
     ids = tokenize_prompts(texts, net.tokenizer, net.template, 64)
-    examples = [
+    return [
         {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": torch.tensor(y)} for x, y in zip(ids, labels)
     ]
-    return PaddingCollate()(examples)
+
+
+def _batch(net, texts=TEXTS, labels=LABELS):
+    return PaddingCollate()(_examples(net, texts, labels))
 
 
 def _inputs(batch):
@@ -86,7 +89,7 @@ def test_padding_changes_no_other_examples_score_and_the_probe_passes(tiny_lm):
         )
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
     net.train()
-    probe_independence(net, cross_entropy, batch, modes=("train", "eval"))
+    probe_independence(net, cross_entropy, _examples(net), modes=("train", "eval"), collate=PaddingCollate())
 
 
 def test_sentence_encoder_scores_against_the_label_words_embeddings(minilm):
@@ -99,7 +102,7 @@ def test_sentence_encoder_scores_against_the_label_words_embeddings(minilm):
     assert scores.argmax(1).tolist() == [1, 0]  # zero-shot: the pretrained encoder already knows
     cosines = minilm_embeddings(["a wonderful day"]) @ minilm.head.weight.T
     torch.testing.assert_close(scores[0], minilm.scale * cosines[0], atol=1e-4, rtol=1e-4)
-    probe_independence(minilm, cross_entropy, _batch(minilm), modes=("eval",))
+    probe_independence(minilm, cross_entropy, _examples(minilm), modes=("eval",), collate=PaddingCollate())
 
 
 @pytest.mark.parametrize("method", [DPZero, DPSGD])

@@ -13,14 +13,21 @@ PAD_VALUES: dict[str, int] = {"labels": -100, "attention_mask": 0, "input_ids": 
 
 
 class PaddingCollate:
-    """``default_collate``, except that 1-D tensors of different lengths are right-padded to the longest.
+    """``default_collate``, except that 1-D tensors of different lengths are right-padded to the longest, with a mask.
 
     Dict examples (``{"input_ids": ..., "attention_mask": ..., "labels": ...}``) pad each key with its
-    value in ``pad_values`` (``PAD_VALUES`` by default: 0, and −100 for token-level labels); tuple
-    examples pad with 0. Examples of equal shapes batch exactly as ``default_collate`` does. Padding is
-    per batch (dynamic), so a batch costs what its longest example costs. A padded position changes no
-    per-example value when the model masks it (attention mask 0): each example's loss still depends
-    on that example only.
+    value in ``pad_values`` (``PAD_VALUES`` by default: 0, and −100 for token-level labels); when they carry no
+    ``attention_mask``, one is added (1 on each example's own positions of its first ragged key, 0 on padding).
+    Tuple examples pad with 0, which the net must read as padding (``TinyTransformerClassifier`` does:
+    ``pad_token_id=0``). Examples of equal shapes batch exactly as ``default_collate`` does. Padding is per batch
+    (dynamic), so a batch costs what its longest example costs.
+
+    Privacy: padding on the right keeps each example's own values, at its own positions, in its own row, whatever
+    else is sampled; only the padded length depends on the batch. A net that masks the padding (attention mask 0
+    for keys, weight 0 in pooling; causal attention never reaches later positions) computes each example's loss
+    from that example alone. One that does not — mean-pooling over padded positions, attending to them — makes
+    every loss depend on the longest example sampled: the fit-start probe (:mod:`pl_dp.privacy.independence`)
+    refuses such a net, through this collate, before any step.
     """
 
     def __init__(self, pad_values: Mapping[str, int] | None = None) -> None:
@@ -30,8 +37,13 @@ class PaddingCollate:
         first = examples[0]
         if isinstance(first, Mapping):
             columns = {key: [e[key] for e in examples] for key in first}
-            if any(map(_ragged, columns.values())):
-                return {key: _stack(values, self.pad_values.get(key, 0)) for key, values in columns.items()}
+            ragged = [key for key, values in columns.items() if _ragged(values)]
+            if ragged:
+                batch = {key: _stack(values, self.pad_values.get(key, 0)) for key, values in columns.items()}
+                if "attention_mask" not in batch:
+                    lengths = torch.tensor([len(v) for v in columns[ragged[0]]])
+                    batch["attention_mask"] = (torch.arange(int(lengths.max())) < lengths.unsqueeze(1)).long()
+                return batch
         elif isinstance(first, (tuple, list)):
             columns = list(zip(*examples))
             if any(map(_ragged, columns)):

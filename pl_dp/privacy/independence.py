@@ -14,22 +14,30 @@ guards: Opacus' grad-sample hooks and ``ModuleValidator`` inspect only layers wi
 statistics written by the forward pass (BatchNorm's, InstanceNorm's with ``track_running_stats=True``) are a
 second leak: un-noised statistics of the private set, saved in every checkpoint.
 
+Batching is part of the path: a ``collate_fn`` that standardizes features by the batch, pads on the left, or pads
+every example to the longest of its batch for a net that does not mask the padding makes an example's loss depend
+on which other examples were sampled, exactly as a mixing layer does. So the probe builds its batches through the
+private loader's own ``collate_fn`` and changes them the way Poisson sampling does: an example replaced, and one
+added — a long or outlying one.
+
 Two checks, both at fit start and before any private step:
 
 * :func:`refuse_batch_mixing_modules` refuses, by type, every known mixing module anywhere in the net,
   whether or not it has parameters: all errors are collected and raised once, each with the module's
   qualified name, its type and a replacement (the shape of Opacus' ``ModuleValidator.validate(strict=True)``).
-* :func:`probe_independence` tests behaviour, for any net and any callable loss: it computes the per-example
-  losses of a few examples, then of the same examples with one replaced, in the mode(s) in which the method
-  evaluates its private losses, and refuses if another example's loss (or, with autograd, the other
-  examples' summed gradient) moves, or if the forward pass writes a buffer or a parameter.
-  :func:`probe_examples` picks its examples: public data, else validation data, else private data by index.
+* :func:`probe_independence` tests behaviour, for any collate, net and callable loss: it computes the per-example
+  losses of a batch of examples (the expected batch size, up to ``PROBE_MAX``), then of the same batch with one
+  example replaced and with one added, in eval mode with an outlier and, for methods that take gradients, in
+  training mode with autograd, and refuses if another example's loss (or, with autograd, the other examples'
+  summed gradient) moves, or if the forward pass writes a buffer or a parameter. Its message says whether the
+  collate is what mixes. :func:`probe_examples` picks its examples: public data, else validation data, else
+  private data by index.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -39,8 +47,11 @@ from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
 
-#: examples in the probe batch (one more is read to replace one of them): a BatchNorm-sized batch
+#: examples in the probe batch when no expected batch size is given (a BatchNorm-sized batch), and at most
 PROBE_SIZE = 8
+PROBE_MAX = 256
+#: examples among which the outlier (the longest, then the largest) is chosen, at least
+SCAN = 1024
 #: a watched loss "moved" when it changed by more than this fraction of the largest watched loss
 #: (plus NOISE_MARGIN times the jitter between two passes over the same examples; see probe_independence)
 RELATIVE_TOLERANCE = 1e-5
@@ -121,15 +132,17 @@ def refuse_batch_mixing_modules(net: nn.Module) -> None:
 
 def probe_examples(
     datamodule: Any, private_loader: Any, public: bool = True, size: int = PROBE_SIZE
-) -> tuple[Any, str]:
-    """Up to ``size + 1`` collated examples for :func:`probe_independence`, and where they come from.
+) -> tuple[list[Any], str]:
+    """Up to ``size`` examples and an outlier (the last of the list) for :func:`probe_independence`, and their source.
 
-    The first examples, by index, of the first of these with at least three: the datamodule's ``public``
-    dataset (only with ``public=True``: pass it for methods that train on public data, whose public set goes
-    through the same net and loss; another method's public set need not fit them), its ``val`` dataset (the
-    attribute names of :class:`~pl_dp.data.PrivatePublicDataModule`; any object without them is skipped),
-    then the private loader's ``dataset``. They are collated with the private loader's ``collate_fn``, so the
-    probe sees batches shaped like the private ones.
+    The examples come from the first of these with at least three: the datamodule's ``public`` dataset (only with
+    ``public=True``: pass it for methods that train on public data, whose public set goes through the same net and
+    loss; another method's public set need not fit them), its ``val`` dataset (the attribute names of
+    :class:`~pl_dp.data.PrivatePublicDataModule`; any object without them is skipped), then the private loader's
+    ``dataset``. Among its first ``max(SCAN, 4·size)`` examples the *outlier* is the largest — the most elements
+    (the longest text), then the largest norm — since a long example changes the padding of a batch and an outlying
+    one its statistics; the batch is the first ``size`` of the examples shorter than it (when there are two or
+    more: the outlier then lengthens the padding of every probe batch), else of the others, in index order.
 
     Private examples are read only when neither public nor validation data exists, and then by index —
     never through the private loader or its sampler, whose randomness is a secret of the run and whose
@@ -140,7 +153,6 @@ def probe_examples(
     the refusal goes only to whoever runs the job (who holds the data already), and its message names
     positions in the probe batch, never values computed from the data.
     """
-    collate = getattr(private_loader, "collate_fn", None) or default_collate
     candidates = (
         ("public", getattr(datamodule, "public", None) if public else None),
         ("validation", getattr(datamodule, "val", None)),
@@ -148,7 +160,13 @@ def probe_examples(
     )
     for source, dataset in candidates:
         if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") and len(dataset) >= 3:
-            return collate([dataset[i] for i in range(min(len(dataset), size + 1))]), source
+            window = [dataset[i] for i in range(min(len(dataset), max(SCAN, 4 * size)))]
+            extents = [_extent(example) for example in window]
+            outlier = max(range(len(window)), key=extents.__getitem__)
+            # only shorter examples when there are two, so that the outlier lengthens every probe batch's padding
+            shorter = [i for i in range(len(window)) if extents[i][0] < extents[outlier][0]]
+            members = shorter if len(shorter) >= 2 else [i for i in range(len(window)) if i != outlier]
+            return [window[i] for i in members[:size]] + [window[outlier]], source
     raise IndependenceError(
         "per-example independence is checked at fit start on at least 3 examples (public, "
         "validation or private); the datasets here have fewer."
@@ -158,31 +176,40 @@ def probe_examples(
 def probe_independence(
     net: nn.Module,
     loss_fn: PerSampleLoss,
-    examples: Any,
+    examples: Sequence[Any],
     modes: Iterable[Mode] = ("train", "eval"),
     source: str = "probe",
+    collate: Callable[[list[Any]], Any] = default_collate,
+    transfer: Callable[[Any], Any] | None = None,
 ) -> None:
-    """Refuse ``net`` and ``loss_fn`` if one example's loss depends on another example or the forward writes state.
+    """Refuse ``net`` and ``loss_fn`` — with the loader's ``collate`` — if one example's loss depends on another
+    example, or if the forward writes state.
 
-    ``examples`` is a collated batch of m ≥ 3 examples (from :func:`probe_examples`, on the net's device).
-    The probe batch is the first k = m − 1 of them; its *modified* copy has the middle example (position
-    k // 2) replaced by the m-th. Replacing the middle one catches mixing in both directions along the batch
-    (a recurrent layer run over the batch dimension carries earlier examples into later ones only). In each
-    mode, three passes — the probe batch, the probe batch again, the modified batch — give per-example losses:
+    ``examples`` are m ≥ 3 uncollated examples (from :func:`probe_examples`): the probe batch is the first k = m − 1
+    of them and the last is an *outlier* (a long or outlying example). Every batch is built by ``collate`` — the
+    private loader's own, so padding, masks and whatever else it does to a batch are part of what is probed — and
+    moved by ``transfer`` (e.g. to the net's device). Variants of the probe batch:
 
-    * ``"train"``: the net's modes as they are during training steps (fit start), autograd on — how
-      first-order methods compute per-example gradients. The random generators are forked and reset to the
-      same state before each pass, so dropout draws the same masks for the same positions. Besides the
-      losses, the summed gradient of the watched examples (all but the replaced one) is compared: it catches
-      mixing done only by the backward pass, such as ``x + (m - m.detach())`` with ``m`` a batch mean.
-    * ``"eval"``: ``net.eval()`` under ``torch.inference_mode()``, exactly as zeroth-order methods evaluate
-      their private losses (:func:`pl_dp.zo.per_sample_evaluator`).
+    * *outlier replaced*: the middle example (position k // 2) replaced by the outlier, and *outlier added*: the
+      outlier appended. In eval mode under ``torch.inference_mode()``, always. A longer example changes every
+      example's padding, an outlying one every batch statistic: a net that does not mask its padding, a collate that
+      standardizes by the batch or pads on the left, a loss normalized by the batch move the other examples' losses.
+    * *peer replaced*: the middle example replaced by a copy of the first, in training mode with autograd (only
+      with ``"train"`` in ``modes``: how first-order methods compute per-example gradients). A peer leaves the
+      padded shape as it is, so the random generators, reset to one state before each pass, give every position the
+      same dropout mask (a batch of another shape would draw other masks: that is why nothing is added here).
+      Besides the losses, the summed gradient of the watched examples is compared: it catches mixing done only by
+      the backward pass, such as ``x + (m - m.detach())`` with ``m`` a batch mean.
+
+    Replacing the middle example catches mixing in both directions along the batch (a recurrent layer run over
+    the batch dimension carries earlier examples into later ones only); the watched examples are all the others.
+    Each mode's reference batch is run twice, which measures the jitter of its kernels.
 
     **Tolerance.** A watched loss has moved when ``|ℓ'_j − ℓ_j| > RELATIVE_TOLERANCE·max_i |ℓ_i| + NOISE_MARGIN·ν``,
     ν being the largest change between the two passes over the same examples (the same rule, with norms,
     for the gradient). For a per-example net the watched rows go through the same arithmetic on the same
-    values in both passes, so on deterministic kernels they agree bit for bit (ν = 0); 1e-5 (about 80 fp32
-    ulps of the largest loss) absorbs a different summation order, and ν absorbs the jitter of
+    values, so on deterministic kernels they agree to the last bits; 1e-5 (about 80 fp32 ulps of the largest loss)
+    absorbs a different summation order (a longer padded length, one more row), and ν absorbs the jitter of
     non-deterministic kernels (GPU atomics, reduced precision), so noise is not mistaken for mixing. Real
     mixing is far above: a parameter-free BatchNorm over 8 examples moves the other losses by 4e-2 to 7e-2 of
     the largest (an MLP on blobs or on the digits), a full batch-mean subtraction by 1e-2 to 2e-2, and even a
@@ -196,32 +223,39 @@ def probe_independence(
     leaves the net as it found it — buffers (objects and values) restored, added buffers removed, each
     module's train/eval flag restored, no parameter written (gradients are taken with ``torch.autograd.grad``;
     ``.grad`` is untouched) — and restores the CPU and CUDA random generators, so a run draws the same random
-    stream with or without it. It costs three forwards per mode (plus three backwards in ``"train"``), once.
+    stream with or without it. It costs four forwards (plus three forwards and backwards with ``"train"``), once.
 
-    Raises :class:`IndependenceError` naming the positions, the mode and what to do; the message holds no
-    value computed from the examples.
+    Raises :class:`IndependenceError` naming the positions, the variant, the collate when it is what mixes (an
+    example's own row of the batch changed) and what to do; the message holds no value computed from the examples.
     """
-    count = batch_size_of(examples)
+    count = len(examples)
     if count < 3:
         raise IndependenceError(f"the independence probe needs at least 3 examples, got {count}.")
-    state = _NetState(net)
+    for mode in modes:
+        if mode not in _MODE_WORDS:
+            raise ValueError(f"the probe's modes are {sorted(_MODE_WORDS)}, got {mode!r}.")
+    state = NetState(net)
     problems: list[str] = []
     try:
         with torch.random.fork_rng(devices=state.cuda_devices):
-            probe = _Probe(net, loss_fn, examples, count, state)
-            for mode in modes:
-                problems += probe.findings(mode, source)
+            probe = _Probe(net, loss_fn, list(examples), collate, transfer or (lambda batch: batch), state)
+            problems += probe.findings("eval", source)
+            if "train" in modes:
+                problems += probe.findings("train", source)
     finally:
         state.reset()
     if problems:
         raise IndependenceError(
             "per-example independence is violated:\n  - " + "\n  - ".join(problems) + "\n"
             "Each example's loss and gradient must depend on that example alone, or clipping bounds nothing and "
-            "the reported epsilon is wrong. Look for a statistic over the batch dimension in the net or the loss: "
-            "a batch mean or normalization (use nn.GroupNorm or nn.LayerNorm), or attention or a recurrent layer "
-            "run over the batch dimension (nn.MultiheadAttention, nn.RNN/LSTM/GRU and nn.Transformer expect "
-            "[T, B, ...] unless batch_first=True). A forward pass must not write buffers or parameters (use "
-            "track_running_stats=False, or compute such statistics from public data before training)."
+            "the reported epsilon is wrong. Look for a statistic over the batch dimension in the collate_fn, the net "
+            "or the loss: a batch mean or normalization (use nn.GroupNorm or nn.LayerNorm; standardize features "
+            "with statistics fixed before training, in the Dataset), padding the net does not mask (pad on the "
+            "right and pass an attention mask the net honours: pl_dp.data.PaddingCollate adds one to dict "
+            "examples), or attention or a recurrent layer run over the batch dimension (nn.MultiheadAttention, "
+            "nn.RNN/LSTM/GRU and nn.Transformer expect [T, B, ...] unless batch_first=True). A forward pass must "
+            "not write buffers or parameters (use track_running_stats=False, or compute such statistics from "
+            "public data before training)."
         )
 
 
@@ -229,71 +263,116 @@ def probe_independence(
 class _Pass:
     """One forward (and, in train mode, backward) over a batch."""
 
-    losses: torch.Tensor  # [k], fp32, on the CPU
+    batch: Any  # as collated, before transfer
+    losses: torch.Tensor  # [rows], fp32, on the CPU
     gradient: tuple[torch.Tensor, ...] | None  # Σ over watched examples of ∇ℓ_j (train mode, trainable params)
     written: list[str]  # buffers and parameters the forward wrote
 
 
 class _Probe:
-    """The three passes of :func:`probe_independence` in one mode, and what they show."""
+    """The passes of :func:`probe_independence`, and what they show."""
 
-    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, examples: Any, count: int, state: _NetState) -> None:
-        self.net, self.loss_fn, self.examples, self.count, self.state = net, loss_fn, examples, count, state
-        self.size = count - 1
-        self.replaced = self.size // 2
-        self.watched = [i for i in range(self.size) if i != self.replaced]
+    def __init__(
+        self,
+        net: nn.Module,
+        loss_fn: PerSampleLoss,
+        examples: list[Any],
+        collate: Callable[[list[Any]], Any],
+        transfer: Callable[[Any], Any],
+        state: NetState,
+    ) -> None:
+        self.net, self.loss_fn, self.collate, self.transfer, self.state = net, loss_fn, collate, transfer, state
+        self.examples = examples
+        self.size = len(examples) - 1  # k; position k of a variant is the stand-in
+        self.middle = self.size // 2
+        self.reference = list(range(self.size))
+        self.watched = [i for i in self.reference if i != self.middle]
+        replaced = [self.size if i == self.middle else i for i in self.reference]
+        self.variants: dict[Mode, dict[str, list[int]]] = {
+            "eval": {
+                f"replacing only the example at position {self.middle} by": replaced,
+                f"adding at position {self.size}": [*self.reference, self.size],
+            },
+            # a batch of another shape would draw other dropout masks: in training mode the shape is kept
+            "train": {f"replacing only the example at position {self.middle} by": replaced},
+        }
         self.params = [p for p in net.parameters() if p.requires_grad]
         self.rng = _RandomState(state.cuda_devices)
 
     def findings(self, mode: Mode, source: str) -> list[str]:
         """Message lines (positions and names only, no value computed from the examples)."""
-        if mode not in _MODE_WORDS:
-            raise ValueError(f"the probe's modes are {sorted(_MODE_WORDS)}, got {mode!r}.")
-        original = list(range(self.size))
-        reference = self._run(original, mode)
-        loss_noise, gradient_noise = self._changes(reference, self._run(original, mode))  # jitter of the kernels
-        changed = self._run([self.size if i == self.replaced else i for i in original], mode)
-        loss_shift, gradient_shift = self._changes(reference, changed)
-        where = f"{_MODE_WORDS[mode]}, on a probe batch of {self.size} {source} examples"
-        replaced = f"replacing only the example at position {self.replaced}"
+        stand_in = self.examples[-1] if mode == "eval" else self.examples[0]
+        described = "a long or outlying example" if mode == "eval" else "a copy of the example at position 0"
+        base = self._run(self.reference, stand_in, mode)
+        loss_noise, gradient_noise = self._changes(base, self._run(self.reference, stand_in, mode))  # kernel jitter
+        tolerance = RELATIVE_TOLERANCE * _finite_max(base.losses[self.watched].abs()) + NOISE_MARGIN * _finite_max(
+            loss_noise
+        )
         found = []
-        losses = reference.losses[self.watched]
-        tolerance = RELATIVE_TOLERANCE * _finite_max(losses.abs()) + NOISE_MARGIN * _finite_max(loss_noise)
-        moved = [j for j, shift in zip(self.watched, loss_shift.tolist()) if shift > tolerance]
-        if moved:
-            found.append(f"{where}, {replaced} changed the losses of the examples at positions {moved}")
-        elif reference.gradient is not None:  # a non-finite gradient makes the comparison False: not compared
-            bound = RELATIVE_TOLERANCE * _norm(reference.gradient) + NOISE_MARGIN * gradient_noise
-            if gradient_shift > bound:
+        for variant, rows in self.variants[mode].items():
+            changed = self._run(rows, stand_in, mode)
+            loss_shift, gradient_shift = self._changes(base, changed)
+            where = f"{_MODE_WORDS[mode]}, on a probe batch of {self.size} {source} examples, {variant} {described}"
+            moved = [j for j, shift in zip(self.watched, loss_shift.tolist()) if shift > tolerance]
+            mixed = None
+            if moved:
+                mixed = f"changed the losses of the examples at positions {moved}"
+            elif base.gradient is not None:  # a non-finite gradient makes the comparison False: not compared
+                bound = RELATIVE_TOLERANCE * _norm(base.gradient) + NOISE_MARGIN * gradient_noise
+                if gradient_shift > bound:
+                    mixed = (
+                        f"changed the summed gradient of the other examples (positions {self.watched}) though not "
+                        "their losses: the backward pass mixes examples"
+                    )
+            if mixed is not None:
+                found.append(f"{where}, {mixed}{self._blame(base.batch, changed.batch)}")
+            written = sorted(set(base.written + changed.written))
+            if written:
                 found.append(
-                    f"{where}, {replaced} changed the summed gradient of the other examples (positions "
-                    f"{self.watched}) though not their losses: the backward pass mixes examples"
+                    f"{_MODE_WORDS[mode]}, on a probe batch of {self.size} {source} examples, the forward pass wrote "
+                    f"{written}: a buffer or parameter written from the batch is an un-noised statistic of private "
+                    "data that every checkpoint releases"
                 )
-        written = sorted(set(reference.written + changed.written))
-        if written:
-            found.append(
-                f"{where}, the forward pass wrote {written}: a buffer or parameter written from the batch is an "
-                "un-noised statistic of private data that every checkpoint releases"
-            )
-        return found
+        return list(dict.fromkeys(found))
 
-    def _run(self, rows: list[int], mode: Mode) -> _Pass:
-        """One pass over a fresh copy of ``rows``, from the same net state and the same random draws."""
+    def _blame(self, reference: Any, other: Any) -> str:
+        """Which part mixes: the collate (an example's own row changed) or what follows it (the net or the loss)."""
+        fields = _changed_rows(reference, other, self.watched, self.size, batch_size_of(other))
+        collate = getattr(self.collate, "collate_fn", self.collate)  # EmptySafeCollate wraps the user's
+        name = getattr(collate, "__qualname__", None) or type(collate).__qualname__
+        if fields:
+            return (
+                f". The private loader's collate_fn ({name}) mixes them: the watched examples' own rows of "
+                f"{', '.join(fields)} changed, so it computes each row from the whole batch (per-batch statistics "
+                "such as standardization, or left padding). Compute such statistics once before training, in the "
+                "Dataset, and pad on the right with an attention mask (pl_dp.data.PaddingCollate)"
+            )
+        if _shapes(reference) != _shapes(other):
+            return (
+                ". The collate kept each example's row but padded the batches to different lengths, so the net or "
+                "the loss reads padding: give it the attention mask and honour it (PaddingCollate adds one to dict "
+                "examples; TinyTransformerClassifier treats pad_token_id as padding)"
+            )
+        return ""
+
+    def _run(self, rows: list[int], stand_in: Any, mode: Mode) -> _Pass:
+        """One pass over a freshly collated batch of ``rows``, from the same net state and the same random draws."""
         self.state.reset()
         self.rng.reset()
-        batch = _rows(self.examples, rows, self.count)
+        collated = self.collate([stand_in if i == self.size else self.examples[i] for i in rows])
+        batch = self.transfer(collated)
         if mode == "eval":
             self.net.eval()
             with torch.inference_mode():
-                losses = check_per_sample(self.loss_fn(self.net, batch), self.size)
-            return _Pass(losses.detach().cpu(), None, self.state.written())
+                losses = check_per_sample(self.loss_fn(self.net, batch), len(rows))
+            return _Pass(collated, losses.detach().cpu(), None, self.state.written())
         with torch.enable_grad():
-            losses = check_per_sample(self.loss_fn(self.net, batch), self.size)
+            losses = check_per_sample(self.loss_fn(self.net, batch), len(rows))
             summed = losses[self.watched].sum()
             gradient = None
             if self.params and summed.requires_grad:
                 gradient = torch.autograd.grad(summed, self.params, allow_unused=True, materialize_grads=True)
-        return _Pass(losses.detach().cpu(), gradient, self.state.written())
+        return _Pass(collated, losses.detach().cpu(), gradient, self.state.written())
 
     def _changes(self, reference: _Pass, other: _Pass) -> tuple[torch.Tensor, float]:
         """Watched examples' loss changes, and the norm of the change of their summed gradient (0 without one)."""
@@ -301,6 +380,77 @@ class _Probe:
         if reference.gradient is None or other.gradient is None:
             return losses, 0.0
         return losses, _norm(a - b for a, b in zip(reference.gradient, other.gradient))
+
+
+def _extent(example: Any) -> tuple[int, float]:
+    """(elements, squared norm of the finite floating-point values) of an example: how long, then how outlying."""
+    if isinstance(example, torch.Tensor):
+        values = example.detach().double() if example.is_floating_point() else None
+        norm = float(values[values.isfinite()].square().sum()) if values is not None else 0.0
+        return example.numel(), norm
+    if isinstance(example, (str, bytes)):
+        return len(example), 0.0
+    if isinstance(example, float):
+        return 1, example * example if math.isfinite(example) else 0.0
+    if isinstance(example, Mapping):
+        parts = [_extent(v) for v in example.values()]
+    elif isinstance(example, (list, tuple)):
+        parts = [_extent(v) for v in example]
+    else:
+        return 1, 0.0
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def _changed_rows(
+    reference: Any, other: Any, watched: list[int], size: int, other_size: int, where: str = ""
+) -> list[str]:
+    """The fields of two collated batches in which a watched example's own row differs (on their common extent)."""
+    if isinstance(reference, torch.Tensor) and isinstance(other, torch.Tensor):
+        if (
+            reference.dim() == 0
+            or reference.shape[0] != size
+            or other.dim() != reference.dim()
+            or other.shape[0] != other_size
+        ):
+            return []
+        common = tuple(slice(0, min(a, b)) for a, b in zip(reference.shape[1:], other.shape[1:]))
+        index = torch.tensor(watched)
+        a, b = reference[index][(slice(None), *common)], other[index][(slice(None), *common)]
+        same = a.shape == b.shape and bool(
+            ((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all()
+        )
+        return [] if same else [where or "the batch"]
+    if isinstance(reference, Mapping) and isinstance(other, Mapping):
+        return [
+            f
+            for key in reference
+            if key in other
+            for f in _changed_rows(reference[key], other[key], watched, size, other_size, f"{where}[{key!r}]")
+        ]
+    if isinstance(reference, (list, tuple)) and isinstance(other, (list, tuple)):
+        if (
+            len(reference) == size
+            and len(other) == other_size
+            and all(isinstance(v, (str, bytes, int, float)) for v in reference)
+        ):
+            return [] if all(reference[i] == other[i] for i in watched) else [where or "the batch"]
+        return [
+            f
+            for key, (a, b) in enumerate(zip(reference, other))
+            for f in _changed_rows(a, b, watched, size, other_size, f"{where}[{key}]")
+        ]
+    return []
+
+
+def _shapes(batch: Any) -> Any:
+    """The tensor shapes of a collated batch but for the batch dimension, in its structure."""
+    if isinstance(batch, torch.Tensor):
+        return tuple(batch.shape[1:])
+    if isinstance(batch, Mapping):
+        return {key: _shapes(value) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return [_shapes(value) for value in batch]
+    return None
 
 
 def _differences(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -321,21 +471,6 @@ def _norm(tensors: Iterable[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))) if norms else 0.0
 
 
-def _rows(batch: Any, rows: list[int], count: int) -> Any:
-    """A fresh copy of ``batch`` with only ``rows`` (every tensor or per-example list of ``count`` entries)."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() and batch.shape[0] == count:
-            return batch[torch.tensor(rows, device=batch.device)]
-        return batch
-    if isinstance(batch, Mapping):
-        return {key: _rows(value, rows, count) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        if len(batch) == count and all(isinstance(v, (str, bytes, int, float)) for v in batch):
-            return type(batch)(batch[i] for i in rows)  # a per-example list, e.g. texts
-        return type(batch)(_rows(value, rows, count) for value in batch)
-    return batch
-
-
 class _Slot(NamedTuple):
     """A buffer or parameter of the net: where it is attached, and the tensor found there."""
 
@@ -348,7 +483,7 @@ class _Slot(NamedTuple):
         return getattr(self.module, self.name, None) is not self.tensor or self.tensor._version != version
 
 
-class _NetState:
+class NetState:
     """What the probe must leave as it found it, and which buffers and parameters a forward wrote.
 
     Writes are seen through each tensor's version counter (bumped by every in-place operation, also under
