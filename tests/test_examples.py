@@ -34,3 +34,9 @@ def test_finetune_your_csv_trains_a_prompt_privately_on_a_users_file(tmp_path):
     assert result["private_steps"] == 3 and 0 < result["epsilon"] <= 1.0
     assert result["zero_shot_acc"] > 0.6  # the packaged MiniLM with "terrible"/"great", before any training
     assert abs(result["test_acc"] - result["zero_shot_acc"]) < 0.2
+
+
+def test_check_your_data_names_the_broken_records_then_trains_without_them():
+    result = _load("check_your_data").main(max_steps=3)
+    assert result["bad"] == [123, 456]
+    assert result["private_steps"] == 3 and 0 < result["epsilon"] <= 2.0

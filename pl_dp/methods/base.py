@@ -20,27 +20,35 @@ and data parallelism (:mod:`pl_dp.methods.parallel`) are mixed in from their own
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin, check_strategy
 from pl_dp.privacy.accountants import Accountant
-from pl_dp.privacy.independence import probe_examples, probe_independence, refuse_batch_mixing_modules
+from pl_dp.privacy.independence import (
+    PROBE_MAX,
+    PROBE_SIZE,
+    probe_examples,
+    probe_independence,
+    refuse_batch_mixing_modules,
+)
 from pl_dp.privacy.ledger import PrivacyLedger
 from pl_dp.privacy.losses import LossSpec, batch_size_of, resolve_loss
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
+from pl_dp.privacy.preflight import PreflightReport, check_private_set
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import CountingBatchSampler, poisson_sampler_of
+from pl_dp.privacy.seal import sealed
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.zo.estimator import per_sample_evaluator
 from pl_dp.zo.master import MasterWeights
 
 _DIRECTION_TAG = 0xD1EC
@@ -128,6 +136,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             per-example losses and clipped sums are accumulated across micro-batches and one noise
             draw is added per logical step, so memory is bounded by the physical batch while the
             release and its accounting are those of the logical batch. ``None``: one pass.
+        preflight: at every private fit, before the first step, check every private example once — it loads,
+            its floating-point values are finite, it batches with the others through the loader's ``collate_fn``,
+            and its loss is finite (:mod:`pl_dp.privacy.preflight`) — and refuse to train with an error naming
+            the bad ones by index. Costs one inference pass over the private set. ``False`` skips it: an example
+            whose values or loss are bad then contributes 0 to each step that samples it, counted only in
+            ``nonfinite_total`` — but one that cannot be batched with the others still fails in the loader.
     """
 
     #: whether the method needs a public loader (PAZO, Coupling: :class:`~pl_dp.methods.public.PublicDataMixin`)
@@ -158,12 +172,14 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         log_private_metrics: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        preflight: bool = True,
     ) -> None:
         super().__init__()
         _positive("lr", lr)
         if max_physical_batch_size is not None:
             max_physical_batch_size = _positive_integer("max_physical_batch_size", max_physical_batch_size)
         self.max_physical_batch_size = max_physical_batch_size
+        self.preflight = bool(preflight)
         if isinstance(privacy, Mapping):  # as stored in hparams and checkpoints
             privacy = PrivacySpec(**privacy)
         if privacy is not None and not isinstance(privacy, PrivacySpec):
@@ -188,7 +204,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self.ledger = PrivacyLedger(privacy, self.accountant_name)
         self.log_private_metrics = log_private_metrics
         self.nonfinite_total = 0  # un-noised private information: process memory only
-        self._nonfinite_warned = False
         self.collective_bytes = 0
         self._sampler: CountingBatchSampler | None = None
         self._sampler_start = 0
@@ -208,6 +223,15 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         """One step of the method's math; returns privatized (safe to log) statistics."""
         raise NotImplementedError
+
+    def private_losses(self, batch: Any, batch_size: int) -> Callable[[], torch.Tensor]:
+        """A closure giving the fp32 per-example losses of the private ``batch`` at the current parameters, as
+        zeroth-order methods evaluate them (eval mode, inference mode, micro-batched by ``max_physical_batch_size``).
+        In a private run an example whose loss raises gets NaN — it contributes 0, counted — instead of ending the
+        run at the step that sampled it (:func:`~pl_dp.privacy.seal.isolate_failures`)."""
+        return per_sample_evaluator(
+            self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size, isolate=self.privacy is not None
+        )
 
     @property
     def touches_private_data(self) -> bool:
@@ -406,6 +430,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             self._batches_consumed = 0
         if self.privacy is None:
             return
+        if self.preflight:
+            self.check_private_data()
         self.check_independence()
         self.ledger.fix_delta(sampler.num_samples)
         self.ledger.open_journal(restored, self._journal_directory(), self._broadcast)
@@ -420,20 +446,52 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         and tells the tree accountant where the next leaf comes from.
         """
 
+    def check_private_data(self) -> PreflightReport:
+        """The pre-flight pass over the private set (:func:`~pl_dp.privacy.preflight.check_private_set`), once per
+        private fit before any step: through the private loader's own ``collate_fn``, in chunks of the expected
+        batch size (or of ``max_physical_batch_size``), by index — never through the Poisson sampler."""
+        loader = self.trainer.train_dataloader
+        chunk = self.max_physical_batch_size or math.ceil(self.expected_batch_size or 1)
+        return check_private_set(
+            loader.dataset,
+            loader.collate_fn,
+            self.net,
+            self.loss_fn,
+            chunk,
+            transfer=self._to_device,
+        )
+
     def check_independence(self) -> None:
         """Per-example independence, once per private fit before any step: refuse batch-mixing layers, then probe
-        the net and loss on a few examples (public if the method uses it, else validation, else private by index)
-        in each of the method's ``private_loss_modes``."""
+        the private loader's collate, the net and the loss together (:func:`~pl_dp.privacy.independence.
+        probe_independence`) on a batch of the expected size (public examples if the method uses them, else
+        validation, else private by index) with one example replaced and one added, in eval mode and, for methods
+        that take gradients, in training mode."""
         refuse_batch_mixing_modules(self.net)
-        examples, source = self.probe_batch()
-        probe_independence(self.net, self.loss_fn, examples, self.private_loss_modes, source)
+        examples, source = self._probe_examples()
+        probe_independence(
+            self.net,
+            self.loss_fn,
+            examples,
+            self.private_loss_modes,
+            source,
+            collate=self.trainer.train_dataloader.collate_fn,
+            transfer=self._to_device,
+        )
 
     def probe_batch(self) -> tuple[Any, str]:
-        """A few collated examples for fit-start checks, on this module's device, and where they come from
+        """The probe's examples collated by the private loader, on this module's device, and where they come from
         (:func:`~pl_dp.privacy.independence.probe_examples`: public, else validation, else private by index)."""
+        examples, source = self._probe_examples()
+        return self._to_device(self.trainer.train_dataloader.collate_fn(examples)), source
+
+    def _probe_examples(self) -> tuple[list[Any], str]:
+        size = min(max(round(self.expected_batch_size or PROBE_SIZE), 2), PROBE_MAX)
         datamodule, loader = getattr(self.trainer, "datamodule", None), self.trainer.train_dataloader
-        examples, source = probe_examples(datamodule, loader, public=self.requires_public_data)
-        return self.transfer_batch_to_device(examples, self.device, 0), source
+        return probe_examples(datamodule, loader, public=self.requires_public_data, size=size)
+
+    def _to_device(self, batch: Any) -> Any:
+        return self.transfer_batch_to_device(batch, self.device, 0)
 
     def _journal_directory(self) -> Path | None:
         """The privacy journal's place for a new lineage: beside the checkpoints, if this run writes any."""
@@ -452,7 +510,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         check_strategy(self.trainer.strategy)
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
-        self._nonfinite_warned = False
 
     def on_train_start(self) -> None:
         if self.applies_own_update:
@@ -483,7 +540,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
         self.noise.start_step(self.private_steps)
-        stats = self.private_step(batch, batch_size, mechanism)
+        with sealed(self.privacy is not None and not self.log_private_metrics):  # nothing record-dependent leaks out
+            stats = self.private_step(batch, batch_size, mechanism)
         if self.touches_private_data:
             self.ledger.record(mechanism)
         self._batches_consumed += 1
@@ -515,22 +573,15 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             self.log("privacy/budget_left", self.privacy.epsilon - eps, on_step=True, on_epoch=False, prog_bar=True)
 
     def _count_nonfinite(self, count: int) -> None:
-        """Count examples whose per-example value was non-finite (they contributed 0, keeping the bound).
+        """Count examples whose per-example value was non-finite or whose pass raised (they contributed 0, keeping
+        the bound).
 
-        The count is a function of the private data with no noise — logging it would tell an adversary
-        how often a record with an infinite loss was sampled — so it stays in process memory
-        (``nonfinite_total``) and is logged only under ``log_private_metrics``. Otherwise the user
-        gets one warning per fit that such values occurred, without the count.
+        The count is a function of the private data with no noise — logging it, or even warning that it is not
+        zero, would tell an adversary whether a record with an infinite loss was sampled — so it stays in process
+        memory (``nonfinite_total``, never pickled or checkpointed) and is logged only under
+        ``log_private_metrics``. Bad records are reported before training instead, by the pre-flight pass.
         """
         self.nonfinite_total += count
-        if count and not self.log_private_metrics and not self._nonfinite_warned:
-            self._nonfinite_warned = True
-            rank_zero_warn(
-                "non-finite per-example losses or gradients occurred; those examples contributed 0 to their "
-                "step (the sensitivity bound holds). The count is un-noised private information, so it is not "
-                "logged: read model.nonfinite_total in this process, or set log_private_metrics=True to log it "
-                "under diagnostics/not_private/ (not differentially private)."
-            )
 
     def _logging_step(self) -> bool:
         """Whether to log this step's on-step metrics: on the loggers' cadence and at the end.
@@ -558,6 +609,15 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         return [] if self.proximal is None else self.proximal.terms(self.lr, self.master_parameters())
 
     # ---- checkpointing -------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle or a deep copy of the module holds (``torch.save(model)``, ``copy.deepcopy``, a spawned
+        process): no secret and nothing computed from private data without noise. The noise source and the
+        Poisson sampler leave their key and seed out (the copy draws its own, so it never replays this run's noise
+        or batches, unless the user seeded them); the non-finite count is zeroed."""
+        state = super().__getstate__()
+        state["nonfinite_total"] = 0
+        return state
+
     def privacy_state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint for ε to stay right — and nothing secret (no noise key, no sampling seed).
 

@@ -18,6 +18,7 @@ from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_examp
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.seal import isolate_failures
 from pl_dp.privacy.spec import PrivacySpec
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -73,6 +74,7 @@ class FirstOrderModule(PrivateModule):
         quantile_lr: float = 0.2,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        preflight: bool = True,
     ) -> None:
         super().__init__(
             net,
@@ -83,6 +85,7 @@ class FirstOrderModule(PrivateModule):
             log_private_metrics,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            preflight=preflight,
         )
         if clip_quantile is not None:
             if not 0.0 < clip_quantile < 1.0:
@@ -156,13 +159,22 @@ class FirstOrderModule(PrivateModule):
             return sums, {}
         device = params[0].device
         norms, nonfinite = [torch.zeros(0, device=device)], torch.zeros((), dtype=torch.long, device=device)
+
+        def compute(examples: Any) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+            return self._per_sample.clipped_sum(examples, self.clip_function)
+
         if batch_size > 0:  # one physical micro-batch at a time, clipped sums added up (one noise draw below)
             for part in split_batch(batch, self.max_physical_batch_size):
-                part_sums, part_norms, part_nonfinite = self._per_sample.clipped_sum(part, self.clip_function)
-                for s, t in zip(sums, part_sums):
-                    s.add_(t.to(s.dtype))
-                norms.append(part_norms)
-                nonfinite = nonfinite + part_nonfinite
+                if self.privacy is None:
+                    done, failed = [(None, compute(part))], []
+                else:  # an example whose pass raises is left out (weight 0) and counted: no record-dependent crash
+                    done, failed = isolate_failures(compute, part, reset=self._per_sample.reset)
+                for _, (part_sums, part_norms, part_nonfinite) in done:
+                    for s, t in zip(sums, part_sums):
+                        s.add_(t.to(s.dtype))
+                    norms.append(part_norms)
+                    nonfinite = nonfinite + part_nonfinite
+                nonfinite = nonfinite + len(failed)
         norms = torch.cat(norms)
         sums, nonfinite = self._sum_across_ranks(sums, nonfinite)
         stats = {"nonfinite": nonfinite}
@@ -306,6 +318,7 @@ class Coupling(PublicDataMixin, FirstOrderModule):
         quantile_lr: float = 0.2,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        preflight: bool = True,
     ) -> None:
         super().__init__(
             net,
@@ -326,6 +339,7 @@ class Coupling(PublicDataMixin, FirstOrderModule):
             quantile_lr,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            preflight=preflight,
         )
         if alpha == "auto":
             if kappa is None or not kappa > 0:

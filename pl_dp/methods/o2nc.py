@@ -23,7 +23,6 @@ from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.tree import TreeAggregatedGaussian, TreeLeaf, tree_multiplicity
 from pl_dp.zo.engine import Direction, PerturbationEngine
-from pl_dp.zo.estimator import per_sample_evaluator
 
 _ROUND_TAG = 0x0A2C
 _OUTPUTS = ("random_average", "last_average", "last_iterate")
@@ -87,7 +86,7 @@ class O2NC(PrivateModule):
     default_accountant = "tree"
     secure_rng_default = True  # node noises of a few thousand coordinates at most
     applies_own_update = True
-    private_loss_modes = ("eval",)  # per_sample_evaluator
+    private_loss_modes = ("eval",)  # private_losses
 
     def __init__(
         self,
@@ -108,6 +107,7 @@ class O2NC(PrivateModule):
         log_private_metrics: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        preflight: bool = True,
         master_weights: bool = True,
     ) -> None:
         super().__init__(
@@ -119,6 +119,7 @@ class O2NC(PrivateModule):
             log_private_metrics,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            preflight=preflight,
         )
         self.masters.enabled = bool(master_weights)
         _positive("clip", clip)
@@ -325,7 +326,7 @@ class O2NC(PrivateModule):
         expected = self.first_batch_size if t == 0 else self.batch_size
         if batch_size != expected:
             raise ValueError(f"O2NC round {t} got {batch_size} examples, its partition promises {expected}.")
-        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size)
+        evaluate = self.private_losses(batch, batch_size)
         key = self.private_steps
         if t == 0 or self.variant == "naive":
             increment, nonfinite = self._oracle(evaluate, batch_size, key, w, None, 2 * self.smoothing * self.clip)
@@ -381,6 +382,12 @@ class O2NC(PrivateModule):
 
     # ---- checkpointing ------------------------------------------------------------------------
     _SAVED = ("delta", "grad_sq", "w_sum", "w_prev", "averages", "last_average", "output_average")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As a checkpoint: the noise-free running sum and the tree's node noises are left out of copies too."""
+        state = super().__getstate__()
+        state["_state"] = {k: v for k, v in self._state.items() if k in self._SAVED}
+        return state
 
     def privacy_state_dict(self) -> dict[str, Any]:
         state = super().privacy_state_dict()

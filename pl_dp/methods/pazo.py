@@ -30,7 +30,7 @@ from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.engine import Direction, PerturbationEngine
-from pl_dp.zo.estimator import per_sample_evaluator, privatize_sum
+from pl_dp.zo.estimator import privatize_sum
 from pl_dp.zo.subspace import SubspaceEngine
 
 
@@ -69,6 +69,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
         joint_clip: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        preflight: bool = True,
         cache_directions: bool | None = None,
         one_sided: bool = False,
         master_weights: bool = True,
@@ -88,6 +89,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
             joint_clip,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            preflight=preflight,
             cache_directions=cache_directions,
             one_sided=one_sided,
             master_weights=master_weights,
@@ -160,6 +162,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         joint_clip: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        preflight: bool = True,
         cache_directions: bool | None = None,
         one_sided: bool = False,
         master_weights: bool = True,
@@ -179,6 +182,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
             joint_clip,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            preflight=preflight,
             cache_directions=cache_directions,
             one_sided=one_sided,
             master_weights=master_weights,
@@ -247,7 +251,7 @@ class PAZOS(PublicDataMixin, PrivateModule):
 
     secure_rng_default = True  # k + 1 noisy scalars a step
     applies_own_update = True
-    private_loss_modes = ("eval",)  # per_sample_evaluator
+    private_loss_modes = ("eval",)  # private_losses
 
     def __init__(
         self,
@@ -262,6 +266,7 @@ class PAZOS(PublicDataMixin, PrivateModule):
         log_private_metrics: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        preflight: bool = True,
         master_weights: bool = True,
     ) -> None:
         super().__init__(
@@ -273,6 +278,7 @@ class PAZOS(PublicDataMixin, PrivateModule):
             log_private_metrics,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            preflight=preflight,
         )
         self.masters.enabled = bool(master_weights)
         _positive("clip", clip, allow_none=privacy is None)
@@ -323,7 +329,7 @@ class PAZOS(PublicDataMixin, PrivateModule):
         def move(direction: list[torch.Tensor], alpha: float) -> None:
             engine.combine([], extra=[(direction, alpha)])
 
-        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size)
+        evaluate = self.private_losses(batch, batch_size)
         nonfinite = torch.zeros(())
 
         def query() -> float:

@@ -16,7 +16,7 @@ from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.engine import Direction, PerturbationEngine
-from pl_dp.zo.estimator import PrivateTwoPointEstimator, per_sample_evaluator
+from pl_dp.zo.estimator import PrivateTwoPointEstimator
 from pl_dp.zo.mask import DirectionMask
 
 
@@ -54,7 +54,7 @@ class ZerothOrderModule(PrivateModule):
 
     secure_rng_default = True
     applies_own_update = True
-    private_loss_modes = ("eval",)  # per_sample_evaluator
+    private_loss_modes = ("eval",)  # private_losses
 
     def __init__(
         self,
@@ -72,6 +72,7 @@ class ZerothOrderModule(PrivateModule):
         joint_clip: bool = False,
         secure_rng: bool | None = None,
         max_physical_batch_size: int | None = None,
+        preflight: bool = True,
         cache_directions: bool | None = None,
         one_sided: bool = False,
         master_weights: bool = True,
@@ -85,6 +86,7 @@ class ZerothOrderModule(PrivateModule):
             log_private_metrics,
             secure_rng=secure_rng,
             max_physical_batch_size=max_physical_batch_size,
+            preflight=preflight,
         )
         _positive("clip", clip, allow_none=privacy is None)
         _positive("smoothing", smoothing)
@@ -163,7 +165,7 @@ class ZerothOrderModule(PrivateModule):
 
     def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian):
         """Privatized q-query two-point estimate at the current parameters (θ left at θ − λu_q)."""
-        evaluate = per_sample_evaluator(self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size)
+        evaluate = self.private_losses(batch, batch_size)
         return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise, self.sum_reducer)
 
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:

@@ -36,7 +36,12 @@ from opacus.layers import DPGRU, DPLSTM, DPRNN
 from opacus.utils.module_utils import trainable_modules
 from torch import nn
 
-from pl_dp.per_sample.gradients import BroadcastLookups, RecordsInEvalMode, refuse_rows_not_examples
+from pl_dp.per_sample.gradients import (
+    BroadcastLookups,
+    RecordsInEvalMode,
+    clear_hook_state,
+    refuse_rows_not_examples,
+)
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
 
@@ -172,6 +177,10 @@ class GhostClipping:
         """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
         self._gsm.remove_hooks()
 
+    def reset(self) -> None:
+        """Clear what a pass that raised left in the hooks (:func:`~pl_dp.per_sample.gradients.clear_hook_state`)."""
+        clear_hook_state(self.net, self.params)
+
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
         for p in self.params:
@@ -184,7 +193,7 @@ class GhostClipping:
                 grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=True, allow_unused=True)
         finally:
             gsm.disable_hooks()
-            self._reset_hook_state()
+            clear_hook_state(self.net, self.params)
         missed, not_per_example = [], []
         for name, p, g in zip(self.names, self.params, grads):
             norm = p._norm_sample
@@ -216,15 +225,6 @@ class GhostClipping:
             torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for p, g in zip(self.params, grads)
         ]
 
-    def _reset_hook_state(self) -> None:
-        """Leave no recorded input or call count behind (a layer run but not reached by the backward keeps one)."""
-        for _, module in trainable_modules(self.net):
-            for attr in ("activations", "max_batch_len"):
-                if hasattr(module, attr):
-                    delattr(module, attr)
-        for p in self.params:
-            p._forward_counter = 0
-            p.grad_sample = None
 
 
 def _full_precision(device: torch.device) -> torch.autocast:

@@ -139,6 +139,21 @@ class BroadcastLookups:
         self.checked = True
 
 
+def clear_hook_state(net: nn.Module, params: Sequence[nn.Parameter]) -> None:
+    """Leave nothing of a per-example pass in Opacus' hooks: recorded inputs, call counters and partial per-example
+    gradients (ghost norms, ``_norm_sample``, are reset by the next ghost pass). A layer run but not reached by the
+    backward — or a pass that raised halfway — keeps some, and the counters would then misalign the next pass."""
+    for module in net.modules():
+        for attr in ("activations", "max_batch_len"):
+            if attr in module.__dict__:  # its own attribute (a wrapper such as peft's may forward the name)
+                delattr(module, attr)
+    for p in params:
+        p._forward_counter = 0
+        p.grad_sample = None
+        if hasattr(p, "_current_grad_sample"):
+            del p._current_grad_sample
+
+
 def refuse_rows_not_examples(names: list[str], size: int, what: str) -> None:
     """Raise when a layer's per-example quantities came back with a leading size other than the batch's."""
     if names:  # clipping rows that are not examples would bound no example's contribution
@@ -202,6 +217,10 @@ class PerSampleGradients:
         if self._gsm is not None:
             self._gsm.remove_hooks()
             self._gsm = None
+
+    def reset(self) -> None:
+        """Clear what a pass that raised left in the hooks (:func:`clear_hook_state`)."""
+        clear_hook_state(self.net, self.params)
 
     def __call__(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per-example gradients (one ``[B, *p.shape]`` tensor per parameter) and the per-example losses."""

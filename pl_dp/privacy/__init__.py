@@ -1,4 +1,5 @@
-"""Privacy core: spec, accountants, calibration, mechanisms, clipping, sampling, noise, per-example independence.
+"""Privacy core: spec, accountants, calibration, mechanisms, clipping, sampling, noise, per-example independence,
+the pre-flight pass over the private set and the seal around a private step.
 
 Plain torch, Opacus and dp-accounting; no Lightning imports.
 """
@@ -25,8 +26,10 @@ from pl_dp.privacy.independence import (
 from pl_dp.privacy.losses import batch_size_of, check_per_sample, resolve_loss
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
+from pl_dp.privacy.preflight import DataError, check_private_set
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
+from pl_dp.privacy.seal import isolate_failures, sealed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, TreeLeaf, tree_multiplicity, tree_nodes
 
@@ -36,6 +39,7 @@ __all__ = [
     "RDP",
     "Accountant",
     "ClipFunction",
+    "DataError",
     "EmptySafeCollate",
     "EpsilonTracker",
     "IndependenceError",
@@ -53,8 +57,10 @@ __all__ = [
     "batch_size_of",
     "calibrate_noise_multiplier",
     "check_per_sample",
+    "check_private_set",
     "clip_per_example",
     "create_accountant",
+    "isolate_failures",
     "poisson_loader",
     "poisson_sampler_of",
     "probe_examples",
@@ -62,6 +68,7 @@ __all__ = [
     "refuse_batch_mixing_modules",
     "register_accountant",
     "resolve_loss",
+    "sealed",
     "tree_multiplicity",
     "tree_nodes",
 ]

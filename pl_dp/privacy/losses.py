@@ -37,6 +37,19 @@ def batch_size_of(batch: Any) -> int:
     raise TypeError(f"cannot find a tensor in the batch to size it (got {type(batch).__name__}).")
 
 
+def device_of(batch: Any) -> torch.device:
+    """The device of the first tensor in ``batch`` (the CPU when it holds none)."""
+    found = _first_device(batch)
+    return torch.device("cpu") if found is None else found
+
+
+def _first_device(batch: Any) -> torch.device | None:
+    if isinstance(batch, torch.Tensor):
+        return batch.device
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((d for d in map(_first_device, values) if d is not None), None)
+
+
 def split_batch(batch: Any, size: int | None) -> list[Any]:
     """``batch`` cut into consecutive micro-batches of at most ``size`` examples (all of it when ``size`` is None).
 
@@ -48,21 +61,24 @@ def split_batch(batch: Any, size: int | None) -> list[Any]:
     total = batch_size_of(batch)
     if size is None or total <= size:
         return [batch]
-    return [_take(batch, slice(start, min(start + size, total))) for start in range(0, total, size)]
+    return [_take(batch, slice(start, min(start + size, total)), total) for start in range(0, total, size)]
 
 
 def select_examples(batch: Any, index: torch.Tensor) -> Any:
     """The examples of ``batch`` at positions ``index`` (a 1-d integer tensor), in that order, same structure."""
-    return _take(batch, index)
+    return _take(batch, index, batch_size_of(batch))
 
 
-def _take(batch: Any, index: slice | torch.Tensor) -> Any:
+def _take(batch: Any, index: slice | torch.Tensor, size: int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[index if isinstance(index, slice) else index.to(batch.device)]
     if isinstance(batch, Mapping):
-        return {k: _take(v, index) for k, v in batch.items()}
+        return {k: _take(v, index, size) for k, v in batch.items()}
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(_take(v, index) for v in batch)
+        if len(batch) == size and all(isinstance(v, (str, bytes, int, float)) for v in batch):
+            rows = range(size)[index] if isinstance(index, slice) else index.tolist()
+            return type(batch)(batch[i] for i in rows)  # a per-example list, e.g. texts
+        return type(batch)(_take(v, index, size) for v in batch)
     return batch
 
 

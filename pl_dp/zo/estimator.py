@@ -17,6 +17,7 @@ caller (a :class:`~pl_dp.privacy.SubsampledGaussian` with ``releases=q``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,9 +27,10 @@ import torch
 from torch import nn
 
 from pl_dp.privacy.clipping import clip_per_example
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, split_batch
+from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, device_of, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
+from pl_dp.privacy.seal import isolate_failures
 from pl_dp.zo.engine import Key, PerturbationEngine
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -51,19 +53,35 @@ def per_sample_evaluator(
     batch: Any,
     batch_size: int,
     max_physical_batch_size: int | None = None,
+    isolate: bool = False,
 ) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
 
     With ``max_physical_batch_size`` the forward passes run micro-batch by micro-batch and the losses
     are concatenated: memory is bounded by the physical batch, the released sums are the same.
+    With ``isolate`` (private runs), an example whose loss raises gets a NaN loss instead of ending the step
+    (:func:`~pl_dp.privacy.seal.isolate_failures`): every difference it enters is non-finite, so it contributes
+    0 to the release and is counted with the other non-finite values.
     """
     micro_batches = split_batch(batch, max_physical_batch_size)
+
+    def losses_of(part: Any) -> torch.Tensor:
+        return check_per_sample(loss_fn(net, part), batch_size_of(part))
+
+    def isolated(part: Any) -> torch.Tensor:
+        done, failed = isolate_failures(losses_of, part)
+        if not failed:
+            return done[0][1]
+        losses = torch.full((batch_size_of(part),), math.nan, device=device_of(part))
+        for positions, values in done:
+            losses[positions.to(losses.device)] = values.to(losses.device)
+        return losses
 
     def evaluate() -> torch.Tensor:
         if batch_size == 0:
             return torch.zeros(0)
         with eval_mode(net), torch.inference_mode():
-            losses = [check_per_sample(loss_fn(net, part), batch_size_of(part)) for part in micro_batches]
+            losses = [(isolated if isolate else losses_of)(part) for part in micro_batches]
         return losses[0] if len(losses) == 1 else torch.cat(losses)
 
     return evaluate

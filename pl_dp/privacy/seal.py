@@ -1,0 +1,107 @@
+"""The boundary of the private step: nothing it prints, warns, logs, raises or how it ends may depend on its batch.
+
+The mechanisms bound what one example changes in the *released* sums; the step around them must not say more.
+Two channels escape any noise and are closed here (threat model: docs/privacy-model.md):
+
+* **Messages.** A warning, a log record or a line on stdout/stderr raised while a private batch is evaluated —
+  "non-finite value", a tokenizer's notice about one long text — appears or not depending on which records were
+  sampled, and loggers save the console (W&B's ``output.log``). :func:`sealed` consumes them silently.
+* **Failures.** An exception raised by one record (a label the loss rejects, an input the net cannot take) ends
+  the run at the step that samples it: membership and timing disclosed. :func:`isolate_failures` evaluates the
+  batch again in halves, down to single examples, so that only the examples that fail alone are left out; the
+  caller gives them zero weight (which keeps every sensitivity bound) and counts them privately.
+
+Both are a safety net behind the pre-flight pass (:mod:`pl_dp.privacy.preflight`), which finds bad records before
+the first release and says which; what it cannot foresee (a failure that depends on the parameters too) is
+absorbed here. Left to the user's contract: output written by C code directly to the file descriptors, a
+process-killing fault (segmentation fault, a CUDA device-side assert, which poisons the context), and time — a
+step that isolates a failure takes longer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from pl_dp.privacy.losses import batch_size_of, select_examples
+
+T = TypeVar("T")
+
+
+class _Discard:
+    """A text stream that keeps nothing."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        return None
+
+
+def _discard_warning(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _discard_record(self: logging.Logger, record: logging.LogRecord) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def sealed(active: bool = True) -> Iterator[None]:
+    """Inside the block, warnings, log records and writes to ``sys.stdout``/``sys.stderr`` vanish.
+
+    Warnings go through Python's filters as usual and are only not shown (``warnings.showwarning`` is replaced,
+    the filters are left alone): each location's once-registry records them as seen, so a warning first raised
+    inside a private step is never shown later either, and no other warning is shown twice (``catch_warnings``
+    would reset those registries). A warning turned into an error (``-W error``) is still raised. ``active=False``
+    changes nothing (non-private runs, and ``log_private_metrics=True``, whose outputs are not private anyway).
+    """
+    if not active:
+        yield
+        return
+    show, out, err, handle = warnings.showwarning, sys.stdout, sys.stderr, logging.Logger.handle
+    warnings.showwarning = _discard_warning
+    sys.stdout = sys.stderr = _Discard()
+    logging.Logger.handle = _discard_record  # not logging.disable(): it clears every logger's cache, twice a step
+    try:
+        yield
+    finally:
+        warnings.showwarning, sys.stdout, sys.stderr, logging.Logger.handle = show, out, err, handle
+
+
+def isolate_failures(
+    compute: Callable[[Any], T], batch: Any, reset: Callable[[], None] | None = None
+) -> tuple[list[tuple[torch.Tensor, T]], list[tuple[int, Exception]]]:
+    """``compute(batch)``; if it raises, ``compute`` of each half, recursively, down to single examples.
+
+    Returns the parts that computed, as ``(positions in batch, result)``, and the examples that fail alone, as
+    ``(position, exception)``. Without a failure this is one call on ``batch`` itself: ``[(arange(B), result)]``.
+    A part is computed from the examples it holds only (per-example independence, checked at fit start), so the
+    results are those of the whole batch less the failing examples. ``reset`` runs after every failure (to clear
+    what a failed pass left behind, e.g. recorded activations). Only ``Exception`` is caught: an interrupt still
+    stops the run.
+    """
+    size = batch_size_of(batch)
+    done: list[tuple[torch.Tensor, T]] = []
+    failed: list[tuple[int, Exception]] = []
+    pending = [torch.arange(size)]
+    while pending:
+        positions = pending.pop()
+        part = batch if len(positions) == size else select_examples(batch, positions)
+        try:
+            done.append((positions, compute(part)))
+        except Exception as error:  # noqa: BLE001 - any failure of one record must stay inside the step
+            if reset is not None:
+                reset()
+            if len(positions) == 1:
+                failed.append((int(positions[0]), error))
+            else:
+                half = len(positions) // 2
+                pending += [positions[half:], positions[:half]]
+    return done, failed

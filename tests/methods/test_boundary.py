@@ -1,0 +1,229 @@
+"""The boundary of the private step (ARCHITECTURE invariant 10), black-box: what surrounds the mechanism — batching,
+messages, failures, copies of the module — says nothing about which records were sampled.
+
+Each test runs the public API on D and on D′ (one record more) or on a copy of a trained module, for a
+first-order and a zeroth-order method, and fails if the boundary breaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from pl_dp import PrivacySpec
+from pl_dp.audit import audit
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import DPSGD, DPZero
+from pl_dp.methods.base import PrivateModule
+from pl_dp.nets import TinyTransformerClassifier
+from pl_dp.privacy.independence import IndependenceError
+from pl_dp.privacy.preflight import DataError
+from tests.conftest import blobs, make_trainer
+
+METHODS = [DPSGD, DPZero]
+SPEC = PrivacySpec(epsilon=5.0, accountant="rdp")
+
+
+# ---- 1. batching ------------------------------------------------------------------------------------------------
+class Sentences(Dataset):
+    """Token-id tuples of varied lengths (ids ≥ 1: 0 is padding) and binary labels."""
+
+    def __init__(self, n: int = 48, seed: int = 0, longest: int = 12) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(3, longest + 1, (n,), generator=g)
+        self.tokens = [torch.randint(1, 50, (int(k),), generator=g) for k in lengths]
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        return self.tokens[i], self.labels[i]
+
+
+def _transformer(pad_token_id: int | None = 0) -> TinyTransformerClassifier:
+    torch.manual_seed(0)
+    return TinyTransformerClassifier(
+        vocab_size=50, width=16, depth=2, heads=2, max_length=64, pad_token_id=pad_token_id
+    )
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_one_long_example_moves_the_release_by_at_most_the_clip_bound(cls):
+    """The issue's measurement: one 60-token example in a batch of short ones moved the released sum by 3.7·C
+    (DP-SGD) and 10·C (DPZero) through padding the net did not mask. With the mask: at most C."""
+    long_example = (torch.randint(1, 50, (60,), generator=torch.Generator().manual_seed(7)), torch.tensor(1))
+    model = cls(_transformer(), clip=1.0, privacy=PrivacySpec(epsilon=100.0, accountant="rdp", noise_multiplier=1.0))
+    result = audit(model, PrivatePublicDataModule(Sentences(), batch_size=8), trials=20, canary=long_example)
+    assert result.canary_influence <= 1.0 + 1e-4, result
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_net_that_reads_padding_is_refused_through_the_real_collate(cls):
+    model = cls(_transformer(pad_token_id=None), clip=1.0, privacy=SPEC)  # attends to and pools over padding
+    with pytest.raises(IndependenceError, match=r"long or outlying example.*padded the batches to different lengths"):
+        make_trainer(max_steps=1).fit(model, PrivatePublicDataModule(Sentences(), batch_size=8))
+    assert model.private_steps == 0
+
+
+def standardize_by_batch(examples):
+    """A common tabular habit that mixes examples: each batch's features standardized by that batch's statistics."""
+    x, y = default_collate(examples)
+    return (x - x.mean(dim=0)) / (x.std(dim=0) + 1e-6), y
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_collate_that_standardizes_by_batch_is_refused_by_name(cls):
+    model = cls(nn.Linear(4, 3), clip=1.0, privacy=SPEC)
+    data = PrivatePublicDataModule(blobs(100), batch_size=20, collate_fn=standardize_by_batch)
+    with pytest.raises(IndependenceError, match=r"collate_fn \(standardize_by_batch\) mixes them"):
+        make_trainer(max_steps=1).fit(model, data)
+    assert model.private_steps == 0
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_the_audit_batches_through_the_run_s_own_collate(cls, monkeypatch):
+    """A mixing collate that the probe were blind to must show in the audit: the canary then moves every row."""
+    monkeypatch.setattr(PrivateModule, "check_independence", lambda self: None)
+    model = cls(nn.Linear(4, 3), clip=1.0, privacy=PrivacySpec(epsilon=100.0, accountant="rdp", noise_multiplier=1.0))
+    data = PrivatePublicDataModule(blobs(100), batch_size=8, collate_fn=standardize_by_batch)
+    result = audit(model, data, trials=20, reference_size=8)
+    assert result.canary_influence > 1.5, result  # default_collate would have shown 1.0
+
+
+def test_left_padding_for_a_causal_prompt_is_refused_by_name(tmp_path):
+    from transformers import DataCollatorWithPadding
+
+    from pl_dp.data import TextDataModule
+    from pl_dp.nets import PromptClassifier
+    from tests.tiny_hf import tiny_model
+
+    net = PromptClassifier(["terrible", "great"], model_path=tiny_model(tmp_path / "gpt2", "gpt2"))
+    texts = ["the movie was great", "terrible", "a fine film and a great cast", "awful plot"] * 6
+    data = TextDataModule((texts, [1, 0, 1, 0] * 6), prompt=net, batch_size=6, val_fraction=0.25, test_fraction=0)
+    net.tokenizer.padding_side = "left"  # usual for causal LMs; PromptClassifier reads its last token on the right
+    data.collate_fn = DataCollatorWithPadding(net.tokenizer)
+    model = DPZero(net, clip=1.0, privacy=SPEC)
+    with pytest.raises(IndependenceError, match=r"collate_fn \(DataCollatorWithPadding\) mixes them.*left padding"):
+        make_trainer(max_steps=1).fit(model, data)
+
+
+# ---- 2. and 3. a bad record: found before training, silent and harmless inside it --------------------------------
+def _with_record(x: torch.Tensor | None = None, label: int | None = None) -> TensorDataset:
+    data = blobs(100)
+    xs, ys = data.tensors
+    extra_x = xs[:1].clone() if x is None else x.reshape(1, -1)
+    extra_y = ys[:1].clone() if label is None else torch.tensor([label])
+    return TensorDataset(torch.cat([xs, extra_x]), torch.cat([ys, extra_y]))
+
+
+BAD_RECORDS = {
+    "nan-feature": (dict(x=torch.tensor([float("nan"), 0.0, 0.0, 0.0])), r"example 100: a value in \[0\] is NaN"),
+    "label-out-of-range": (dict(label=10), r"example 100: the loss raised IndexError"),
+}
+
+
+@pytest.mark.parametrize("record", list(BAD_RECORDS))
+@pytest.mark.parametrize("cls", METHODS)
+def test_the_pre_flight_pass_names_a_bad_record_before_any_release(cls, record):
+    kwargs, message = BAD_RECORDS[record]
+    model = cls(nn.Linear(4, 3), clip=1.0, privacy=SPEC)
+    with pytest.raises(DataError, match=rf"1 of its 101 examples unusable.*\n  - {message}"):
+        make_trainer(max_steps=2).fit(model, PrivatePublicDataModule(_with_record(**kwargs), batch_size=10))
+    assert model.private_steps == 0 and not model.accountant.history
+
+
+def _run_and_capture(cls, dataset) -> tuple[int, list[str]]:
+    """Private steps made and everything the run said: warnings, log records, stdout and stderr."""
+    model = cls(nn.Linear(4, 3), clip=1.0, lr=0.1, privacy=SPEC, preflight=False)
+    data = PrivatePublicDataModule(dataset, batch_size=50)  # rate ≈ 0.5: the record is sampled in most steps
+    out, err, records = io.StringIO(), io.StringIO(), []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
+            warnings.simplefilter("always")
+            with contextlib.redirect_stderr(err):
+                make_trainer(max_steps=6).fit(model, data)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    said = [f"{w.category.__name__}: {w.message}" for w in caught] + [r.getMessage() for r in records]
+    return model.private_steps, sorted(said) + [out.getvalue(), err.getvalue()]
+
+
+@pytest.mark.parametrize("record", list(BAD_RECORDS))
+@pytest.mark.parametrize("cls", METHODS)
+def test_with_the_pre_flight_off_a_bad_record_changes_nothing_a_run_says_or_how_it_ends(cls, record):
+    """On main the NaN record raised a warning in 3/3 runs with it and 0/3 without; the out-of-range label crashed
+    the run with IndexError at the step that sampled it. Now: the same steps, the same words, with or without it."""
+    steps, said = _run_and_capture(cls, blobs(100))
+    steps_with, said_with = _run_and_capture(cls, _with_record(**BAD_RECORDS[record][0]))
+    assert steps == steps_with == 6
+    assert said == said_with
+
+
+# ---- 4. copies of a module or a sampler carry no secret ------------------------------------------------------------
+def _trained(cls, sampling_seed=None, **kwargs):
+    model = cls(nn.Linear(4, 3), clip=1.0, privacy=SPEC, **kwargs)
+    data = PrivatePublicDataModule(blobs(100), batch_size=20, sampling_seed=sampling_seed)
+    trainer = make_trainer(max_steps=2)
+    trainer.fit(model, data)
+    return model, trainer.train_dataloader.batch_sampler
+
+
+def _noise(model, step: int) -> torch.Tensor:
+    model.noise.start_step(step)
+    return model.noise.normal((16,), 1.0)
+
+
+COPIES = {
+    "pickle": lambda obj, path: pickle.loads(pickle.dumps(obj)),
+    "deepcopy": lambda obj, path: copy.deepcopy(obj),
+    "torch.save": lambda obj, path: (
+        torch.save(obj, path / "copy.pt"),
+        torch.load(path / "copy.pt", weights_only=False),
+    )[1],
+}
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_copy_of_the_module_replays_neither_its_noise_nor_its_batches(cls, how, tmp_path):
+    """On main a loaded ``torch.save(model)`` reproduced every step's noise and batches."""
+    model, sampler = _trained(cls)
+    clone = COPIES[how](model, tmp_path)
+    assert all(not torch.equal(_noise(clone, t), _noise(model, t)) for t in range(5))
+    assert all(clone._sampler.batch(i) != model._sampler.batch(i) for i in range(5))
+    clone_sampler = COPIES[how](sampler, tmp_path)
+    assert all(clone_sampler.batch(i) != sampler.batch(i) for i in range(5))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_user_seeded_secrets_are_public_and_copies_keep_them(cls):
+    model, sampler = _trained(cls, noise_seed=3, sampling_seed=4)
+    clone = copy.deepcopy(model)
+    assert torch.equal(_noise(clone, 2), _noise(model, 2))
+    assert copy.deepcopy(sampler).batch(3) == sampler.batch(3)
+
+
+def test_a_copy_holds_no_un_noised_count():
+    model = DPZero(nn.Linear(4, 3), loss=_nan_for_every_example, clip=1.0, privacy=SPEC, preflight=False)
+    make_trainer(max_steps=2).fit(model, PrivatePublicDataModule(blobs(40), batch_size=20))
+    assert model.nonfinite_total > 0
+    assert copy.deepcopy(model).nonfinite_total == 0
+
+
+def _nan_for_every_example(net, batch):
+    x, y = batch
+    return F.cross_entropy(net(x), y, reduction="none") * float("nan")
