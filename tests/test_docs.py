@@ -88,3 +88,14 @@ def test_strict_build_passes(tmp_path):
     assert (site / "results.html").exists() and (site / "results" / "accuracy_vs_epsilon.png").exists()
     config = re.sub(r"<[^>]+>", "", (site / "methods" / "dpzero.html").read_text())
     assert "class_path: pl_dp.methods.DPZero" in config  # the shipped config is included, not copied
+
+
+def test_the_privacy_model_states_how_often_logged_epsilon_is_exact():
+    """The page and the code once disagreed (1/32 against 8 evaluations per plan)."""
+    import inspect
+
+    from pl_dp.privacy.budget import EpsilonTracker
+
+    evaluations = inspect.signature(EpsilonTracker).parameters["evaluations"].default
+    text = " ".join((DOCS / "privacy-model.md").read_text().split())
+    assert f"every 1/{evaluations} of it" in text
