@@ -3,7 +3,8 @@
 Each step includes every example independently with probability q = batch_size / n, so batches
 have variable size and may be empty; sums are normalized by the expected size q·n. Batch i is a
 pure function of (seed, i) — counter-based like the direction engine — so the sampler's whole
-state is its position, which the method saves and restores with its checkpoint.
+state is its position, which the method saves and restores with its checkpoint. A batch costs time
+and memory in proportion to its expected size, not to n (``benchmarks/sampler.py``).
 
 The sampling seed is a secret of the run (docs/privacy-model.md): amplification by subsampling holds only
 against an adversary who does not know which steps included an example. It is drawn from OS
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
@@ -111,14 +113,18 @@ class PoissonBatchSampler(CountingBatchSampler):
         return self.sample_rate * self.num_samples
 
     def batch(self, index: int) -> list[int]:
-        """The indices of batch ``index`` (this rank's share).
+        """The indices of batch ``index`` (this rank's share), in increasing order.
 
-        Inclusion compares a float64 uniform (53 random bits) with q: a float32 one would include each example
-        with probability ⌈q·2²⁴⌉/2²⁴ instead of q (+19 % at q = 1e-7, and 2⁻²⁴ for any q below that).
+        Drawn in O(expected batch size), not O(n): the batch's size K ~ Binomial(n, q), then K distinct indices
+        uniformly at random (NumPy's ``Generator.binomial`` and ``Generator.choice(replace=False)``, which draws
+        a small sample from a large population by Floyd's algorithm). That is exactly the law of including each
+        example independently with probability q: given its size, a Poisson sample is a uniform subset. The
+        arithmetic is float64 (a float32 uniform compared with q would include each example with probability
+        ⌈q·2²⁴⌉/2²⁴: +19 % at q = 1e-7). Every rank draws the same global batch and keeps its shard.
         """
-        g = torch.Generator().manual_seed(derive_seed(self.seed, index))
-        mask = torch.rand(self.num_samples, generator=g, dtype=torch.float64) < self.sample_rate
-        idx = mask.nonzero().flatten()
+        rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, index)))
+        size = rng.binomial(self.num_samples, self.sample_rate)
+        idx = np.sort(rng.choice(self.num_samples, size=size, replace=False))
         if self.num_replicas > 1:
             idx = idx[idx % self.num_replicas == self.rank]
         return idx.tolist()

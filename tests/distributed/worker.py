@@ -3,6 +3,10 @@
 ``python tests/distributed/worker.py DEVICES OUT_DIR`` writes ``OUT_DIR/rank{r}.json`` per rank;
 tests/distributed/test_ddp.py compares them with the single-process results of :func:`run_all`.
 Lightning's DDP launcher re-runs this file for ranks 1..N−1.
+
+``python tests/distributed/worker.py nodes OUT_DIR`` is one node of a multi-node run as a cluster launches it
+(``torchrun`` or SLURM set ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK`` and ``LOCAL_RANK``; the
+caller starts one such process per node): ``Trainer(num_nodes=WORLD_SIZE, devices=1)``, :data:`NODE_METHODS` only.
 """
 
 from __future__ import annotations
@@ -103,7 +107,11 @@ def _data(name: str) -> PrivatePublicDataModule:
     )
 
 
-def run_one(name: str, devices: int) -> dict:
+#: the fits of the multi-node test (one of each family, and entropy-drawn secrets)
+NODE_METHODS = ("dpzero", "dpsgd", "dpzero_rank_seeded")
+
+
+def run_one(name: str, devices: int, num_nodes: int = 1) -> dict:
     if name == "dpzero_rank_seeded":
         torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
     else:
@@ -115,7 +123,8 @@ def run_one(name: str, devices: int) -> dict:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        num_nodes=num_nodes,
+        strategy="ddp" if devices * num_nodes > 1 else "auto",
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -149,7 +158,11 @@ def run_all(devices: int) -> dict:
 
 if __name__ == "__main__":
     _instrument()
-    devices, out = int(sys.argv[1]), Path(sys.argv[2])
-    results = run_all(devices)
+    out = Path(sys.argv[2])
+    if sys.argv[1] == "nodes":
+        nodes = int(os.environ["WORLD_SIZE"])
+        results = {name: run_one(name, 1, num_nodes=nodes) for name in NODE_METHODS}
+    else:
+        results = run_all(int(sys.argv[1]))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{results['dpzero']['rank']}.json").write_text(json.dumps(results))

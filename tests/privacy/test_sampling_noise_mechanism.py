@@ -43,6 +43,49 @@ def test_poisson_inclusion_holds_its_rate_below_float32_resolution():
     assert sum(len(sampler.batch(i)) for i in range(200)) == 0
 
 
+def test_poisson_law_at_large_n_and_small_q():
+    """n = 10⁸, q = 10⁻⁶ (b = 100): batch sizes Binomial(n, q), indices distinct, sorted and uniform over [0, n)."""
+    n, q, steps = 10**8, 1e-6, 2000
+    sampler = PoissonBatchSampler(n, q, steps_per_epoch=steps, seed=0)
+    sizes, deciles = [], torch.zeros(10)
+    for i in range(steps):
+        batch = sampler.batch(i)
+        assert batch == sorted(set(batch)) and all(0 <= j < n for j in batch)
+        sizes.append(len(batch))
+        deciles += torch.bincount(torch.tensor(batch, dtype=torch.long) * 10 // n, minlength=10)
+    sizes = torch.tensor(sizes, dtype=torch.float64)
+    assert sizes.mean().item() == pytest.approx(n * q, abs=1.0)  # standard error 0.22
+    assert sizes.var().item() == pytest.approx(n * q * (1 - q), rel=0.15)  # standard error ≈ 3 %
+    expected = sizes.sum() / 10
+    assert (((deciles - expected) ** 2) / expected).sum().item() < 27.9  # χ²(9) at 0.001
+
+
+def test_poisson_inclusions_of_different_examples_are_independent():
+    """Pairwise: the correlation of two examples' inclusion indicators is 0 (a fixed-size sampler's is −1/(n−1),
+    and its batch-size variance 0)."""
+    n, q, steps = 200, 0.3, 3000
+    sampler = PoissonBatchSampler(n, q, steps_per_epoch=steps, seed=1)
+    included = torch.zeros(steps, n)
+    for i in range(steps):
+        included[i, sampler.batch(i)] = 1.0
+    assert included.mean().item() == pytest.approx(q, rel=0.01)
+    correlation = torch.corrcoef(included.T)
+    off = correlation[~torch.eye(n, dtype=torch.bool)]
+    assert off.mean().abs().item() < 0.002 and off.abs().max().item() < 0.1  # each ≈ N(0, 1/√3000 = 0.018)
+
+
+def test_a_batch_costs_its_size_not_the_population():
+    """At n = 10¹⁰ a step allocates a few kB (a mask over n, as Opacus' sampler and pl_dp's before draw, is 40 GB)."""
+    import tracemalloc
+
+    sampler = PoissonBatchSampler(10**10, 1e-8, steps_per_epoch=10, seed=2)
+    tracemalloc.start()
+    sizes = [len(sampler.batch(i)) for i in range(10)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert 0 < sum(sizes) < 2000 and peak < 1_000_000  # NumPy reports its allocations to tracemalloc
+
+
 def test_a_copy_of_a_sampler_draws_other_batches_unless_seeded():
     import copy
     import pickle
