@@ -19,8 +19,9 @@ and data parallelism (:mod:`pl_dp.methods.parallel`) are mixed in from their own
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.preflight import PreflightReport, check_private_set
 from pl_dp.privacy.report import PrivacyReport
-from pl_dp.privacy.sampling import CountingBatchSampler, poisson_sampler_of
+from pl_dp.privacy.sampling import CountingBatchSampler, poisson_sampler_of, private_data_of
 from pl_dp.privacy.seal import sealed
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
@@ -209,6 +210,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self._sampler_start = 0
         self._batches_consumed = 0
         self._restored: dict[str, Any] | None = None
+        self._reference: Any = None  # a public or validation example, set at fit start (see check_independence)
         self._plan_ready = False
         self._metrics: nn.ModuleDict = nn.ModuleDict()
         self.proximal: Any = None  # a ProximalAnchor while a StagewiseSchedule holds one
@@ -230,7 +232,13 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         In a private run an example whose loss raises gets NaN — it contributes 0, counted — instead of ending the
         run at the step that sampled it (:func:`~pl_dp.privacy.seal.isolate_failures`)."""
         return per_sample_evaluator(
-            self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size, isolate=self.privacy is not None
+            self.net,
+            self.loss_fn,
+            batch,
+            batch_size,
+            self.max_physical_batch_size,
+            isolate=self.privacy is not None,
+            reference=self._reference,
         )
 
     @property
@@ -450,16 +458,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         """The pre-flight pass over the private set (:func:`~pl_dp.privacy.preflight.check_private_set`), once per
         private fit before any step: through the private loader's own ``collate_fn``, in chunks of the expected
         batch size (or of ``max_physical_batch_size``), by index — never through the Poisson sampler."""
-        loader = self.trainer.train_dataloader
+        dataset, collate = private_data_of(self.trainer.train_dataloader)
         chunk = self.max_physical_batch_size or math.ceil(self.expected_batch_size or 1)
-        return check_private_set(
-            loader.dataset,
-            loader.collate_fn,
-            self.net,
-            self.loss_fn,
-            chunk,
-            transfer=self._to_device,
-        )
+        return check_private_set(dataset, collate, self.net, self.loss_fn, chunk, transfer=self._to_device)
 
     def check_independence(self) -> None:
         """Per-example independence, once per private fit before any step: refuse batch-mixing layers, then probe
@@ -469,21 +470,18 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         that take gradients, in training mode."""
         refuse_batch_mixing_modules(self.net)
         examples, source = self._probe_examples()
+        collate = private_data_of(self.trainer.train_dataloader)[1]
         probe_independence(
-            self.net,
-            self.loss_fn,
-            examples,
-            self.private_loss_modes,
-            source,
-            collate=self.trainer.train_dataloader.collate_fn,
-            transfer=self._to_device,
+            self.net, self.loss_fn, examples, self.private_loss_modes, source, collate=collate, transfer=self._to_device
         )
+        # a fixed example that is not private, to tell a net or loss that fails for every example from bad records
+        self._reference = None if source == "private" else self._to_device(collate(examples[:1]))
 
     def probe_batch(self) -> tuple[Any, str]:
         """The probe's examples collated by the private loader, on this module's device, and where they come from
         (:func:`~pl_dp.privacy.independence.probe_examples`: public, else validation, else private by index)."""
         examples, source = self._probe_examples()
-        return self._to_device(self.trainer.train_dataloader.collate_fn(examples)), source
+        return self._to_device(private_data_of(self.trainer.train_dataloader)[1](examples)), source
 
     def _probe_examples(self) -> tuple[list[Any], str]:
         size = min(max(round(self.expected_batch_size or PROBE_SIZE), 2), PROBE_MAX)
@@ -540,8 +538,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
         self.noise.start_step(self.private_steps)
-        with sealed(self.privacy is not None and not self.log_private_metrics):  # nothing record-dependent leaks out
-            stats = self.private_step(batch, batch_size, mechanism)
+        with sealed(self.privacy is not None and not self.log_private_metrics), self._private_randomness():
+            stats = self.private_step(batch, batch_size, mechanism)  # nothing record-dependent leaks out
         if self.touches_private_data:
             self.ledger.record(mechanism)
         self._batches_consumed += 1
@@ -551,6 +549,18 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self._log_step(stats)
         if self.log_private_metrics:
             self._log_private_metrics(batch)
+
+    @contextlib.contextmanager
+    def _private_randomness(self) -> Iterator[None]:
+        """In a private run, the step's own randomness (dropout in training mode, a net's sampling) comes from a
+        generator seeded secretly per step and rank (:meth:`~pl_dp.privacy.noise.NoiseSource.randomness_seed`), and
+        the global generators — public: ``seed_everything`` sets them — are left as they were."""
+        if self.privacy is None:
+            yield
+            return
+        with torch.random.fork_rng(devices=[self.device.index] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.noise.randomness_seed(self.private_steps, self.global_rank))
+            yield
 
     def _log_step(self, stats: dict[str, torch.Tensor]) -> None:
         nonfinite = stats.pop("nonfinite", None)

@@ -18,7 +18,7 @@ from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_examp
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.seal import isolate_failures
+from pl_dp.privacy.seal import isolate_failures, sealed
 from pl_dp.privacy.spec import PrivacySpec
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -138,7 +138,8 @@ class FirstOrderModule(PrivateModule):
             else:
                 self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
             if self.privacy is not None:  # each clipped row must be one example's whole gradient
-                verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
+                with sealed():  # its examples may be private: whether they make the net speak is too
+                    verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
 
     def private_gradient(
         self, batch: Any, batch_size: int, mechanism: SubsampledGaussian
@@ -168,7 +169,9 @@ class FirstOrderModule(PrivateModule):
                 if self.privacy is None:
                     done, failed = [(None, compute(part))], []
                 else:  # an example whose pass raises is left out (weight 0) and counted: no record-dependent crash
-                    done, failed = isolate_failures(compute, part, reset=self._per_sample.reset)
+                    done, failed = isolate_failures(
+                        compute, part, reset=self._per_sample.reset, reference=self._reference
+                    )
                 for _, (part_sums, part_norms, part_nonfinite) in done:
                     for s, t in zip(sums, part_sums):
                         s.add_(t.to(s.dtype))

@@ -213,6 +213,7 @@ class GhostClipping:
             )
         refuse_rows_not_examples(not_per_example, size, "gradient norms")
         norms = gsm.get_norm_sample().float()  # ‖g_i‖ over all trainable parameters
+        gsm.per_sample_gradient_norms = None  # Opacus keeps them: un-noised per-example values of the batch
         for p in self.params:
             p._norm_sample = None
         return norms, losses
@@ -224,7 +225,6 @@ class GhostClipping:
         return [
             torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for p, g in zip(self.params, grads)
         ]
-
 
 
 def _full_precision(device: torch.device) -> torch.autocast:

@@ -36,6 +36,7 @@ Two checks, both at fit start and before any private step:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
+from pl_dp.privacy.seal import sealed
 
 #: examples in the probe batch when no expected batch size is given (a BatchNorm-sized batch), and at most
 PROBE_SIZE = 8
@@ -160,7 +162,12 @@ def probe_examples(
     )
     for source, dataset in candidates:
         if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") and len(dataset) >= 3:
-            window = [dataset[i] for i in range(min(len(dataset), max(SCAN, 4 * size)))]
+            with sealed():  # reading a private record may warn or fail: that is its own, and private
+                window = [
+                    e for e in map(_read(dataset), range(min(len(dataset), max(SCAN, 4 * size)))) if e is not _SKIP
+                ]
+            if len(window) < 3:
+                continue
             extents = [_extent(example) for example in window]
             outlier = max(range(len(window)), key=extents.__getitem__)
             # only shorter examples when there are two, so that the outlier lengthens every probe batch's padding
@@ -171,6 +178,21 @@ def probe_examples(
         "per-example independence is checked at fit start on at least 3 examples (public, "
         "validation or private); the datasets here have fewer."
     )
+
+
+_SKIP = object()
+
+
+def _read(dataset: Any) -> Callable[[int], Any]:
+    """``dataset[i]``, or a marker when reading it raises (the pre-flight pass reports such examples)."""
+
+    def read(index: int) -> Any:
+        try:
+            return dataset[index]
+        except Exception:  # noqa: BLE001
+            return _SKIP
+
+    return read
 
 
 def probe_independence(
@@ -194,10 +216,11 @@ def probe_independence(
       outlier appended. In eval mode under ``torch.inference_mode()``, always. A longer example changes every
       example's padding, an outlying one every batch statistic: a net that does not mask its padding, a collate that
       standardizes by the batch or pads on the left, a loss normalized by the batch move the other examples' losses.
-    * *peer replaced*: the middle example replaced by a copy of the first, in training mode with autograd (only
-      with ``"train"`` in ``modes``: how first-order methods compute per-example gradients). A peer leaves the
-      padded shape as it is, so the random generators, reset to one state before each pass, give every position the
-      same dropout mask (a batch of another shape would draw other masks: that is why nothing is added here).
+    * *replaced in training mode*: the middle example replaced by the outlier — or by a copy of the first example
+      when the outlier would change the batch's padded shape — in training mode with autograd (only with
+      ``"train"`` in ``modes``: how first-order methods compute per-example gradients). The shape stays, so the
+      random generators, reset to one state before each pass, give every position the same dropout mask (a batch of
+      another shape would draw other masks: that is why nothing is added here).
       Besides the losses, the summed gradient of the watched examples is compared: it catches mixing done only by
       the backward pass, such as ``x + (m - m.detach())`` with ``m`` a batch mean.
 
@@ -237,7 +260,7 @@ def probe_independence(
     state = NetState(net)
     problems: list[str] = []
     try:
-        with torch.random.fork_rng(devices=state.cuda_devices):
+        with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # its examples may be private
             probe = _Probe(net, loss_fn, list(examples), collate, transfer or (lambda batch: batch), state)
             problems += probe.findings("eval", source)
             if "train" in modes:
@@ -299,10 +322,21 @@ class _Probe:
         self.params = [p for p in net.parameters() if p.requires_grad]
         self.rng = _RandomState(state.cuda_devices)
 
+    def _stand_in(self, mode: Mode) -> tuple[Any, str]:
+        """The example that replaces (and, in eval mode, is added to) the probe batch, and its description: the
+        outlier, unless in training mode it would change the batch's shape (and with it the dropout masks), where a
+        copy of the first example takes its place."""
+        outlier = (self.examples[-1], "a long or outlying example")
+        if mode == "eval":
+            return outlier
+        rows = self.variants["train"][f"replacing only the example at position {self.middle} by"]
+        batch = self.collate([self.examples[i] for i in rows])
+        same = _shapes(batch) == _shapes(self.collate([self.examples[i] for i in self.reference]))
+        return outlier if same else (self.examples[0], "a copy of the example at position 0")
+
     def findings(self, mode: Mode, source: str) -> list[str]:
         """Message lines (positions and names only, no value computed from the examples)."""
-        stand_in = self.examples[-1] if mode == "eval" else self.examples[0]
-        described = "a long or outlying example" if mode == "eval" else "a copy of the example at position 0"
+        stand_in, described = self._stand_in(mode)
         base = self._run(self.reference, stand_in, mode)
         loss_noise, gradient_noise = self._changes(base, self._run(self.reference, stand_in, mode))  # kernel jitter
         tolerance = RELATIVE_TOLERANCE * _finite_max(base.losses[self.watched].abs()) + NOISE_MARGIN * _finite_max(
@@ -483,17 +517,35 @@ class _Slot(NamedTuple):
         return getattr(self.module, self.name, None) is not self.tensor or self.tensor._version != version
 
 
+#: the entries of a module's ``__dict__`` that :class:`NetState` restores by their own rules, not as plain attributes
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules", "training"})
+
+
 class NetState:
-    """What the probe must leave as it found it, and which buffers and parameters a forward wrote.
+    """What the probe and the pre-flight pass must leave as they found it, and which buffers and parameters a
+    forward wrote.
 
     Writes are seen through each tensor's version counter (bumped by every in-place operation, also under
     ``torch.inference_mode()``) and identity (a reassigned attribute); buffers added by a forward are seen
-    by name.
+    by name. Plain attributes (a cache a forward grows, a list it appends to) are put back too — added ones
+    removed, reassigned ones restored, lists, dicts and sets refilled — so that nothing the checks computed from
+    the examples stays on the net, where a pickle of the module would carry it; a tensor attribute written in place
+    is not (it is the user's contract, as in training).
     """
 
     def __init__(self, net: nn.Module) -> None:
         self.net = net
         self.modes = [(module, module.training) for module in net.modules()]
+        self.attributes = [
+            (module, {key: value for key, value in module.__dict__.items() if key not in _REGISTRIES})
+            for module in net.modules()
+        ]
+        self.contents = {
+            (id(module), key): copy.copy(value)
+            for module, attributes in self.attributes
+            for key, value in attributes.items()
+            if type(value) in (list, dict, set)
+        }
         modules = list(net.named_modules())
         self.buffers = [
             _Slot(f"{prefix}.{name}" if prefix else name, module, name, tensor)
@@ -525,7 +577,22 @@ class NetState:
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Buffers back to their objects and values, added buffers removed, every module's mode restored."""
+        """Buffers back to their objects and values, added buffers removed, plain attributes and every module's
+        mode restored."""
+        for module, attributes in self.attributes:
+            current = module.__dict__
+            for key in [key for key in current if key not in attributes and key not in _REGISTRIES]:
+                del current[key]
+            for key, value in attributes.items():
+                current[key] = value
+                saved = self.contents.get((id(module), key))
+                if saved is None:
+                    continue
+                value.clear()
+                if isinstance(value, list):
+                    value.extend(saved)
+                else:
+                    value.update(saved)
         for name in self._added_buffers():
             owner, _, attribute = name.rpartition(".")
             delattr(self.net.get_submodule(owner), attribute)

@@ -38,6 +38,8 @@ import torch
 from pl_dp.privacy.seeding import derive_seed
 
 _KEY_BYTES = 32
+#: the domain of :meth:`NoiseSource.randomness_seed` (three counters; noise draws use two)
+_RANDOMNESS = 0x5EED
 _CHUNK = 1 << 20
 _LOW53 = (1 << 53) - 1
 
@@ -98,6 +100,15 @@ class NoiseSource:
         generator = torch.Generator(device=device)
         generator.manual_seed(derive_seed(self._seed63(), self._step, draw))
         return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
+
+    def randomness_seed(self, step: int, rank: int) -> int:
+        """A secret seed for the other randomness of private step ``step`` on data-parallel rank ``rank`` (dropout,
+        a net's own sampling): a function of the key, never equal to a noise draw's seed. Dropout masks drawn from a
+        public generator (``seed_everything``) would let an adversary who knows its state see that adding one
+        example shifts the masks of the examples after it; from a secret one, each example's masks are fresh and
+        independent of the others, as the analysis of a subsampled Gaussian step with randomized per-example terms
+        assumes."""
+        return derive_seed(self._seed63(), _RANDOMNESS, int(step), int(rank))
 
     def share(self, broadcast: Callable[[Any], Any]) -> None:
         """Make every data-parallel rank use rank 0's key: one draw per logical step, whatever the world size.

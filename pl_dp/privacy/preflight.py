@@ -37,7 +37,7 @@ from torch import nn
 
 from pl_dp.privacy.independence import NetState
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
-from pl_dp.privacy.seal import isolate_failures
+from pl_dp.privacy.seal import isolate_failures, sealed
 
 #: bad examples listed one by one in the error (the rest are counted)
 LISTED = 20
@@ -104,7 +104,7 @@ def check_private_set(
     reference: tuple[int, Any] | None = None  # the first good example: every chunk is batched with it
     state = NetState(net)  # a forward that writes a buffer is the probe's to refuse; here it is undone
     try:
-        with torch.random.fork_rng(devices=state.cuda_devices):
+        with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # whether a record warns is private
             net.eval()
             for first in range(0, size, chunk_size):
                 loaded = _load(dataset, list(range(first, min(size, first + chunk_size))), problems)

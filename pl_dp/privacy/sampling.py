@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
 
+from pl_dp.privacy.seal import sealed
 from pl_dp.privacy.seeding import derive_seed, entropy_seed
 
 
@@ -207,18 +208,107 @@ class PartitionBatchSampler(CountingBatchSampler):
         return order[start : start + size].tolist()
 
 
+class _Unreadable:
+    """Marks a sampled example whose reading raised (:class:`SealedReads`); the collate leaves it out."""
+
+    def __repr__(self) -> str:
+        return "UNREADABLE"
+
+
+UNREADABLE = _Unreadable()
+
+
+class SealedReads(Dataset):
+    """The private dataset as pl_dp's private loaders read it: sampled examples are read inside
+    :func:`~pl_dp.privacy.seal.sealed` (a warning a record's reading raises is not shown), and one whose reading
+    raises is replaced by :data:`UNREADABLE`, which :class:`EmptySafeCollate` leaves out of its batch — a record
+    that fails to load (a truncated file, a random crop that does not fit) contributes nothing to that step
+    instead of ending the run at the step that sampled it. ``dataset[i]`` reads directly (it raises)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        with sealed():
+            getitems = getattr(self.dataset, "__getitems__", None)
+            if getitems is not None:
+                try:
+                    return list(getitems(indices))
+                except Exception:  # noqa: BLE001 - read one by one below
+                    pass
+            return [self._read(index) for index in indices]
+
+    def _read(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception:  # noqa: BLE001 - this example sits the step out
+            return UNREADABLE
+
+
 class EmptySafeCollate:
-    """Collate that turns an empty Poisson batch into zero-length tensors of the right shapes."""
+    """The collate of pl_dp's private loaders: an empty Poisson batch becomes zero-length tensors of the right
+    shapes, and no record ends the run through its batching.
+
+    The user's ``collate_fn`` runs inside :func:`~pl_dp.privacy.seal.sealed`. Examples that could not be read are
+    left out; if the batch then fails to collate, so is every example that does not batch alone and with the
+    *reference* (the dataset's first example) in either order — a rule about each example alone, so that leaving it
+    out changes no other example's part (each still contributes what it would, or 0: the bound holds). A collate
+    whose failures depend on pairs of such examples still raises. ``dropped`` counts the examples left out in this
+    process: un-noised private information, kept in memory only. The pre-flight pass reports such examples before
+    training.
+    """
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any] = default_collate) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
+        self.dropped = 0
 
     def __call__(self, items: list) -> Any:
+        kept = [item for item in items if item is not UNREADABLE]
+        try:
+            with sealed():
+                try:
+                    return self._collate(kept)
+                except Exception:  # noqa: BLE001 - the examples that do not batch sit the step out
+                    kept = [item for item in kept if self._batchable(item)]
+                    return self._collate(kept)
+        finally:
+            self.dropped += len(items) - len(kept)
+
+    def _collate(self, items: list) -> Any:
         if items:
             return self.collate_fn(items)
-        template = self.collate_fn([self.dataset[0]])
-        return _slice_empty(template)
+        return _slice_empty(self.collate_fn([self.dataset[0]]))
+
+    def _batchable(self, example: Any) -> bool:
+        try:
+            reference = self.dataset[0]
+        except Exception:  # noqa: BLE001
+            reference = None
+        batches = [[example]] + ([] if reference is None else [[reference, example], [example, reference]])
+        try:
+            for batch in batches:
+                self.collate_fn(batch)
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+
+def private_data_of(loader: Any) -> tuple[Any, Callable[[list], Any]]:
+    """The dataset and the user's ``collate_fn`` behind a private loader, without pl_dp's sealing wrappers (the
+    fit-start checks read examples directly and want their errors)."""
+    dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None) or default_collate
+    if isinstance(dataset, SealedReads):
+        dataset = dataset.dataset
+    if isinstance(collate, EmptySafeCollate):
+        collate = collate.collate_fn
+    return dataset, collate
 
 
 def _slice_empty(obj: Any) -> Any:
@@ -243,7 +333,9 @@ def poisson_loader(
 ) -> DataLoader:
     """A DataLoader over ``dataset`` with Poisson sampling at ``sample_rate`` (empty batches allowed).
 
-    ``seed`` is the secret sampling seed: leave it ``None`` (OS entropy) unless reproducing a run.
+    ``seed`` is the secret sampling seed: leave it ``None`` (OS entropy) unless reproducing a run. Examples are
+    read and batched sealed (:class:`SealedReads`, :class:`EmptySafeCollate`): an example that fails to load or to
+    batch sits its step out instead of ending the run, and nothing the reading or the collate says is shown.
 
     With ``num_replicas > 1`` each rank gets its shard of the global Poisson batch, and the
     loader's ``sampler`` is a :class:`ShardMarker`: frameworks that inject a ``DistributedSampler``
@@ -251,9 +343,8 @@ def poisson_loader(
     alone instead of failing on, or replacing, the Poisson batch sampler.
     """
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
-    loader = DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset, collate_fn), **loader_kwargs
-    )
+    collate = EmptySafeCollate(dataset, collate_fn)
+    loader = DataLoader(SealedReads(dataset), batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
     if num_replicas > 1:  # DataLoader forbids setting ``sampler`` next to ``batch_sampler``; it never iterates it
         object.__setattr__(loader, "sampler", ShardMarker(dataset, num_replicas, rank))
     return loader
@@ -277,7 +368,8 @@ def partition_loader(
 ) -> DataLoader:
     """A DataLoader over a :class:`PartitionBatchSampler` (each example in one step per pass)."""
     sampler = PartitionBatchSampler(len(dataset), first_batch_size, batch_size, block_steps, seed)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs)
+    collate = EmptySafeCollate(dataset, collate_fn)
+    return DataLoader(SealedReads(dataset), batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
 
 
 class OpacusPoissonSampling:

@@ -14,6 +14,7 @@ import logging
 import pickle
 import warnings
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,9 +144,11 @@ def test_the_pre_flight_pass_names_a_bad_record_before_any_release(cls, record):
     assert model.private_steps == 0 and not model.accountant.history
 
 
-def _run_and_capture(cls, dataset) -> tuple[int, list[str]]:
+def _run_and_capture(cls, dataset, net=None, preflight=False) -> tuple[int, list[str]]:
     """Private steps made and everything the run said: warnings, log records, stdout and stderr."""
-    model = cls(nn.Linear(4, 3), clip=1.0, lr=0.1, privacy=SPEC, preflight=False)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3) if net is None else net
+    model = cls(net, clip=1.0, lr=0.1, privacy=SPEC, preflight=preflight)
     data = PrivatePublicDataModule(dataset, batch_size=50)  # rate ≈ 0.5: the record is sampled in most steps
     out, err, records = io.StringIO(), io.StringIO(), []
     handler = logging.Handler()
@@ -171,6 +174,91 @@ def test_with_the_pre_flight_off_a_bad_record_changes_nothing_a_run_says_or_how_
     steps_with, said_with = _run_and_capture(cls, _with_record(**BAD_RECORDS[record][0]))
     assert steps == steps_with == 6
     assert said == said_with
+
+
+class Unreliable(Dataset):
+    """blobs(100), plus record X at index 100 whose reading warns and, with ``fails``, raises (a truncated file)."""
+
+    def __init__(self, with_x: bool, fails: bool) -> None:
+        self.data, self.with_x, self.fails = blobs(100), with_x, fails
+
+    def __len__(self) -> int:
+        return 100 + self.with_x
+
+    def __getitem__(self, i: int):
+        if i == 100:
+            warnings.warn("record 100: truncated, padded with zeros", UserWarning, stacklevel=1)
+            if self.fails:
+                raise OSError("record 100 is unreadable")
+            return torch.zeros(4), torch.tensor(0)
+        return self.data[i]
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["warns", "raises"])
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_record_that_warns_or_fails_when_read_changes_nothing_a_run_says_or_how_it_ends(cls, fails):
+    """Reading happens in the loader, outside the step; and the pre-flight pass reads every record (it is sealed too:
+    with a record that only warns it passes, and says nothing)."""
+    preflight = not fails  # a record that fails to read is refused by the pre-flight pass: see the test above
+    steps, said = _run_and_capture(cls, Unreliable(False, fails), preflight=preflight)
+    steps_with, said_with = _run_and_capture(cls, Unreliable(True, fails), preflight=preflight)
+    assert steps == steps_with == 6
+    assert said == said_with
+
+
+class Shouting(nn.Module):
+    """A net that warns, logs and prints on inputs it finds odd (the outlier record's), and computes normally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x.abs() > 50).any()):
+            warnings.warn("input clamped", UserWarning, stacklevel=1)
+            logging.getLogger("shouting").warning("input clamped")
+            print("note: input clamped")
+        return self.linear(x.clamp(-50, 50))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_what_the_net_says_during_the_fit_start_checks_does_not_show(cls):
+    """The pre-flight pass runs the net on every private record, the probe on some: their messages are private."""
+    odd = _with_record(x=torch.full((4,), 99.0))
+    steps, said = _run_and_capture(cls, blobs(100), net=Shouting(), preflight=True)
+    steps_with, said_with = _run_and_capture(cls, odd, net=Shouting(), preflight=True)
+    assert steps == steps_with == 6
+    assert said == said_with
+
+
+class ExtraKey(Dataset):
+    """Dict examples; record X at index 1 carries a stray key, which breaks the batch only when X comes first."""
+
+    def __init__(self, with_x: bool) -> None:
+        x, y = blobs(60).tensors
+        self.rows = [{"x": x[i], "labels": y[i]} for i in range(60)]
+        if with_x:
+            self.rows.insert(1, {"x": x[0].clone(), "labels": y[0].clone(), "meta": torch.tensor(1.0)})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.rows[i]
+
+
+def _dict_loss(net, batch):
+    return F.cross_entropy(net(batch["x"]), batch["labels"], reduction="none")
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_record_that_breaks_the_batch_only_in_some_positions_does_not_end_the_run(cls):
+    """The reviewer's case: X batches when it is not first and makes PaddingCollate raise KeyError when it is the
+    lowest index sampled — which the pre-flight pass (X never first there) cannot see. On main: a crash at that step."""
+    for dataset in (ExtraKey(False), ExtraKey(True)):
+        model = cls(nn.Linear(4, 3), loss=_dict_loss, clip=1.0, lr=0.1, privacy=SPEC)
+        make_trainer(max_steps=40).fit(model, PrivatePublicDataModule(dataset, batch_size=6))
+        assert model.private_steps == 40
 
 
 # ---- 4. copies of a module or a sampler carry no secret ------------------------------------------------------------
@@ -207,6 +295,106 @@ def test_a_copy_of_the_module_replays_neither_its_noise_nor_its_batches(cls, how
     assert all(clone._sampler.batch(i) != model._sampler.batch(i) for i in range(5))
     clone_sampler = COPIES[how](sampler, tmp_path)
     assert all(clone_sampler.batch(i) != sampler.batch(i) for i in range(5))
+
+
+class _Tensors(pickle.Pickler):
+    """Records every tensor a pickle of an object holds."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO())
+        self.tensors: list[torch.Tensor] = []
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+        return NotImplemented
+
+
+class _LastBatch(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.size = len(batch[1])
+
+
+@pytest.mark.parametrize("per_sample", ["hooks", "functorch", "ghost"])
+def test_a_copy_of_a_first_order_module_holds_nothing_the_size_of_a_batch(per_sample):
+    """Opacus' ghost clipping kept the last batch's per-example gradient norms, which pickles carried."""
+    torch.manual_seed(0)
+    model = DPSGD(nn.Linear(4, 3), clip=1.0, privacy=SPEC, per_sample=per_sample)
+    last = _LastBatch()
+    make_trainer(max_steps=3, callbacks=[last]).fit(model, PrivatePublicDataModule(blobs(200), batch_size=37))
+    recorder = _Tensors()
+    recorder.dump(model)
+    parameter_shapes = {tuple(p.shape) for p in model.parameters()}
+    batch_sized = [t for t in recorder.tensors if t.numel() and t.shape[0] == last.size]
+    assert last.size not in (3, 4) and not [t for t in batch_sized if tuple(t.shape) not in parameter_shapes]
+
+
+class _Masks(L.Callback):
+    """The dropout pattern of the first private step."""
+
+    def __init__(self) -> None:
+        self.pattern = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.pattern is None:
+            self.pattern = pl_module.net[1].last
+
+
+class _RecordingDropout(nn.Dropout):
+    def forward(self, x):
+        out = super().forward(x)
+        self.last = (out == 0).clone()
+        return out
+
+
+@pytest.mark.parametrize("noise_seed", [None, 5])
+def test_dropout_inside_a_private_step_is_drawn_from_a_secret_generator(noise_seed):
+    """Dropout masks from the public global generator (seed_everything) let whoever knows its state see that one
+    example more shifts the others' masks (the reviewer measured 1.8 C to 3.2 C). Two runs of one config, seeds and
+    all, must draw different masks — unless the user seeded the secrets (reproduction mode)."""
+    patterns = []
+    for _ in range(2):
+        L.seed_everything(0, verbose=False)
+        net = nn.Sequential(nn.Linear(4, 64), _RecordingDropout(0.5), nn.Linear(64, 3))
+        model = DPSGD(net, clip=1.0, privacy=SPEC, noise_seed=noise_seed)
+        masks = _Masks()
+        data = PrivatePublicDataModule(blobs(100), batch_size=20, sampling_seed=1)
+        make_trainer(max_steps=1, callbacks=[masks]).fit(model, data)
+        patterns.append(masks.pattern)
+    assert torch.equal(patterns[0], patterns[1]) == (noise_seed is not None)
+
+
+class _NoVmap(torch.autograd.Function):
+    """An autograd.Function with no vmap rule: torch.func.vmap refuses it, plain autograd runs it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _TrainOnlyFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return _NoVmap.apply(out) if self.training else out
+
+
+def test_a_net_that_fails_for_every_example_raises_when_a_validation_example_fails_too():
+    """Every example failing alone is the net's fault when a fixed non-private example fails as well: raised at the
+    first step, whatever was sampled (it trained on noise alone, silently, before)."""
+    model = DPSGD(_TrainOnlyFunction(), clip=1.0, privacy=SPEC, per_sample="functorch")
+    data = PrivatePublicDataModule(blobs(100), val=blobs(20, seed=3), batch_size=20)
+    with pytest.raises(RuntimeError, match="vmap") as error:
+        make_trainer(max_steps=2, limit_val_batches=0).fit(model, data)
+    assert "the net or loss fails, not a record" in "".join(getattr(error.value, "__notes__", []))
+    assert model.private_steps == 0
 
 
 @pytest.mark.parametrize("cls", METHODS)

@@ -174,3 +174,42 @@ def test_probe_examples_prefer_public_then_validation_then_private_by_index():
     assert loader.batch_sampler.position == 0  # the Poisson sampler (a secret) was not consulted
     with pytest.raises(IndependenceError, match="at least 3 examples"):
         probe_examples(None, poisson_loader(blobs(2), 0.5))
+
+
+class TrainOnlyBatchMax(nn.Module):
+    """Mixes only in training mode, through an order statistic: x scaled by the batch's largest |x|."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.detach().abs().max().clamp_min(1.0) * 5.0 if self.training else x
+
+
+def test_mixing_through_a_batch_maximum_in_training_mode_is_caught():
+    """Replacing by a copy of example 0 rarely moves a maximum; the outlier (same shape here) does."""
+    net = _net(TrainOnlyBatchMax())
+    examples = _examples(8) + [(torch.full((4,), 40.0), torch.tensor(0))]  # the outlier last, as probe_examples puts it
+    probe_independence(net, cross_entropy, examples, ("eval",), "public")  # eval mode does not mix
+    with pytest.raises(IndependenceError, match="training mode.*by a long or outlying example, changed the losses"):
+        probe_independence(net, cross_entropy, examples, ("train",), "public")
+
+
+class GrowingCache(nn.Module):
+    """Keeps, across forwards, a table as long as the longest input it saw (a lazily grown positional table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.zeros(1)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > len(self.table):
+            self.table = torch.zeros(int(x.abs().max()) + 1)
+        self.seen.append(len(x))
+        return x
+
+
+def test_the_probe_leaves_no_plain_attribute_it_grew():
+    """A pickle of the module would carry them: the longest probe example's size, how many passes ran."""
+    net = _net(GrowingCache())
+    table = net[1].table
+    probe_independence(net, cross_entropy, _examples(), ("train", "eval"), "public")
+    assert net[1].table is table and net[1].seen == []

@@ -106,3 +106,12 @@ def test_a_loss_that_fails_for_every_example_is_the_loss_s_fault_and_raised_as_i
         check_private_set(blobs(30), default_collate, nn.Linear(4, 3), batch_mean, chunk_size=10)
     assert not isinstance(error.value, DataError)
     assert "every example of the pre-flight pass's first batch" in "".join(error.value.__notes__)
+
+
+def test_the_pre_flight_pass_leaves_no_plain_attribute_it_grew():
+    from tests.privacy.test_independence import GrowingCache
+
+    net = nn.Sequential(nn.Linear(4, 4), GrowingCache(), nn.Linear(4, 3))
+    table = net[1].table
+    check_private_set(blobs(50), default_collate, net, cross_entropy, chunk_size=16)
+    assert net[1].table is table and net[1].seen == []
