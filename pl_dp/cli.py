@@ -49,6 +49,18 @@ from pl_dp.privacy.spec import PrivacySpec
 
 
 class PlDpCLI(LightningCLI):
+    def _parse_ckpt_path(self) -> None:
+        """With ``--ckpt_path``, the model is built from the command line when it names one (a ``--config`` or
+        ``--model``), else from the checkpoint's hyperparameters. LightningCLI applies the checkpoint's over the
+        command line, so a resume asked to run under a new ε (``--model.init_args.privacy.epsilon 4`` with
+        ``AllowPrivacySpecChange``) ran silently under the old one. The checkpoint still supplies the weights and
+        the privacy state, which every fit checks against the model it resumes (a changed spec is refused unless
+        allowed)."""
+        subcommand = self.config.get("subcommand")
+        model = self.config[subcommand].get("model") if subcommand else None
+        if model is None or not model.get("class_path"):
+            super()._parse_ckpt_path()
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
             "--test_after_fit", type=bool, default=True, help="test the model after fit and print a report"

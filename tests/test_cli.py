@@ -170,3 +170,24 @@ def test_verbose_is_a_flag_before_the_subcommand_or_an_environment_variable(monk
     with quiet_lightning():
         assert logger.getEffectiveLevel() == logging.WARNING
     assert logger.level == before  # main() called from Python leaves the caller's logging as it was
+
+
+def test_the_documented_resume_under_a_larger_budget_trains_under_it(tmp_path):
+    """docs/callbacks.md's command. On main LightningCLI put the checkpoint's hyperparameters over the command line:
+    the resume exited 0, trained nothing and reported target epsilon 2."""
+    config = yaml.safe_load((ROOT / "configs/digits/dpsgd.yaml").read_text())
+    config["trainer"].update(
+        max_epochs=1, enable_checkpointing=True, default_root_dir=str(tmp_path), enable_progress_bar=False
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    first = _run("fit", "--config", str(path), "--test_after_fit", "false")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (checkpoint,) = tmp_path.rglob("*.ckpt")
+    change = ["--trainer.callbacks+=pl_dp.callbacks.AllowPrivacySpecChange", "--model.init_args.privacy.epsilon", "4"]
+    resumed = _run("fit", "--config", str(path), "--ckpt_path", str(checkpoint), "--trainer.max_epochs", "2", *change)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "target epsilon 4" in resumed.stdout and "36 private steps (planned 36)" in resumed.stdout
+    more = ["--trainer.max_epochs", "2", *change[1:]]  # a changed spec, not allowed: refused, loudly
+    refused = _run("fit", "--config", str(path), "--ckpt_path", str(checkpoint), *more)
+    assert refused.returncode != 0 and "AllowPrivacySpecChange" in refused.stderr

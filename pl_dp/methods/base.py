@@ -27,6 +27,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from pl_dp.methods.evaluation import EvaluationMixin
@@ -357,8 +358,19 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         """Plain SGD at ``lr``. It holds the step size (read by ``lr``, changed by LR schedulers and schedule
         callbacks) and advances ``global_step``. Methods that write their update themselves leave .grad
         empty; first-order methods put the privatized gradient in .grad for whatever optimizer is
-        configured (their ``optimizer=`` argument, an override, or the CLI's ``--optimizer``)."""
+        configured (their ``optimizer=`` argument, the net's own ``configure_optimizers``, an override, or the
+        CLI's ``--optimizer``)."""
         return torch.optim.SGD(self.trainable_parameters(), lr=self._lr)
+
+    def net_configure_optimizers(self) -> Any:
+        """The net's own ``configure_optimizers`` when ``net`` is a LightningModule that defines one, else None."""
+        net = self.net
+        if (
+            isinstance(net, L.LightningModule)
+            and type(net).configure_optimizers is not L.LightningModule.configure_optimizers
+        ):
+            return net.configure_optimizers
+        return None
 
     def _step_lr_schedulers(self, interval: str) -> None:
         """Step the LR schedulers of ``configure_optimizers`` (or the CLI's ``--lr_scheduler``).
@@ -512,6 +524,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     def on_train_start(self) -> None:
         if self.applies_own_update:
             refuse_unless_plain_sgd(self, self.optimizers(use_pl_optimizer=False))
+            if self.net_configure_optimizers() is not None:
+                rank_zero_warn(
+                    f"{type(self).__name__} writes its update itself: the net's own configure_optimizers is not "
+                    f"used. Plain SGD holds the step size (lr={self.lr:g}). DPSGD and Coupling use the net's "
+                    "optimizer."
+                )
         self.setup_privacy()
 
     def on_train_epoch_end(self) -> None:

@@ -2,8 +2,9 @@
 
 The private method replaces training only. When ``net`` is a LightningModule with its own
 ``validation_step``/``test_step``/``predict_step`` and epoch hooks, those run as written (its metrics
-and ``self.log`` included); otherwise pl_dp logs ``<stage>/loss`` and, for classifiers,
-``<stage>/acc`` (torchmetrics). Evaluation data (validation, test) is not private and costs nothing.
+and ``self.log`` included); otherwise pl_dp logs ``<stage>/loss`` through the training loss and, with the
+built-in cross-entropy on classifiers, ``<stage>/acc`` (torchmetrics). Evaluation data (validation, test) is not
+private and costs nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 
-from pl_dp.privacy.losses import batch_size_of, cross_entropy, forward, prediction_inputs, split_inputs_targets
+from pl_dp.privacy.losses import (
+    batch_size_of,
+    check_per_sample,
+    cross_entropy,
+    forward,
+    prediction_inputs,
+    split_inputs_targets,
+)
 
 
 class EvaluationMixin:
@@ -82,24 +90,26 @@ class EvaluationMixin:
         return self._metrics[name]
 
     def _evaluate(self, batch: Any, stage: str) -> None:
-        """Log the mean per-example loss of ``batch`` under ``stage`` (and accuracy for classifiers)."""
-        if batch_size_of(batch) == 0:
+        """Log the mean per-example loss of ``batch`` under ``stage``, and accuracy for classifiers.
+
+        The loss is the one training uses: the user's callable as it is (pl_dp then never calls the net itself,
+        which may have no ``forward``, take the targets too, or need its inputs cast), or a built-in one; with
+        ``"cross_entropy"`` the one forward also gives accuracy when the output is ``[B, K]`` logits.
+        """
+        size = batch_size_of(batch)
+        if size == 0:
             return
         logits = targets = None
-        try:
+        if self.loss_fn is cross_entropy:  # one forward gives the loss and the accuracy
             inputs, targets = split_inputs_targets(batch)
-        except (KeyError, TypeError):  # a batch the built-in losses do not know: the user's loss decides
-            inputs = None
-        if inputs is not None:
             logits = forward(self.net, inputs)
-        if self.loss_fn is cross_entropy and logits is not None:
             losses = F.cross_entropy(logits.float(), targets, reduction="none")
         else:
-            losses = self.loss_fn(self.net, batch)
+            losses = check_per_sample(self.loss_fn(self.net, batch), size)
         self.log(
             f"{stage}/loss", losses.float().mean(), on_epoch=True, prog_bar=stage == "val", sync_dist=self.data_parallel
         )
-        if logits is not None and logits.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
+        if logits is not None and logits.dim() == 2 and targets.dim() == 1:
             name = f"{stage}_acc".replace("/", "_")
             metric = self._metric(name, logits.shape[-1])
             metric(logits, targets)

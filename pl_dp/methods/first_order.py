@@ -33,7 +33,9 @@ class FirstOrderModule(PrivateModule):
         clip_fn: ``"constant"`` min(1, C/s), ``"automatic"`` C/(s+r), ``"psac"`` C/(s + r/(s+r)).
         r: the regularizer of automatic and PSAC clipping.
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` — post-processing of the privatized
-            gradient, so momentum and adaptive steps cost no privacy.
+            gradient, so momentum and adaptive steps cost no privacy. When ``net`` is a LightningModule with its
+            own ``configure_optimizers``, that is used instead (leave ``optimizer``, ``momentum`` and
+            ``weight_decay`` at their defaults; ``lr`` is then the net optimizer's).
         momentum, weight_decay: optimizer options.
         per_sample: ``"hooks"`` (Opacus GradSampleModule), ``"functorch"`` (``torch.func.vmap``) or ``"ghost"``
             (ghost clipping, Li et al. 2022: per-example gradient norms from Opacus'
@@ -110,7 +112,19 @@ class FirstOrderModule(PrivateModule):
         self.per_sample_mode = per_sample
         self._per_sample: PerSampleGradients | GhostClipping | None = None
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        """The optimizer named by ``optimizer`` (with ``lr``, ``momentum``, ``weight_decay``) — or, when ``net`` is a
+        LightningModule with its own ``configure_optimizers``, that one (its optimizers and LR schedulers, as
+        returned; the privatized gradient is post-processing, so any optimizer costs no privacy)."""
+        own = self.net_configure_optimizers()
+        if own is not None:
+            if (self.optimizer_name, self.momentum, self.weight_decay) != ("sgd", 0.0, 0.0):
+                raise ValueError(
+                    f"both the net's configure_optimizers and {type(self).__name__}(optimizer={self.optimizer_name!r}, "
+                    f"momentum={self.momentum}, weight_decay={self.weight_decay}) say how to optimize: keep one "
+                    "(the method's arguments at their defaults use the net's)."
+                )
+            return own()
         kwargs: dict[str, Any] = {"lr": self._lr, "weight_decay": self.weight_decay}
         if self.optimizer_name == "sgd":
             kwargs["momentum"] = self.momentum

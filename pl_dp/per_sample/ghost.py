@@ -32,15 +32,15 @@ from typing import Any
 
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
-from opacus.layers import DPGRU, DPLSTM, DPRNN
-from opacus.utils.module_utils import trainable_modules
 from torch import nn
 
 from pl_dp.per_sample.gradients import (
+    OPACUS_RNNS,
     BroadcastLookups,
     RecordsInEvalMode,
     clear_hook_state,
     refuse_rows_not_examples,
+    unsupported_layers,
 )
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
@@ -70,21 +70,6 @@ class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
         super().capture_activations_hook(module, forward_input, forward_output)
 
 
-_OPACUS_RNNS = (DPRNN, DPLSTM, DPGRU)
-#: trainable layers whose per-example norms Opacus computes only for its own replacement of them
-_REPLACED_BY_OPACUS = {nn.MultiheadAttention: "DPMultiheadAttention", nn.RNNBase: "DPRNN, DPLSTM or DPGRU"}
-
-
-def unsupported_layers(net: nn.Module) -> list[str]:
-    """One line per trainable layer of ``net`` that Opacus' hooks cannot give per-example norms for."""
-    found = []
-    for name, module in trainable_modules(net):
-        for kind, replacement in _REPLACED_BY_OPACUS.items():
-            if isinstance(module, kind) and not isinstance(module, _OPACUS_RNNS):
-                found.append(f"{name or '<the net itself>'!r} ({type(module).__name__}): use Opacus' {replacement}")
-    return found
-
-
 def shared_parameters(net: nn.Module) -> list[str]:
     """One line per trainable parameter held by more than one hooked module of ``net`` (tied weights).
 
@@ -93,7 +78,7 @@ def shared_parameters(net: nn.Module) -> list[str]:
     owners: dict[int, list[str]] = {}
     modules: dict[int, set[int]] = {}
     for name, module in net.named_modules(remove_duplicate=False):
-        if isinstance(module, _OPACUS_RNNS):
+        if isinstance(module, OPACUS_RNNS):
             continue
         for pname, p in module.named_parameters(recurse=False):
             if p.requires_grad:

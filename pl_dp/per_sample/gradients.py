@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 from opacus import GradSampleModule
+from opacus.layers import DPGRU, DPLSTM, DPRNN
+from opacus.utils.module_utils import trainable_modules
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -139,6 +141,21 @@ class BroadcastLookups:
         self.checked = True
 
 
+OPACUS_RNNS = (DPRNN, DPLSTM, DPGRU)
+#: trainable layers whose per-example gradients and norms Opacus computes only for its own replacement of them
+_REPLACED_BY_OPACUS = {nn.MultiheadAttention: "DPMultiheadAttention", nn.RNNBase: "DPRNN, DPLSTM or DPGRU"}
+
+
+def unsupported_layers(net: nn.Module) -> list[str]:
+    """One line per trainable layer of ``net`` that Opacus' hooks cannot give per-example gradients or norms for."""
+    found = []
+    for name, module in trainable_modules(net):
+        for kind, replacement in _REPLACED_BY_OPACUS.items():
+            if isinstance(module, kind) and not isinstance(module, OPACUS_RNNS):
+                found.append(f"{name or '<the net itself>'!r} ({type(module).__name__}): use Opacus' {replacement}")
+    return found
+
+
 def clear_hook_state(net: nn.Module, params: Sequence[nn.Parameter]) -> None:
     """Leave nothing of a per-example pass in Opacus' hooks: recorded inputs, call counters and partial per-example
     gradients (ghost norms, ``_norm_sample``, are reset by the next ghost pass). A layer run but not reached by the
@@ -206,6 +223,15 @@ class PerSampleGradients:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         self._gsm: GradSampleModule | None = None
         if mode == "hooks":
+            unsupported = unsupported_layers(net)
+            if unsupported:
+                raise ValueError(
+                    "per_sample='hooks' cannot compute per-example gradients for these trainable layers:\n  - "
+                    + "\n  - ".join(unsupported)
+                    + "\n(opacus.validators.ModuleValidator.fix(net) swaps them; Opacus' DPMultiheadAttention takes no "
+                    "causal masks). Or use per_sample='functorch' (torch.func differentiates them as they are), a "
+                    "zeroth-order method (DPZero needs only forward passes), or freeze them (requires_grad=False)."
+                )
             self._gsm = _RecordingGradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
             self._gsm.disable_hooks()
             self._lookups = BroadcastLookups(net)

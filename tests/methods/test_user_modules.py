@@ -1,0 +1,129 @@
+"""Modules nobody here wrote, used as a practitioner would: the Lightning docs' LitAutoEncoder (no ``forward``),
+Lightning's own demo ``LightningTransformer`` (``forward(inputs, target)``, ``nn.MultiheadAttention``), a bf16 net
+whose loss casts its inputs, and a LightningModule's own ``configure_optimizers``."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.demos import LightningTransformer
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pl_dp import PrivacySpec
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.methods import DPSGD, DPZero
+from tests.conftest import blobs, make_trainer
+
+SPEC = PrivacySpec(epsilon=5.0, accountant="rdp")
+
+
+class LitAutoEncoder(L.LightningModule):
+    """The Lightning docs' first example ("Lightning in 15 minutes"), on 16 features: no ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 16))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return F.mse_loss(self.decoder(self.encoder(x)), x)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def reconstruction(net: LitAutoEncoder, batch) -> torch.Tensor:
+    x, _ = batch
+    return (net.decoder(net.encoder(x)) - x).square().mean(dim=1)
+
+
+def _features() -> PrivatePublicDataModule:
+    def data(seed):
+        x, y = blobs(80, dim=16, seed=seed).tensors
+        return TensorDataset(x, y)
+
+    return PrivatePublicDataModule(data(0), val=data(1), test=data(2), batch_size=16)
+
+
+@pytest.mark.parametrize("cls", [DPSGD, DPZero])
+def test_a_module_without_forward_is_evaluated_through_the_user_s_loss(cls):
+    """On main: trained, then crashed in validation ("missing the required forward function")."""
+    model = cls(LitAutoEncoder(), loss=reconstruction, clip=1.0, lr=0.01, privacy=SPEC)
+    trainer = make_trainer(max_epochs=1, limit_train_batches=3, num_sanity_val_steps=1)
+    trainer.fit(model, _features())
+    assert "val/loss" in trainer.callback_metrics and "val/acc" not in trainer.callback_metrics
+    assert "test/loss" in trainer.test(model, _features(), verbose=False)[0]
+
+
+def _tokens(seed: int, n: int = 24, length: int = 8) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    sequences = torch.randint(0, 50, (n, length + 1), generator=g)
+    return TensorDataset(sequences[:, :-1], sequences[:, 1:])
+
+
+def next_token(net: LightningTransformer, batch) -> torch.Tensor:
+    """Mean next-token negative log-likelihood per sequence (the demo's forward returns log-probabilities)."""
+    inputs, target = batch
+    log_probs = net(inputs, target)  # [B·T, V]
+    return F.nll_loss(log_probs, target.reshape(-1), reduction="none").view(len(inputs), -1).mean(dim=1)
+
+
+def _transformer() -> LightningTransformer:
+    torch.manual_seed(0)
+    net = LightningTransformer(vocab_size=50)
+    net.model.transformer.dropout = 0.0
+    return net
+
+
+def test_lightning_s_demo_transformer_trains_and_validates_with_dpzero():
+    """On main: crashed in the sanity check (``forward(inputs, target)`` called with the inputs alone)."""
+    model = DPZero(_transformer(), loss=next_token, clip=1.0, lr=1e-3, privacy=SPEC)
+    data = PrivatePublicDataModule(_tokens(0), val=_tokens(1), batch_size=6)
+    trainer = make_trainer(max_epochs=1, limit_train_batches=2, num_sanity_val_steps=1)
+    trainer.fit(model, data)
+    assert model.private_steps == 2 and "val/loss" in trainer.callback_metrics
+
+
+def test_per_example_gradient_hooks_refuse_multihead_attention_at_fit_start_naming_what_works():
+    """On main: Opacus failed mid-step (TypeError: missing 'key' and 'value')."""
+    model = DPSGD(_transformer(), loss=next_token, clip=1.0, privacy=SPEC)
+    data = PrivatePublicDataModule(_tokens(0), val=_tokens(1), batch_size=6)
+    with pytest.raises(ValueError, match=r"MultiheadAttention.*per_sample='functorch'.*DPZero"):
+        make_trainer(max_steps=1).fit(model, data)
+    assert model.private_steps == 0
+    model = DPSGD(_transformer(), loss=next_token, clip=1.0, privacy=SPEC, per_sample="functorch")  # what works
+    make_trainer(max_steps=1).fit(model, data)
+    assert model.private_steps == 1
+
+
+def test_a_bf16_net_whose_loss_casts_its_inputs_validates():
+    """On main: validation called the bf16 net on fp32 inputs itself (a dtype error)."""
+
+    def casting(net, batch):
+        x, y = batch
+        return F.cross_entropy(net(x.to(torch.bfloat16)).float(), y, reduction="none")
+
+    model = DPZero(nn.Linear(16, 3).to(torch.bfloat16), loss=casting, clip=1.0, lr=0.01, privacy=SPEC)
+    trainer = make_trainer(max_epochs=1, limit_train_batches=2, num_sanity_val_steps=1)
+    trainer.fit(model, _features())
+    assert "val/loss" in trainer.callback_metrics
+
+
+def test_first_order_methods_use_the_net_s_own_configure_optimizers():
+    """On main: DPSGD(LitAutoEncoder()) trained with SGD at lr 0.1, silently ignoring the module's Adam."""
+    model = DPSGD(LitAutoEncoder(), loss=reconstruction, clip=1.0, privacy=SPEC)
+    trainer = make_trainer(max_steps=2)
+    trainer.fit(model, _features())
+    assert isinstance(trainer.optimizers[0], torch.optim.Adam) and model.lr == 1e-3
+    with pytest.raises(ValueError, match="both the net's configure_optimizers and DPSGD"):
+        make_trainer(max_steps=1).fit(DPSGD(LitAutoEncoder(), loss=reconstruction, optimizer="adamw"), _features())
+
+
+def test_methods_that_write_their_own_update_say_the_net_s_optimizer_is_not_used():
+    model = DPZero(LitAutoEncoder(), loss=reconstruction, clip=1.0, lr=0.02, privacy=SPEC)
+    with pytest.warns(UserWarning, match=r"configure_optimizers is not used.*lr=0.02"):
+        make_trainer(max_steps=1).fit(model, _features())
