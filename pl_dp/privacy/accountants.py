@@ -52,9 +52,17 @@ def opacus_rdp_conversion() -> Iterator[None]:
     a wider range of orders would give, never smaller), so the guarantee stands. Only this one warning, and only
     around pl_dp's own calls, is filtered; every other warning, pl_dp's included, still shows.
     """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha", category=UserWarning)
+    show = warnings.showwarning
+
+    def without_it(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if not (issubclass(category, UserWarning) and "Optimal order is the largest alpha" in str(message)):
+            show(message, category, *args, **kwargs)
+
+    warnings.showwarning = without_it  # not catch_warnings(): it resets every once-registry, so others would repeat
+    try:
         yield
+    finally:
+        warnings.showwarning = show
 
 
 class Accountant:
