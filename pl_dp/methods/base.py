@@ -46,7 +46,7 @@ from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.preflight import PreflightReport, check_private_set
 from pl_dp.privacy.report import PrivacyReport
-from pl_dp.privacy.sampling import CountingBatchSampler, poisson_sampler_of, private_data_of
+from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
 from pl_dp.privacy.seal import sealed
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
@@ -233,14 +233,31 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         In a private run an example whose loss raises gets NaN — it contributes 0, counted — instead of ending the
         run at the step that sampled it (:func:`~pl_dp.privacy.seal.isolate_failures`)."""
         return per_sample_evaluator(
-            self.net,
-            self.loss_fn,
-            batch,
-            batch_size,
-            self.max_physical_batch_size,
-            isolate=self.privacy is not None,
-            reference=self._reference,
+            self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size, isolate=self.privacy is not None
         )
+
+    def reference_pass(self, batch: Any) -> None:
+        """The method's per-example computation on ``batch``, results discarded, exceptions raised (zeroth-order
+        methods: the losses as :meth:`private_losses` evaluates them; first-order methods: the clipped sum)."""
+        per_sample_evaluator(self.net, self.loss_fn, batch, batch_size_of(batch), self.max_physical_batch_size)()
+
+    def check_reference(self) -> None:
+        """Raise when the per-example computation fails for a fixed validation (or public) example.
+
+        Inside a private step a failing example only sits out, so a net or loss that fails for *every* example
+        would train on noise alone, silently. This check runs at the first step of each fit and on the loggers'
+        cadence — a schedule that does not depend on what was sampled — on an example that is not private, so
+        that whether and when it raises says nothing about the private records. Without validation or public data
+        there is nothing to check it on.
+        """
+        if self._reference is None:
+            return
+        try:
+            with torch.random.fork_rng(devices=[self.device.index] if self.device.type == "cuda" else []):
+                self.reference_pass(self._reference)
+        except Exception as error:
+            error.add_note("(raised for a fixed validation or public example: the net or the loss fails, not a record)")
+            raise
 
     @property
     def touches_private_data(self) -> bool:
@@ -450,9 +467,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             self._batches_consumed = 0
         if self.privacy is None:
             return
-        if self.preflight:
-            self.check_private_data()
+        report = self.check_private_data() if self.preflight else None
         self.check_independence()
+        self._seal_batching(report)
         self.ledger.fix_delta(sampler.num_samples)
         self.ledger.open_journal(restored, self._journal_directory(), self._broadcast)
         self.prepare_accounting(sampler, restored)
@@ -473,6 +490,24 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         dataset, collate = private_data_of(self.trainer.train_dataloader)
         chunk = self.max_physical_batch_size or math.ceil(self.expected_batch_size or 1)
         return check_private_set(dataset, collate, self.net, self.loss_fn, chunk, transfer=self._to_device)
+
+    def _seal_batching(self, report: PreflightReport | None) -> None:
+        """Tell pl_dp's private loader what a batch looks like: every example's structure, as the pre-flight pass
+        found it (examples of another are left out, each by itself), and the empty batch (built now, not read at
+        the step that samples nothing). Without the pass, only the empty batch, from the probe's first example."""
+        collate = self.trainer.train_dataloader.collate_fn
+        if not isinstance(collate, EmptySafeCollate):
+            rank_zero_warn(
+                "the private loader was not built by pl_dp (Opacus' DPDataLoader, or a DataLoader of your own over a "
+                "Poisson batch sampler): its sampling is accepted, but its reading and batching are not sealed — a "
+                "record that fails or warns while being read or batched does so at the step that samples it. Build "
+                "it with pl_dp.data.PrivatePublicDataModule or pl_dp.privacy.poisson_loader."
+            )
+            return
+        if report is not None and report.reference is not None:
+            collate.expect(report.reference)
+        else:
+            collate.expect(self._probe_examples()[0][0], structure=False)
 
     def check_independence(self) -> None:
         """Per-example independence, once per private fit before any step: refuse batch-mixing layers, then probe
@@ -571,20 +606,23 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     @contextlib.contextmanager
     def _private_randomness(self) -> Iterator[None]:
         """In a private run, the step's own randomness (dropout in training mode, a net's sampling) comes from a
-        generator seeded secretly per step and rank (:meth:`~pl_dp.privacy.noise.NoiseSource.randomness_seed`), and
+        generator set secretly per step and rank (:meth:`~pl_dp.privacy.noise.NoiseSource.seed_randomness`), and
         the global generators — public: ``seed_everything`` sets them — are left as they were."""
         if self.privacy is None:
             yield
             return
         with torch.random.fork_rng(devices=[self.device.index] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.noise.randomness_seed(self.private_steps, self.global_rank))
+            self.noise.seed_randomness(self.private_steps, self.global_rank, self.device)
             yield
 
     def _log_step(self, stats: dict[str, torch.Tensor]) -> None:
         nonfinite = stats.pop("nonfinite", None)
         if nonfinite is not None:
             self._count_nonfinite(int(nonfinite))
-        if not self._logging_step():
+        logging = self._logging_step()
+        if self.privacy is not None and self.touches_private_data and (logging or self._batches_consumed == 1):
+            self.check_reference()
+        if not logging:
             return
         if self.trainer.loggers and self.ledger.journal is not None:
             self._write_journal()  # this step's outputs are about to be logged

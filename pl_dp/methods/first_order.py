@@ -155,6 +155,11 @@ class FirstOrderModule(PrivateModule):
                 with sealed():  # its examples may be private: whether they make the net speak is too
                     verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
 
+    def reference_pass(self, batch: Any) -> None:
+        """The clipped sum of ``batch``, computed and discarded (see :meth:`PrivateModule.check_reference`)."""
+        if self._per_sample is not None:
+            self._per_sample.clipped_sum(batch, self.clip_function)
+
     def private_gradient(
         self, batch: Any, batch_size: int, mechanism: SubsampledGaussian
     ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -183,9 +188,7 @@ class FirstOrderModule(PrivateModule):
                 if self.privacy is None:
                     done, failed = [(None, compute(part))], []
                 else:  # an example whose pass raises is left out (weight 0) and counted: no record-dependent crash
-                    done, failed = isolate_failures(
-                        compute, part, reset=self._per_sample.reset, reference=self._reference
-                    )
+                    done, failed = isolate_failures(compute, part, reset=self._per_sample.reset)
                 for _, (part_sums, part_norms, part_nonfinite) in done:
                     for s, t in zip(sums, part_sums):
                         s.add_(t.to(s.dtype))

@@ -324,16 +324,16 @@ class O2NC(PrivateModule):
         s = float(torch.rand((), generator=g))
         w = [xi + s * di for xi, di in zip(x, st["delta"])]
         expected = self.first_batch_size if t == 0 else self.batch_size
-        if batch_size != expected:
+        if batch_size > expected:  # fewer: examples the loader left out (unreadable), which contribute 0
             raise ValueError(f"O2NC round {t} got {batch_size} examples, its partition promises {expected}.")
         evaluate = self.private_losses(batch, batch_size)
         key = self.private_steps
         if t == 0 or self.variant == "naive":
-            increment, nonfinite = self._oracle(evaluate, batch_size, key, w, None, 2 * self.smoothing * self.clip)
+            increment, nonfinite = self._oracle(evaluate, expected, key, w, None, 2 * self.smoothing * self.clip)
             st["running"] = increment
         else:
             gap = min(_norm([a - b for a, b in zip(w, st["w_prev"])]), 2 * self.radius)
-            increment, nonfinite = self._oracle(evaluate, batch_size, key, w, st["w_prev"], self.clip * gap)
+            increment, nonfinite = self._oracle(evaluate, expected, key, w, st["w_prev"], self.clip * gap)
             st["running"] = [r + inc for r, inc in zip(st["running"], increment)]
         noisy = mechanism.release(self._leaf(passes, block, t), st["running"], self.noise)
         # x_{t+1} = x_t + Δ_t; then the learner's Δ_{t+1} = Π_D(Δ_t − η g̃_t)

@@ -11,7 +11,9 @@ key out, and the copy draws a key of its own.
 
 Two generators:
 
-* ``secure=False`` — a ``torch.Generator`` per device, re-seeded per step from the key: as fast as
+* ``secure=False`` — a ``torch.Generator`` per draw, set from the key: on the CPU its whole Mersenne Twister
+  state (19,937 bits) is drawn from SHAKE-256 of (key, step, draw) — a CPU seed keeps 32 bits only, which a
+  search over 2³² seeds would recover from a release — and on an accelerator its Philox seed (64 bits). As fast as
   torch's own ``normal_``, but Mersenne Twister / Philox are not cryptographic generators.
 * ``secure=True`` — SHAKE-256 of (key, step, draw) as a cryptographic stream of uniforms,
   Box–Muller in float64, and the sum of four such draws divided by two (the floating-point
@@ -35,11 +37,14 @@ from typing import Any
 
 import torch
 
-from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.seeding import derive_seed, secret_cpu_generator, secret_cpu_state
 
 _KEY_BYTES = 32
-#: the domain of :meth:`NoiseSource.randomness_seed` (three counters; noise draws use two)
-_RANDOMNESS = 0x5EED
+
+
+def _tag_counter(tag: bytes) -> tuple[int]:
+    """A draw's domain (``b"noise"``, ``b"randomness"``) as a counter of the seed chain."""
+    return (int.from_bytes(hashlib.sha256(tag).digest()[:8], "little"),)
 _CHUNK = 1 << 20
 _LOW53 = (1 << 53) - 1
 
@@ -97,18 +102,34 @@ class NoiseSource:
         if self.secure:
             return _secure_normal(self._key, (self._step, draw), shape, std).to(device=device, dtype=dtype)
         device = torch.device(device)
-        generator = torch.Generator(device=device)
-        generator.manual_seed(derive_seed(self._seed63(), self._step, draw))
+        generator = self._generator(device, b"noise", self._step, draw)
         return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
 
-    def randomness_seed(self, step: int, rank: int) -> int:
-        """A secret seed for the other randomness of private step ``step`` on data-parallel rank ``rank`` (dropout,
-        a net's own sampling): a function of the key, never equal to a noise draw's seed. Dropout masks drawn from a
-        public generator (``seed_everything``) would let an adversary who knows its state see that adding one
-        example shifts the masks of the examples after it; from a secret one, each example's masks are fresh and
-        independent of the others, as the analysis of a subsampled Gaussian step with randomized per-example terms
-        assumes."""
-        return derive_seed(self._seed63(), _RANDOMNESS, int(step), int(rank))
+    def _generator(self, device: torch.device, tag: bytes, *counters: int) -> torch.Generator:
+        """A torch generator for (key, ``tag``, ``counters``): on the CPU in a full 19,937-bit state drawn from the key
+        (a CPU seed keeps 32 bits only: :func:`~pl_dp.privacy.seeding.secret_cpu_state`); on an accelerator seeded
+        with 64 bits (Philox)."""
+        if device.type == "cpu":
+            return secret_cpu_generator(self._material(tag, *counters))
+        generator = torch.Generator(device=device)
+        generator.manual_seed(derive_seed(self._seed63(), *_tag_counter(tag), *counters))
+        return generator
+
+    def _material(self, tag: bytes, *counters: int) -> bytes:
+        return self._key + tag + b"".join(int(c).to_bytes(8, "little", signed=True) for c in counters)
+
+    def seed_randomness(self, step: int, rank: int, device: torch.device) -> None:
+        """Put torch's global CPU generator (and ``device``'s, on an accelerator) in a secret state for the other
+        randomness of private step ``step`` on data-parallel rank ``rank`` (dropout, a net's own sampling): a
+        function of the key, apart from every noise draw. Dropout masks drawn from a public generator
+        (``seed_everything``) would let an adversary who knows its state see that adding one example shifts the
+        masks of the examples after it; from a secret one, each example's masks are fresh and independent of the
+        others, as the analysis of a subsampled Gaussian step with randomized per-example terms assumes. The caller
+        restores the generators afterwards (``torch.random.fork_rng``)."""
+        torch.set_rng_state(secret_cpu_state(self._material(b"randomness", step, rank)))
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(derive_seed(self._seed63(), *_tag_counter(b"randomness"), step, rank))
 
     def share(self, broadcast: Callable[[Any], Any]) -> None:
         """Make every data-parallel rank use rank 0's key: one draw per logical step, whatever the world size.

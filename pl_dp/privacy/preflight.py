@@ -9,7 +9,8 @@ to train with one :class:`DataError` that names every bad example by index and s
 each example, in chunks through the run's own ``collate_fn``:
 
 1. it loads (``dataset[i]`` does not raise) and every floating-point value in it is finite;
-2. it collates alone and together with the other examples (shapes and types agree);
+2. it has the structure of the others (:func:`~pl_dp.privacy.sampling.structure_of`: keys, types, dtypes) and
+   collates together with them (shapes agree);
 3. its per-example loss, computed by the run's net and loss in eval mode under ``torch.inference_mode()``, does not
    raise and is finite at the initial parameters.
 
@@ -37,6 +38,7 @@ from torch import nn
 
 from pl_dp.privacy.independence import NetState
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
+from pl_dp.privacy.sampling import structure_of
 from pl_dp.privacy.seal import isolate_failures, sealed
 
 #: bad examples listed one by one in the error (the rest are counted)
@@ -49,11 +51,13 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class PreflightReport:
-    """What the pre-flight pass checked, and how long it took."""
+    """What the pre-flight pass checked, how long it took, and a good example (what every example is shaped like:
+    its :func:`~pl_dp.privacy.sampling.structure_of` is every example's)."""
 
     examples: int
     chunks: int
     seconds: float
+    reference: Any = None
 
 
 def describe(error: BaseException) -> str:
@@ -102,12 +106,17 @@ def check_private_set(
     size = len(dataset)
     chunk_size = max(1, int(chunk_size))
     reference: tuple[int, Any] | None = None  # the first good example: every chunk is batched with it
+    structure: Any = None  # what every example must be shaped like (a collate batches by the first example's)
     state = NetState(net)  # a forward that writes a buffer is the probe's to refuse; here it is undone
     try:
         with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # whether a record warns is private
             net.eval()
             for first in range(0, size, chunk_size):
                 loaded = _load(dataset, list(range(first, min(size, first + chunk_size))), problems)
+                if structure is None and loaded:  # the first chunk's most common structure
+                    found = [structure_of(example) for _, example in loaded]
+                    structure = max(found, key=found.count)
+                loaded = _of_structure(loaded, structure, problems)
                 rows = ([reference] if reference is not None else []) + loaded
                 rows, batch = _batch(collate, rows, reference, problems)
                 if batch is None:
@@ -123,7 +132,28 @@ def check_private_set(
         state.reset()
     if problems:
         raise DataError(_message(problems, size))
-    return PreflightReport(size, -(-size // chunk_size), time.perf_counter() - start)
+    example = None if reference is None else reference[1]
+    return PreflightReport(size, -(-size // chunk_size), time.perf_counter() - start, example)
+
+
+def _of_structure(loaded: list[tuple[int, Any]], structure: Any, problems: dict[int, str]) -> list[tuple[int, Any]]:
+    """The examples of ``structure``; the others are problems (a collate batches by its first example's keys and
+    dtypes, so such an example changes, or breaks, the batch it comes first in)."""
+    kept = []
+    for i, example in loaded:
+        found = structure_of(example)
+        if found == structure:
+            kept.append((i, example))
+        else:
+            problems[i] = f"its structure differs from the others' (keys, types or dtypes): {_short(found)}, not " + (
+                _short(structure)
+            )
+    return kept
+
+
+def _short(structure: Any) -> str:
+    text = repr(structure)
+    return text if len(text) <= 120 else text[:119] + "…"
 
 
 def _load(dataset: Any, indices: list[int], problems: dict[int, str]) -> list[tuple[int, Any]]:

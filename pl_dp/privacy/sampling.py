@@ -20,7 +20,8 @@ sampling of the whole private set at rate q.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import secrets
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.privacy.seal import sealed
-from pl_dp.privacy.seeding import derive_seed, entropy_seed
+from pl_dp.privacy.seeding import derive_seed, entropy_seed, secret_cpu_generator
 
 
 class CountingBatchSampler(Sampler[list[int]]):
@@ -223,7 +224,9 @@ class SealedReads(Dataset):
     :func:`~pl_dp.privacy.seal.sealed` (a warning a record's reading raises is not shown), and one whose reading
     raises is replaced by :data:`UNREADABLE`, which :class:`EmptySafeCollate` leaves out of its batch — a record
     that fails to load (a truncated file, a random crop that does not fit) contributes nothing to that step
-    instead of ending the run at the step that sampled it. ``dataset[i]`` reads directly (it raises)."""
+    instead of ending the run at the step that sampled it. ``dataset[i]`` reads directly (it raises). A dataset
+    whose ``__getitems__`` returns something other than a list of examples (a dict of columns) is passed through
+    as it returns it."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -234,12 +237,12 @@ class SealedReads(Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, indices: list[int]) -> list[Any]:
+    def __getitems__(self, indices: list[int]) -> Any:
         with sealed():
             getitems = getattr(self.dataset, "__getitems__", None)
             if getitems is not None:
                 try:
-                    return list(getitems(indices))
+                    return getitems(indices)
                 except Exception:  # noqa: BLE001 - read one by one below
                     pass
             return [self._read(index) for index in indices]
@@ -251,53 +254,64 @@ class SealedReads(Dataset):
             return UNREADABLE
 
 
+def structure_of(example: Any) -> Any:
+    """What a collate reads to decide how to batch an example, without its values: the types, the keys of
+    mappings, the lengths of sequences, and the dtype and number of dimensions of arrays (not their sizes, which
+    padding may equalize). ``default_collate`` and :class:`~pl_dp.data.collate.PaddingCollate` take the batch's
+    keys and dtypes from its *first* example, so examples of another structure batch differently — or not at all —
+    depending on which example comes first."""
+    if isinstance(example, torch.Tensor):
+        return ("tensor", str(example.dtype), example.dim())
+    if isinstance(example, np.ndarray):
+        return ("ndarray", example.dtype.str, example.ndim)
+    if isinstance(example, Mapping):
+        return ("mapping", tuple(sorted((str(k), structure_of(v)) for k, v in example.items())))
+    if isinstance(example, (list, tuple)):
+        return (type(example).__name__, tuple(structure_of(v) for v in example))
+    return (type(example).__name__,)
+
+
 class EmptySafeCollate:
     """The collate of pl_dp's private loaders: an empty Poisson batch becomes zero-length tensors of the right
-    shapes, and no record ends the run through its batching.
+    shapes, and what a record does to its batch depends on that record alone.
 
-    The user's ``collate_fn`` runs inside :func:`~pl_dp.privacy.seal.sealed`. Examples that could not be read are
-    left out; if the batch then fails to collate, so is every example that does not batch alone and with the
-    *reference* (the dataset's first example) in either order — a rule about each example alone, so that leaving it
-    out changes no other example's part (each still contributes what it would, or 0: the bound holds). A collate
-    whose failures depend on pairs of such examples still raises. ``dropped`` counts the examples left out in this
-    process: un-noised private information, kept in memory only. The pre-flight pass reports such examples before
-    training.
+    Examples that could not be read (:class:`SealedReads`) are left out, and — once the private set's structure is
+    known (:meth:`expect`, at fit start: the structure the pre-flight pass found in every example) — so is every
+    example of another :func:`structure_of` (an extra key, an int64 array among float32 ones), always, whatever else
+    was sampled: both are rules about each example alone, so leaving it out changes no other example's part, and
+    it contributes 0 (the bound holds). The user's ``collate_fn`` then runs inside
+    :func:`~pl_dp.privacy.seal.sealed`; a failure left after that (a collate that fails on the values of examples
+    of one structure) still raises. ``dropped`` counts the examples left out in this process: un-noised private
+    information, kept in memory only. The pre-flight pass reports such examples before training.
     """
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any] = default_collate) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.dropped = 0
+        self.structure: Any = None
+        self._empty: Any = None
 
-    def __call__(self, items: list) -> Any:
-        kept = [item for item in items if item is not UNREADABLE]
-        try:
+    def expect(self, example: Any, structure: bool = True) -> None:
+        """An empty batch is ``example``'s batch, sliced to 0 (read once now, not at the step that samples none);
+        with ``structure``, from now on only examples of ``example``'s structure are batched."""
+        self.structure = structure_of(example) if structure else None
+        self._empty = _slice_empty(self.collate_fn([example]))
+
+    def __call__(self, items: Any) -> Any:
+        if not isinstance(items, list):  # a dataset's own batch (its __getitems__ returned columns)
             with sealed():
-                try:
-                    return self._collate(kept)
-                except Exception:  # noqa: BLE001 - the examples that do not batch sit the step out
-                    kept = [item for item in kept if self._batchable(item)]
-                    return self._collate(kept)
-        finally:
-            self.dropped += len(items) - len(kept)
-
-    def _collate(self, items: list) -> Any:
-        if items:
-            return self.collate_fn(items)
-        return _slice_empty(self.collate_fn([self.dataset[0]]))
-
-    def _batchable(self, example: Any) -> bool:
-        try:
-            reference = self.dataset[0]
-        except Exception:  # noqa: BLE001
-            reference = None
-        batches = [[example]] + ([] if reference is None else [[reference, example], [example, reference]])
-        try:
-            for batch in batches:
-                self.collate_fn(batch)
-        except Exception:  # noqa: BLE001
-            return False
-        return True
+                return self.collate_fn(items)
+        kept = [item for item in items if item is not UNREADABLE]
+        if self.structure is not None:
+            kept = [item for item in kept if structure_of(item) == self.structure]
+        self.dropped += len(items) - len(kept)
+        with sealed():
+            if kept:
+                return self.collate_fn(kept)
+            if self._empty is None:
+                self._empty = _slice_empty(self.collate_fn([self.dataset[0]]))
+            return self._empty
 
 
 def private_data_of(loader: Any) -> tuple[Any, Callable[[list], Any]]:
@@ -389,7 +403,7 @@ class OpacusPoissonSampling:
         self.num_samples = int(sampler.num_samples)
         self.seeded = sampler.generator is not None
         if sampler.generator is None:
-            sampler.generator = torch.Generator().manual_seed(entropy_seed())
+            sampler.generator = secret_cpu_generator(secrets.token_bytes(32))  # a CPU seed keeps 32 bits only
 
     @property
     def expected_batch_size(self) -> float:

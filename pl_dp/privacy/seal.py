@@ -76,10 +76,7 @@ def sealed(active: bool = True) -> Iterator[None]:
 
 
 def isolate_failures(
-    compute: Callable[[Any], T],
-    batch: Any,
-    reset: Callable[[], None] | None = None,
-    reference: Any = None,
+    compute: Callable[[Any], T], batch: Any, reset: Callable[[], None] | None = None
 ) -> tuple[list[tuple[torch.Tensor, T]], list[tuple[int, Exception]]]:
     """``compute(batch)``; if it raises, ``compute`` of each half, recursively, down to single examples.
 
@@ -90,11 +87,13 @@ def isolate_failures(
     what a failed pass left behind, e.g. recorded activations). Only ``Exception`` is caught: an interrupt still
     stops the run.
 
-    When every example fails, the fault may be the net's or the loss's rather than the records': ``reference``, a
-    fixed batch that is not private (a public or validation example), then tells which — if ``compute`` fails on it
-    too, its error is raised (the same at every step, whatever was sampled); else the examples stay left out.
+    A net or loss that fails for every example makes every example sit out, silently: the method checks a fixed
+    validation or public example on a schedule of its own (:meth:`~pl_dp.methods.base.PrivateModule.check_reference`)
+    and raises there, whatever was sampled. An empty batch is computed as it is (nothing to isolate).
     """
     size = batch_size_of(batch)
+    if size == 0:
+        return [(torch.arange(0), compute(batch))], []
     done: list[tuple[torch.Tensor, T]] = []
     failed: list[tuple[int, Exception]] = []
     pending = [torch.arange(size)]
@@ -111,13 +110,4 @@ def isolate_failures(
             else:
                 half = len(positions) // 2
                 pending += [positions[half:], positions[:half]]
-    if failed and not done and reference is not None:
-        try:
-            compute(reference)
-        except Exception as error:
-            error.add_note("(raised for a fixed public or validation example too: the net or loss fails, not a record)")
-            raise
-        finally:
-            if reset is not None:
-                reset()
     return done, failed

@@ -7,7 +7,12 @@ on any rank, after a resume, without storing it.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import secrets
+import struct
+
+import torch
 
 _MASK64 = (1 << 64) - 1
 
@@ -30,3 +35,45 @@ def derive_seed(base_seed: int, *counters: int) -> int:
 def entropy_seed() -> int:
     """A 63-bit seed from the operating system's entropy pool (``secrets``)."""
     return secrets.randbits(63)
+
+
+#: where the 624 words of the Mersenne Twister sit in a torch CPU generator's state (after the initial seed, the
+#: position ``left``, ``seeded`` and ``next``: 8 + 4 + 4 + 8 bytes), each stored in 8 bytes
+_MT_OFFSET, _MT_WORDS = 24, 624
+
+
+@functools.cache
+def _cpu_state_template() -> bytes:
+    """A torch CPU generator state whose layout is checked against the Mersenne Twister's own seeding (the words of
+    ``manual_seed(5489)``), so that :func:`secret_cpu_generator` never writes a state it misreads."""
+    state = bytes(torch.Generator().manual_seed(5489).get_state().tolist())
+    words = [5489]
+    for i in range(1, _MT_WORDS):
+        words.append((1812433253 * (words[-1] ^ (words[-1] >> 30)) + i) & 0xFFFFFFFF)
+    if list(struct.unpack_from(f"<{_MT_WORDS}Q", state, _MT_OFFSET)) != words:
+        raise RuntimeError(
+            "this torch build's CPU generator state has an unknown layout, so pl_dp cannot seed it with a full-entropy "
+            "secret: use secure_rng=True (SHAKE-256 noise) on this build."
+        )
+    return state
+
+
+def secret_cpu_state(material: bytes) -> torch.Tensor:
+    """A torch CPU generator state (Mersenne Twister, 19,937 bits) drawn from SHAKE-256(``material``).
+
+    ``torch.Generator().manual_seed(s)`` keeps only the low 32 bits of ``s`` on the CPU, so a secret passed as a
+    seed could be found by trying all 2³² seeds against a release (hours on one core). A state filled from the
+    secret key has no such shortcut. ``initial_seed()`` of such a generator reports 0, never the secret.
+    """
+    state = bytearray(_cpu_state_template())
+    words = struct.unpack(f"<{_MT_WORDS}I", hashlib.shake_256(material).digest(4 * _MT_WORDS))
+    struct.pack_into(f"<{_MT_WORDS}Q", state, _MT_OFFSET, *words)
+    struct.pack_into("<Qii", state, 0, 0, 1, 1)  # initial seed 0; left = 1: the next draw twists these words
+    return torch.frombuffer(state, dtype=torch.uint8).clone()
+
+
+def secret_cpu_generator(material: bytes) -> torch.Generator:
+    """A CPU ``torch.Generator`` in the state :func:`secret_cpu_state` derives from ``material``."""
+    generator = torch.Generator()
+    generator.set_state(secret_cpu_state(material))
+    return generator

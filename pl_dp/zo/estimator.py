@@ -54,16 +54,14 @@ def per_sample_evaluator(
     batch_size: int,
     max_physical_batch_size: int | None = None,
     isolate: bool = False,
-    reference: Any = None,
 ) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
 
     With ``max_physical_batch_size`` the forward passes run micro-batch by micro-batch and the losses
     are concatenated: memory is bounded by the physical batch, the released sums are the same.
     With ``isolate`` (private runs), an example whose loss raises gets a NaN loss instead of ending the step
-    (:func:`~pl_dp.privacy.seal.isolate_failures`, with ``reference`` to tell a broken loss from bad records): every
-    difference it enters is non-finite, so it contributes 0 to the release and is counted with the other
-    non-finite values.
+    (:func:`~pl_dp.privacy.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
+    the release and is counted with the other non-finite values.
     """
     micro_batches = split_batch(batch, max_physical_batch_size)
 
@@ -71,7 +69,7 @@ def per_sample_evaluator(
         return check_per_sample(loss_fn(net, part), batch_size_of(part))
 
     def isolated(part: Any) -> torch.Tensor:
-        done, failed = isolate_failures(losses_of, part, reference=reference)
+        done, failed = isolate_failures(losses_of, part)
         if not failed:
             return done[0][1]
         losses = torch.full((batch_size_of(part),), math.nan, device=device_of(part))

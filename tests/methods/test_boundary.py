@@ -252,13 +252,110 @@ def _dict_loss(net, batch):
 
 
 @pytest.mark.parametrize("cls", METHODS)
-def test_a_record_that_breaks_the_batch_only_in_some_positions_does_not_end_the_run(cls):
-    """The reviewer's case: X batches when it is not first and makes PaddingCollate raise KeyError when it is the
-    lowest index sampled — which the pre-flight pass (X never first there) cannot see. On main: a crash at that step."""
-    for dataset in (ExtraKey(False), ExtraKey(True)):
-        model = cls(nn.Linear(4, 3), loss=_dict_loss, clip=1.0, lr=0.1, privacy=SPEC)
-        make_trainer(max_steps=40).fit(model, PrivatePublicDataModule(dataset, batch_size=6))
-        assert model.private_steps == 40
+def test_a_record_that_breaks_the_batch_only_in_some_positions_is_named_before_training(cls):
+    """The first review's case: X batches when it is not first, and makes PaddingCollate raise KeyError when it is the
+    lowest index sampled. On main: a crash at that step. Its structure differs, which the pre-flight pass names."""
+    model = cls(nn.Linear(4, 3), loss=_dict_loss, clip=1.0, lr=0.1, privacy=SPEC)
+    with pytest.raises(DataError, match=r"example 1: its structure differs"):
+        make_trainer(max_steps=40).fit(model, PrivatePublicDataModule(ExtraKey(True), batch_size=6))
+    assert model.private_steps == 0
+
+
+class SomeWithAKey(Dataset):
+    """The second review's case: records 10–29 carry an extra key; the rest, record 0 included, do not."""
+
+    def __init__(self) -> None:
+        x, y = blobs(60).tensors
+        self.rows = [
+            {"x": x[i], "labels": y[i]} | ({"meta": torch.tensor(1.0)} if 10 <= i < 30 else {}) for i in range(60)
+        ]
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i: int):
+        return self.rows[i]
+
+
+def test_records_of_another_structure_are_named_before_training():
+    """They batched among themselves and made a batch fail whenever another record came first: the pre-flight pass
+    names them (the collate batches by the first example's keys and dtypes)."""
+    model = DPSGD(nn.Linear(4, 3), loss=_dict_loss, clip=1.0, privacy=SPEC)
+    with pytest.raises(DataError, match=r"20 of its 60 examples.*\n  - example 10: its structure differs"):
+        make_trainer(max_steps=1).fit(model, PrivatePublicDataModule(SomeWithAKey(), batch_size=6))
+
+
+def test_the_private_loader_leaves_an_example_out_by_its_own_structure_alone():
+    """On the previous commit, adding one record to a batch could make the collate drop five others (sensitivity
+    unbounded). Now which examples a batch holds is, for each example, a function of that example alone."""
+    data = SomeWithAKey()
+    loader = PrivatePublicDataModule(data, batch_size=6).train_dataloader()
+    collate = loader.collate_fn
+    collate.expect(data[0])  # what the pre-flight pass would find, were these records not refused
+    for batch in ([12, 15, 18, 21, 24], [3, 5], [3, 12, 40]):
+        alone = {i: len(collate([data[i]])["x"]) for i in batch}
+        together = collate([data[i] for i in batch])
+        assert len(together["x"]) == sum(alone.values())
+        with_one_more = collate([data[i] for i in [33, *batch]])
+        assert len(with_one_more["x"]) == len(together["x"]) + 1
+
+
+def test_an_empty_batch_does_not_read_a_record():
+    """The empty batch was collated from dataset[0] at the step that sampled nothing: a flaky record 0 ended the run
+    then. It is built at fit start now."""
+
+    class FlakyFirst(Dataset):
+        def __init__(self) -> None:
+            self.data, self.broken = blobs(50), False
+
+        def __len__(self) -> int:
+            return 50
+
+        def __getitem__(self, i: int):
+            if i == 0 and self.broken:
+                raise OSError("record 0 is on a disk that just failed")
+            return self.data[i]
+
+    data = FlakyFirst()
+    loader = PrivatePublicDataModule(data, batch_size=5).train_dataloader()
+    loader.collate_fn.expect(data[0])
+    data.broken = True
+    x, y = loader.collate_fn([])
+    assert x.shape == (0, 4) and y.shape == (0,)
+
+
+def test_a_dataset_whose_getitems_returns_columns_is_passed_through():
+    class Columns(Dataset):
+        def __init__(self) -> None:
+            self.x, self.y = blobs(40).tensors
+
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, i: int):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+        def __getitems__(self, indices):
+            return {"x": self.x[indices], "labels": self.y[indices]}
+
+    def columns(batch):  # the user's collate for such a dataset: columns as they come, or examples stacked
+        return batch if isinstance(batch, dict) else default_collate(batch)
+
+    model = DPSGD(nn.Linear(4, 3), loss=_dict_loss, clip=1.0, privacy=SPEC, preflight=False)
+    data = PrivatePublicDataModule(Columns(), val=Columns(), batch_size=8, collate_fn=columns)
+    loader = data.train_dataloader()
+    assert len(next(iter(loader))["x"]) > 0  # the batch, not its keys
+    make_trainer(max_steps=2, limit_val_batches=0).fit(model, data)
+
+
+def test_a_loader_pl_dp_did_not_build_is_accepted_with_a_warning_that_it_is_not_sealed():
+    from opacus.data_loader import DPDataLoader
+    from torch.utils.data import DataLoader
+
+    model = DPSGD(nn.Linear(4, 3), clip=1.0, privacy=SPEC)
+    loader = DPDataLoader.from_data_loader(DataLoader(blobs(100), batch_size=10))
+    with pytest.warns(UserWarning, match="reading and batching are not sealed"):
+        make_trainer(max_steps=1).fit(model, train_dataloaders=loader)
 
 
 # ---- 4. copies of a module or a sampler carry no secret ------------------------------------------------------------
@@ -387,14 +484,15 @@ class _TrainOnlyFunction(nn.Module):
 
 
 def test_a_net_that_fails_for_every_example_raises_when_a_validation_example_fails_too():
-    """Every example failing alone is the net's fault when a fixed non-private example fails as well: raised at the
-    first step, whatever was sampled (it trained on noise alone, silently, before)."""
+    """A failing example sits its step out; when a fixed validation example fails too — checked at the first step
+    and on the loggers' cadence, whatever was sampled — the net is at fault and the run says so (it trained on noise
+    alone, silently, before)."""
     model = DPSGD(_TrainOnlyFunction(), clip=1.0, privacy=SPEC, per_sample="functorch")
     data = PrivatePublicDataModule(blobs(100), val=blobs(20, seed=3), batch_size=20)
     with pytest.raises(RuntimeError, match="vmap") as error:
         make_trainer(max_steps=2, limit_val_batches=0).fit(model, data)
-    assert "the net or loss fails, not a record" in "".join(getattr(error.value, "__notes__", []))
-    assert model.private_steps == 0
+    assert "the net or the loss fails, not a record" in "".join(getattr(error.value, "__notes__", []))
+    assert model.private_steps == 1  # raised after the first step, at the check that follows it
 
 
 @pytest.mark.parametrize("cls", METHODS)

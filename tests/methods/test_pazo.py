@@ -181,18 +181,24 @@ def test_pazo_p_normalized_columns_have_unit_norm_and_rank_deficiency_is_handled
 
 
 class _Counter(L.Callback):
-    """Counts private forwards (inference), public forwards and public backwards through ``net`` from the first
-    training batch on (the fit-start independence probe's few forwards are not part of any step)."""
+    """Counts private forwards (inference), public forwards and public backwards through ``net`` during one training
+    step, by default the first of the second epoch: neither the fit-start checks nor the check of a reference example
+    at the first step and the loggers' steps (an epoch's last) are a step's own work."""
 
-    def __init__(self, net):
+    def __init__(self, net, step: int = 2):
         self.private = self.public = self.backward = 0
+        self.step, self.counting = step, False
         net.register_forward_hook(self._hook)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == 0:
-            self.private = self.public = self.backward = 0
+        self.counting = trainer.global_step == self.step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.counting = False
 
     def _hook(self, module, inputs, output):
+        if not self.counting:
+            return
         if output.requires_grad:
             self.public += 1
             output.register_hook(self._backward)
@@ -220,14 +226,14 @@ def test_operation_counts_per_step_match_table_9(cls, kwargs, expected):
     net = nn.Linear(3, 1)
     counter = _Counter(net)
     model = cls(net, loss="mse", privacy=SPEC, **kwargs)
-    make_trainer(max_steps=1, callbacks=[counter]).fit(model, _dm())
+    make_trainer(max_steps=4, callbacks=[counter]).fit(model, _dm())
     assert (counter.private, counter.public, counter.backward) == expected
 
 
 def test_public_only_steps_never_reach_the_accountant():
     torch.manual_seed(0)
     model = PAZOM(nn.Linear(3, 1), loss="mse", alpha=1.0, privacy=SPEC)
-    counter = _Counter(model.net)
+    counter = _Counter(model.net, step=0)
     make_trainer(max_steps=3, callbacks=[counter]).fit(model, _dm())
     assert model.accountant.steps == 0 and model.private_steps == 0 and model.epsilon == 0.0
     assert counter.private == 0  # the private batch was never read

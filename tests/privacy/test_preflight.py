@@ -115,3 +115,16 @@ def test_the_pre_flight_pass_leaves_no_plain_attribute_it_grew():
     table = net[1].table
     check_private_set(blobs(50), default_collate, net, cross_entropy, chunk_size=16)
     assert net[1].table is table and net[1].seen == []
+
+
+def test_an_example_of_another_dtype_is_named():
+    """PaddingCollate takes the batch's dtype from its first example: one int64 record among float32 ones would turn
+    the others' features into integers whenever it came first (the second review)."""
+    examples = [(torch.rand(3 + i % 2), torch.tensor(i % 3)) for i in range(10)]
+    examples[6] = (torch.tensor([1, 2, 3]), torch.tensor(0))
+
+    def pooled(net, batch):
+        return F.cross_entropy(net(batch[0].float().sum(dim=1, keepdim=True)), batch[1], reduction="none")
+
+    with pytest.raises(DataError, match=r"1 of its 10 examples.*\n  - example 6: its structure differs.*int64"):
+        check_private_set(examples, PaddingCollate(), nn.Linear(1, 3), pooled, chunk_size=4)

@@ -96,6 +96,33 @@ def test_a_copy_of_a_sampler_draws_other_batches_unless_seeded():
         assert clone(seeded).batch(2) == seeded.batch(2)  # a user seed is public: reproduction mode
 
 
+def _seeded_by_32_bits(state: torch.Tensor) -> bool:
+    """Whether a CPU generator state is the Mersenne Twister's seeding of its first word (what manual_seed makes)."""
+    import struct
+
+    words = struct.unpack_from("<624Q", bytes(state.tolist()), 24)
+    return words[1] == (1812433253 * (words[0] ^ (words[0] >> 30)) + 1) & 0xFFFFFFFF
+
+
+def test_secret_cpu_generators_have_a_full_state_not_a_32__bit_seed():
+    """torch's CPU generator keeps the low 32 bits of a seed: trying 2³² seeds against a release recovers the noise
+    (the second review: hours on one core). The noise of a step, the step's own randomness (dropout) and the Poisson
+    sampling of Opacus' loader all run from a state filled from the secret instead."""
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    from pl_dp.privacy.sampling import OpacusPoissonSampling
+
+    assert _seeded_by_32_bits(torch.Generator().manual_seed(2**40 + 5).get_state())  # what the check detects
+    source = NoiseSource(seed=3)
+    assert not _seeded_by_32_bits(source._generator(torch.device("cpu"), b"noise", 0, 0).get_state())
+    with torch.random.fork_rng():
+        source.seed_randomness(0, 0, torch.device("cpu"))
+        assert not _seeded_by_32_bits(torch.get_rng_state())
+        assert torch.initial_seed() == 0  # never the secret
+    opacus = OpacusPoissonSampling(UniformWithReplacementSampler(num_samples=100, sample_rate=0.1))
+    assert not _seeded_by_32_bits(opacus.sampler.generator.get_state())
+
+
 def test_poisson_batches_are_counter_based_and_resumable():
     a = PoissonBatchSampler(100, 0.1, steps_per_epoch=5, seed=1)
     first = list(a)
