@@ -168,10 +168,31 @@ def main(args: list[str] | None = None) -> None:
         _run(argv, None if args is None else argv)
 
 
+#: what ``pl-dp --help`` says beside LightningCLI's subcommands
+DESCRIPTION = (
+    "pl_dp's command line: differentially private training with PyTorch Lightning. fit, validate, test and predict "
+    "take a config (pl-dp fit --config configs/digits/dpzero.yaml) and any option over it."
+)
+EPILOG = (
+    "More subcommands: 'pl-dp report PATH.ckpt' prints a checkpoint's privacy report; 'pl-dp audit --config C' "
+    "audits one private step of a config's method (an empirical lower bound on epsilon next to the claim; "
+    "--audit.* options); 'pl-dp audit --run' audits a whole training run with canaries (its options: 'pl-dp audit "
+    "--run --help'). 'pl-dp --verbose SUBCOMMAND ...' (or PL_DP_VERBOSE=1) shows Lightning's info lines, which are "
+    "hidden by default."
+)
+REPORT_USAGE = (
+    "usage: pl-dp report PATH.ckpt\n\nPrint the privacy report of a pl_dp checkpoint: epsilon, delta, sigma, q, steps, "
+    "accountant, adjacency, secrets, and what is and is not protected."
+)
+
+
 def _run(argv: list[str], args: list[str] | None) -> None:
     if argv[:1] == ["report"]:
+        if argv[1:] in (["-h"], ["--help"]):
+            print(REPORT_USAGE)
+            return
         if len(argv) != 2:
-            raise SystemExit("usage: pl-dp report PATH.ckpt")
+            raise SystemExit(REPORT_USAGE)
         print(PrivacyReport.from_checkpoint(argv[1]))
         return
     if argv[:2] == ["audit", "--run"]:
@@ -199,6 +220,7 @@ def _run(argv: list[str], args: list[str] | None) -> None:
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": "pl-dp", "description": DESCRIPTION, "epilog": EPILOG},
     )
 
 

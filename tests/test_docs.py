@@ -99,3 +99,17 @@ def test_the_privacy_model_states_how_often_logged_epsilon_is_exact():
     evaluations = inspect.signature(EpsilonTracker).parameters["evaluations"].default
     text = " ".join((DOCS / "privacy-model.md").read_text().split())
     assert f"every 1/{evaluations} of it" in text
+
+
+@pytest.mark.parametrize(
+    ("page", "index"), [("getting-started.md", 0), ("your-module.md", 0), ("your-module.md", 1), ("your-module.md", 2)]
+)
+def test_the_python_snippets_of_the_docs_run_as_written(page, index, tmp_path):
+    """Each snippet is a whole program; the test runs it with its epochs cut to one (and 4 batches a stage)."""
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), flags=re.S)
+    code = re.sub(r"max_epochs=\d+", "max_epochs=1, limit_train_batches=4, limit_val_batches=2", blocks[index])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -7,8 +7,8 @@
   ``privacy/epsilon``, ``privacy/budget_left``, ``privacy/private_steps`` and the method's
   privatized statistics (α, chosen candidate, …); non-private diagnostics only when the module's
   ``log_private_metrics`` is on, under ``diagnostics/not_private/``;
-* at the end: a summary with the exact final ε, δ, private steps, best validation and test
-  accuracy.
+* at the end: the last step's ``privacy/*`` values (whatever the loggers' cadence) and a summary with the exact
+  final ε, δ, private steps, the best validation metric and the test metric (accuracy unless you name your own).
 
 With a :class:`~lightning.pytorch.loggers.WandbLogger` the config goes to ``run.config`` and the
 summary to ``run.summary``; with any other logger both go through ``log_hyperparams`` /
@@ -77,8 +77,9 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     return out
 
 
-def group_points(wandb_dir: str | Path, group: str) -> list[tuple[float, float]]:
-    """(ε, test accuracy) of every finished local run of ``group`` under ``wandb_dir``."""
+def group_points(wandb_dir: str | Path, group: str, key: str = "summary/test_acc") -> list[tuple[float, float]]:
+    """(ε, the summary's ``key``: test accuracy by default) of every finished local run of ``group`` under
+    ``wandb_dir``."""
     points = []
     for run_dir in sorted(Path(wandb_dir).glob("*run-*")):
         try:
@@ -86,9 +87,13 @@ def group_points(wandb_dir: str | Path, group: str) -> list[tuple[float, float]]
         except (StopIteration, ValueError):
             continue
         summary = run["summary"]
-        if run["group"] == group and "summary/epsilon" in summary and "summary/test_acc" in summary:
-            points.append((float(summary["summary/epsilon"]), float(summary["summary/test_acc"])))
+        if run["group"] == group and "summary/epsilon" in summary and key in summary:
+            points.append((float(summary["summary/epsilon"]), float(summary[key])))
     return points
+
+
+def _summary_key(metric: str) -> str:
+    return metric.replace("/", "_")
 
 
 def privacy_config(pl_module: Any) -> dict[str, Any]:
@@ -118,10 +123,20 @@ def privacy_config(pl_module: Any) -> dict[str, Any]:
 
 
 class WandbPrivacyLogger(PrivacyCallback):
-    """Logs the privacy configuration once and a privacy/utility summary at the end (see module doc)."""
+    """Logs the privacy configuration once and a privacy/utility summary at the end (see module doc).
 
-    def __init__(self) -> None:
-        self.best_val_acc: float | None = None
+    Args:
+        val_metric: the validation metric whose best value the summary keeps (``summary/best_<val_metric>``, ``/``
+            written ``_``): pl_dp's own ``val/acc`` by default, or what your module logs (``val_acc``, ``val/loss``).
+        test_metric: the test metric of the summary and of the group's privacy–utility chart.
+        mode: ``"max"`` or ``"min"``: whether a larger or a smaller ``val_metric`` is better.
+    """
+
+    def __init__(self, val_metric: str = "val/acc", test_metric: str = "test/acc", mode: str = "max") -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}.")
+        self.val_metric, self.test_metric, self.mode = val_metric, test_metric, mode
+        self.best_val: float | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         pl_module.setup_privacy()
@@ -133,19 +148,25 @@ class WandbPrivacyLogger(PrivacyCallback):
                 logger.log_hyperparams(config)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        acc = trainer.callback_metrics.get("val/acc")
-        if acc is not None and not trainer.sanity_checking:
-            self.best_val_acc = max(float(acc), self.best_val_acc or 0.0)
+        value = trainer.callback_metrics.get(self.val_metric)
+        if value is None or trainer.sanity_checking:
+            return
+        better = max if self.mode == "max" else min
+        self.best_val = float(value) if self.best_val is None else better(float(value), self.best_val)
+
+    @property
+    def test_key(self) -> str:
+        return f"summary/{_summary_key(self.test_metric)}"
 
     def _summary(self, trainer: L.Trainer, pl_module: Any) -> dict[str, float]:
         summary = {"summary/epsilon": float(pl_module.epsilon), "summary/private_steps": float(pl_module.private_steps)}
         if pl_module.delta is not None:
             summary["summary/delta"] = float(pl_module.delta)
-        if self.best_val_acc is not None:
-            summary["summary/best_val_acc"] = self.best_val_acc
-        test_acc = trainer.callback_metrics.get("test/acc")
-        if test_acc is not None:
-            summary["summary/test_acc"] = float(test_acc)
+        if self.best_val is not None:
+            summary[f"summary/best_{_summary_key(self.val_metric)}"] = self.best_val
+        test = trainer.callback_metrics.get(self.test_metric)
+        if test is not None:
+            summary[self.test_key] = float(test)
         return summary
 
     def _publish(self, trainer: L.Trainer, pl_module: Any) -> None:
@@ -158,29 +179,34 @@ class WandbPrivacyLogger(PrivacyCallback):
                 logger.save()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        # the last steps' privacy/* values: Lightning writes to its loggers on their cadence, which the end of a fit
+        # need not fall on, so the history would stop short of the summary
+        final = {key: float(value) for key, value in trainer.callback_metrics.items() if key.startswith("privacy/")}
+        written = trainer.should_stop or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
+        if final and not written:
+            for logger in trainer.loggers:
+                logger.log_metrics(final, step=trainer.global_step)
         self._publish(trainer, pl_module)
 
     def on_test_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._publish(trainer, pl_module)
         summary = self._summary(trainer, pl_module)
         for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger) and logger.experiment.group and "summary/test_acc" in summary:
+            if isinstance(logger, WandbLogger) and logger.experiment.group and self.test_key in summary:
                 self._log_group_chart(logger.experiment, summary)
 
-    @staticmethod
-    def _log_group_chart(run: Any, summary: dict[str, float]) -> None:
+    def _log_group_chart(self, run: Any, summary: dict[str, float]) -> None:
         import wandb
 
         wandb_dir = Path(run.dir).parent.parent  # <wandb dir>/<run dir>/files
-        points = [p for p in group_points(wandb_dir, run.group)]
-        points.append((summary["summary/epsilon"], summary["summary/test_acc"]))
-        table = wandb.Table(data=sorted(set(points)), columns=["epsilon", "test_acc"])
-        run.log(
-            {"privacy_utility": wandb.plot.line(table, "epsilon", "test_acc", title=f"privacy–utility: {run.group}")}
-        )
+        points = group_points(wandb_dir, run.group, self.test_key)
+        points.append((summary["summary/epsilon"], summary[self.test_key]))
+        name = _summary_key(self.test_metric)
+        table = wandb.Table(data=sorted(set(points)), columns=["epsilon", name])
+        run.log({"privacy_utility": wandb.plot.line(table, "epsilon", name, title=f"privacy–utility: {run.group}")})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best_val_acc": self.best_val_acc}
+        return {"best_val": self.best_val}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.best_val_acc = state_dict.get("best_val_acc")
+        self.best_val = state_dict.get("best_val", state_dict.get("best_val_acc"))

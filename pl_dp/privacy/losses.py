@@ -86,12 +86,18 @@ def split_inputs_targets(batch: Any) -> tuple[Any, torch.Tensor]:
     """``(x, y)`` from a tuple/list batch or a mapping with a ``labels`` key."""
     if isinstance(batch, Mapping):
         if "labels" not in batch:
-            raise KeyError("a dict batch needs a 'labels' entry for the built-in losses.")
+            raise KeyError(f"a dict batch needs a 'labels' entry for the built-in losses. {_OWN_LOSS}")
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return inputs, batch["labels"]
     if isinstance(batch, Sequence) and len(batch) == 2:
         return batch[0], batch[1]
-    raise TypeError("the built-in losses need a batch (inputs, targets) or a dict with 'labels'.")
+    raise TypeError(f"the built-in losses need a batch (inputs, targets) or a dict with 'labels'. {_OWN_LOSS}")
+
+
+_OWN_LOSS = (
+    "For batches of another shape (no targets, more fields, a net that takes several inputs), pass loss= a callable "
+    "(net, batch) -> Tensor[B] that returns one loss per example."
+)
 
 
 def prediction_inputs(batch: Any) -> Any:

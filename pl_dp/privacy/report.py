@@ -50,17 +50,18 @@ class PrivacyReport:
     planned_steps: int | None
     user_seeded: tuple[str, ...]
     secure_rng: bool
+    charged_steps: int = 0  # the steps the accountant composes: these and what the lineage's journal adds
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> PrivacyReport:
         """The report of a privacy state (a module's ``privacy_state_dict()`` or a checkpoint's ``"pl_dp"``)."""
         spec = state.get("privacy")
         accountant_state = state.get("accountant")
-        epsilon = 0.0
+        epsilon, charged = 0.0, 0
         if spec is not None and accountant_state is not None and state.get("delta") is not None:
             accountant = create_accountant(accountant_state["mechanism"])
             accountant.load_state_dict(accountant_state)
-            epsilon = accountant.get_epsilon(state["delta"])
+            epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
         name = accountant_state["mechanism"] if accountant_state else None
         return cls(
             method=state["method"],
@@ -77,6 +78,7 @@ class PrivacyReport:
             planned_steps=state.get("planned_steps"),
             user_seeded=tuple(k for k, v in state.get("user_seeded", {}).items() if v),
             secure_rng=bool(state.get("secure_rng", False)),
+            charged_steps=int(charged),
         )
 
     @classmethod
@@ -111,6 +113,13 @@ class PrivacyReport:
             f"  accountant    {self.accountant}; noise multiplier {self.noise_multiplier:.4g}; "
             f"{self.private_steps} private steps" + (f" (planned {self.planned_steps})" if self.planned_steps else ""),
         ]
+        if self.charged_steps > self.private_steps:
+            lines.append(
+                f"  journal       epsilon composes {self.charged_steps} private steps: the {self.private_steps} of "
+                f"this line of training and {self.charged_steps - self.private_steps} more that its lineage released "
+                "elsewhere — after the checkpoint it resumed from, or in other resumes of one — as the privacy "
+                "journal records: every released step counts, also the ones a resume discards"
+            )
         if self.accountant == "tree":
             lines.append("  sampling      a fixed partition of the private set (each example in one round per pass)")
         elif self.sample_rate is not None:

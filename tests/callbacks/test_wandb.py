@@ -16,7 +16,7 @@ from pl_dp import PrivacySpec
 from pl_dp.callbacks import PrivacyBudget, WandbPrivacyLogger
 from pl_dp.callbacks.wandb import group_points, read_run
 from pl_dp.data import PrivatePublicDataModule
-from pl_dp.methods import PAZOM
+from pl_dp.methods import PAZOM, DPZero
 from tests.conftest import blobs, make_trainer
 
 
@@ -137,3 +137,41 @@ def test_group_runs_get_a_privacy_utility_chart(offline_wandb):
     assert len(points) == 2 and sorted(e for e, _ in points)[1] <= 4.0
     last = read_run(run_dir)
     assert any("privacy_utility_table" in k or "privacy_utility" in k for row in last["history"] for k in row)
+
+
+class _UserClassifier(L.LightningModule):
+    """A user's module that logs its own metric names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def _accuracy(self, batch):
+        x, y = batch
+        return (self(x).argmax(dim=1) == y).float().mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_acc", self._accuracy(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_acc", self._accuracy(batch))
+
+
+def test_the_history_reaches_the_last_step_and_the_user_s_metric_names_are_summarized(tmp_path):
+    """On main the history of privacy/private_steps stopped at the loggers' last cadence step (60 of 63) and the
+    summary knew only pl_dp's own val/acc and test/acc."""
+    L.seed_everything(0)
+    dm = PrivatePublicDataModule(blobs(120), val=blobs(40, seed=1), test=blobs(40, seed=2), batch_size=20)
+    model = DPZero(_UserClassifier(), lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=2.0, accountant="rdp"))
+    callback = WandbPrivacyLogger(val_metric="val_acc", test_metric="test_acc")
+    trainer = make_trainer(max_epochs=3, logger=CSVLogger(tmp_path), log_every_n_steps=5, callbacks=[callback])
+    trainer.fit(model, dm)
+    trainer.test(model, dm, verbose=False)
+    (path,) = Path(tmp_path).rglob("metrics.csv")
+    rows = list(csv.DictReader(path.open()))
+    logged_steps = [float(r["privacy/private_steps"]) for r in rows if r.get("privacy/private_steps")]
+    assert max(logged_steps) == model.private_steps == 18
+    assert any(r.get("summary/best_val_acc") for r in rows) and any(r.get("summary/test_acc") for r in rows)

@@ -402,6 +402,10 @@ def test_steps_a_crashed_run_logged_after_its_checkpoint_are_accounted_on_resume
     from pl_dp.privacy import PrivacyReport
 
     assert PrivacyReport.from_checkpoint(checkpoint).private_steps == 8  # the checkpoint itself is unchanged
+    # the report says where the steps beyond this line of training come from (it said "16 private steps" only)
+    assert "epsilon composes 26 private steps: the 16 of this line of training and 10 more" in str(
+        again.privacy_report()
+    )
 
 
 def test_the_budget_guard_counts_the_journaled_steps(tmp_path):

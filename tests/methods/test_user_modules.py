@@ -4,6 +4,8 @@ whose loss casts its inputs, and a LightningModule's own ``configure_optimizers`
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -127,3 +129,31 @@ def test_methods_that_write_their_own_update_say_the_net_s_optimizer_is_not_used
     model = DPZero(LitAutoEncoder(), loss=reconstruction, clip=1.0, lr=0.02, privacy=SPEC)
     with pytest.warns(UserWarning, match=r"configure_optimizers is not used.*lr=0.02"):
         make_trainer(max_steps=1).fit(model, _features())
+
+
+def test_a_built_in_loss_on_a_batch_without_targets_says_to_pass_a_callable():
+    data = PrivatePublicDataModule(TensorDataset(torch.randn(40, 16)), batch_size=8)  # inputs only
+    with pytest.raises(TypeError, match=r"pass loss= a callable \(net, batch\) -> Tensor\[B\]"):
+        make_trainer(max_steps=1).fit(DPSGD(nn.Linear(16, 3), clip=1.0, privacy=SPEC), data)
+
+
+class _NoisyEvaluation(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def validation_step(self, batch, batch_idx):
+        warnings.warn("a note from the user's validation", UserWarning, stacklevel=1)
+
+
+def test_each_distinct_warning_is_shown_once_however_often_epsilon_is_evaluated():
+    """Each evaluation of epsilon wrapped Opacus' conversion in warnings.catch_warnings(), which resets every
+    once-registry: a warning shown once per run came back after every logged step (27 times in a 5-epoch fit)."""
+    model = DPSGD(_NoisyEvaluation(), clip=1.0, privacy=PrivacySpec(epsilon=5.0))  # PRV: evaluations converted by RDP
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        make_trainer(max_epochs=3, log_every_n_steps=1).fit(model, _features())
+    assert sum("a note from the user's validation" in str(w.message) for w in caught) == 1

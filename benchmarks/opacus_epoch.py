@@ -1,0 +1,161 @@
+"""Per-epoch time of DP-SGD in pl_dp against Opacus' ``make_private``, same model, data, noise and accountant.
+
+    python benchmarks/opacus_epoch.py            # ~2 minutes on 2 CPU cores
+    python benchmarks/opacus_epoch.py --quick    # one repetition, the MLP only
+
+Both train on the private split of the digits (1,208 examples, expected batch 64, ε = 2 at δ = 1/n, clip 1, SGD
+at lr 0.5) for 5 epochs, σ calibrated by each library from the target, with each accountant both offer (RDP, PRV;
+pl_dp's default is PRV). Opacus: ``PrivacyEngine(accountant=...)``, ``make_private_with_epsilon`` with Poisson
+sampling, a plain loop, and ``get_epsilon`` at the end of each epoch, as its tutorials do. pl_dp: ``DPSGD`` under a
+``Trainer`` (no logger or progress bar), which also runs the fit-start checks and logs ε on Lightning's cadence.
+Per-epoch time = the whole fit, set-up and calibration included, over the epochs; runs are interleaved
+(pl_dp, Opacus, pl_dp, …) and the medians reported. Prints a table and JSON (``--json PATH``; the committed copy is
+``benchmarks/results/opacus_epoch.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pl_dp import PrivacySpec  # noqa: E402
+from pl_dp.data import DigitsDataModule  # noqa: E402
+from pl_dp.methods import DPSGD  # noqa: E402
+from pl_dp.nets import MLP  # noqa: E402
+
+EPOCHS, BATCH, EPSILON, CLIP, LR = 5, 64, 2.0, 1.0, 0.5
+
+
+def mlp() -> nn.Module:
+    return MLP(64, [64], 10)
+
+
+def cnn() -> nn.Module:
+    """A small CNN on the 8×8 digit images (two 3×3 convolutions, 5.5k parameters)."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def pl_dp_epoch(build, accountant: str) -> tuple[float, float]:
+    L.seed_everything(0, verbose=False)
+    data = DigitsDataModule(batch_size=BATCH)
+    model = DPSGD(build(), lr=LR, clip=CLIP, privacy=PrivacySpec(epsilon=EPSILON, accountant=accountant))
+    trainer = L.Trainer(
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    start = time.perf_counter()
+    trainer.fit(model, data)
+    return (time.perf_counter() - start) / EPOCHS, model.epsilon
+
+
+def opacus_epoch(build, accountant: str) -> tuple[float, float]:
+    from opacus import PrivacyEngine
+
+    L.seed_everything(0, verbose=False)
+    data = DigitsDataModule(batch_size=BATCH)
+    data.setup("fit")
+    private = data.private
+    delta = 1.0 / len(private)
+    start = time.perf_counter()
+    model = build()
+    engine = PrivacyEngine(accountant=accountant)
+    model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=DataLoader(private, batch_size=BATCH),
+        target_epsilon=EPSILON,
+        target_delta=delta,
+        epochs=EPOCHS,
+        max_grad_norm=CLIP,
+        poisson_sampling=True,
+    )
+    epsilon = 0.0
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        epsilon = engine.get_epsilon(delta)
+    return (time.perf_counter() - start) / EPOCHS, epsilon
+
+
+def measure(models: dict, repeats: int) -> list[dict]:
+    rows = []
+    for name, build in models.items():
+        for accountant in ("prv", "rdp"):
+            times: dict[str, list[float]] = {"pl_dp": [], "opacus": []}
+            eps: dict[str, float] = {}
+            for _ in range(repeats):
+                for library, run in (("pl_dp", pl_dp_epoch), ("opacus", opacus_epoch)):
+                    seconds, eps[library] = run(build, accountant)
+                    times[library].append(seconds)
+            pl, op = statistics.median(times["pl_dp"]), statistics.median(times["opacus"])
+            rows.append(
+                {
+                    "model": name,
+                    "accountant": accountant,
+                    "pl_dp_s_per_epoch": pl,
+                    "opacus_s_per_epoch": op,
+                    "ratio": pl / op,
+                    "pl_dp_epsilon": eps["pl_dp"],
+                    "opacus_epsilon": eps["opacus"],
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    models = {"digits MLP 64-64-10": mlp} if args.quick else {"digits MLP 64-64-10": mlp, "digits CNN": cnn}
+    rows = measure(models, 1 if args.quick else args.repeats)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {EPOCHS} epochs, medians; ratio = pl_dp/Opacus"
+    )
+    print(f"{'model':22s} {'accountant':10s} {'pl_dp s/epoch':>14s} {'Opacus s/epoch':>15s} {'ratio':>6s} {'eps':>14s}")
+    for r in rows:
+        print(
+            f"{r['model']:22s} {r['accountant']:10s} {r['pl_dp_s_per_epoch']:14.3f} {r['opacus_s_per_epoch']:15.3f} "
+            f"{r['ratio']:6.2f} {r['pl_dp_epsilon']:6.3f}/{r['opacus_epsilon']:.3f}"
+        )
+    print(json.dumps(rows, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
