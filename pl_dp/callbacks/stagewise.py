@@ -141,6 +141,13 @@ class StagewiseSchedule(PrivacyCallback):
         self.stage = stage
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.proximal and not getattr(pl_module, "applies_proximal_term", False):
+            raise ValueError(
+                f"StagewiseSchedule(proximal={self.proximal:g}) anchors each stage with a proximal term, which "
+                f"{type(pl_module).__name__}'s update does not include: it would be dropped silently. Use "
+                "proximal=0 with this method, or a zeroth-order method (DPZero, PAZO-M/P/S), whose update the term "
+                "enters (DP-ZOSO, Liu et al. 2025, Alg. 1)."
+            )
         if trainer.lr_scheduler_configs:
             raise ValueError(
                 "StagewiseSchedule sets the step size at every stage (eta_s = lr_decay^s * lr); an LR scheduler "

@@ -156,6 +156,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     #: whether the method writes its update itself (zeroth-order, O2NC): its optimizer holds η only, so
     #: only plain SGD is accepted; first-order methods hand the privatized gradient to any optimizer
     applies_own_update: bool = False
+    #: whether the method's update includes the proximal term of a :class:`~pl_dp.callbacks.StagewiseSchedule`
+    #: (:meth:`proximal_terms`): the zeroth-order methods' does; a schedule with one refuses the others
+    applies_proximal_term: bool = False
     #: the accountant of ``PrivacySpec(accountant=None)``: the one this method's sampling calls for
     default_accountant: str = "prv"
     #: the modes in which the method evaluates private losses, probed at fit start for per-example independence: "train"

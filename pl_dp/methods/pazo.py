@@ -251,6 +251,7 @@ class PAZOS(PublicDataMixin, PrivateModule):
 
     secure_rng_default = True  # k + 1 noisy scalars a step
     applies_own_update = True
+    applies_proximal_term = True
     private_loss_modes = ("eval",)  # private_losses
 
     def __init__(

@@ -93,3 +93,18 @@ def test_works_with_pazo_s_without_smoothing():
     make_trainer(max_steps=12, callbacks=[schedule]).fit(model, dm)
     assert model.lr == pytest.approx(0.05) and schedule.base_smoothing is None
     assert math.isfinite(model.epsilon)
+
+
+@pytest.mark.parametrize("method", ["dpsgd", "coupling"])
+def test_a_proximal_term_the_method_would_drop_is_refused(method):
+    """DP-SGD and Coupling hand the gradient to an optimizer and never apply the term: on main the schedule's
+    protocol check passed and the term was dropped silently. Without the term the schedule works as usual."""
+    from pl_dp.methods import DPSGD, Coupling
+
+    cls = DPSGD if method == "dpsgd" else Coupling
+    model = cls(nn.Linear(4, 3), clip=1.0, privacy=PrivacySpec(epsilon=5.0, accountant="rdp"))
+    data = PrivatePublicDataModule(blobs(60), public=blobs(20, seed=5), batch_size=10, public_batch_size=5)
+    with pytest.raises(ValueError, match=r"proximal term, which \w+'s update does not include"):
+        make_trainer(max_steps=4, callbacks=[StagewiseSchedule(stages=2, proximal=0.1)]).fit(model, data)
+    make_trainer(max_steps=4, callbacks=[StagewiseSchedule(stages=2, proximal=0.0)]).fit(model, data)
+    assert model.private_steps == 4
