@@ -158,7 +158,7 @@ def forward_op(net, batch):
 
 def dpzero_engine_op(net, batch, mask=None, queries=1, one_sided=False, **engine_options):
     engine = PerturbationEngine(net.parameters(), seed=1, mask=mask, cache_size=queries, **engine_options)
-    estimator = PrivateTwoPointEstimator(engine, smoothing=1e-3, clip=1.0, queries=queries, one_sided=one_sided)
+    estimator = PrivateTwoPointEstimator(engine, smoothing=1e-3, queries=queries, one_sided=one_sided)
     mechanism = SubsampledGaussian(1.0, 0.1, 1.0, expected_batch_size=len(batch[1]))
     noise = NoiseSource(seed=0)
     evaluate = forward_op(net, batch)

@@ -148,7 +148,7 @@ class ZerothOrderModule(PrivateModule):
         if self._estimator is None:
             engine = self.build_engine(self.trainable_parameters())
             self._estimator = PrivateTwoPointEstimator(
-                engine, self._smoothing, self.clip, self.queries, self.joint_clip, self.one_sided
+                engine, self._smoothing, self.queries, self.joint_clip, self.one_sided
             )
         return self._estimator
 

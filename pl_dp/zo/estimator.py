@@ -145,20 +145,16 @@ class PrivateTwoPointEstimator:
         self,
         engine: PerturbationEngine,
         smoothing: float,
-        clip: float | None,
         queries: int = 1,
         joint_clip: bool = False,
         one_sided: bool = False,
     ) -> None:
         if not smoothing > 0:
             raise ValueError(f"smoothing must be > 0, got {smoothing}.")
-        if clip is not None and not clip > 0:
-            raise ValueError(f"clip must be > 0, got {clip}.")
         if int(queries) != queries or queries < 1:
             raise ValueError(f"queries must be an integer >= 1, got {queries}.")
         self.engine = engine
         self.smoothing = float(smoothing)
-        self.clip = clip
         self.queries = int(queries)
         self.joint_clip = bool(joint_clip)
         self.one_sided = bool(one_sided)
@@ -178,6 +174,8 @@ class PrivateTwoPointEstimator:
         """
         keys: list[Key] = []
         results = []
+        # the clamp is the mechanism's sensitivity, the bound its noise is scaled to: one owner for both
+        clip = mechanism.sensitivity if math.isfinite(mechanism.sensitivity) else None  # inf: a non-private run
         baseline = evaluate() if self.one_sided else None
         restore = -self.smoothing if self.one_sided else self.smoothing  # θ sits at θ − restore·u after a query
         for j in range(self.queries):
@@ -187,12 +185,12 @@ class PrivateTwoPointEstimator:
             else:
                 self.engine.perturb(key, self.smoothing)
                 diffs = (evaluate() - baseline) / self.smoothing
-            results.append(diffs if self.joint_clip else privatize_sum(diffs, self.clip, mechanism, noise, reduce))
+            results.append(diffs if self.joint_clip else privatize_sum(diffs, clip, mechanism, noise, reduce))
             keys.append(key)
             if j < self.queries - 1:
                 self.engine.perturb(key, restore)  # restore before the next direction
         if self.joint_clip:
-            scalars, nonfinite = privatize_sum(torch.stack(results, dim=1), self.clip, mechanism, noise, reduce)
+            scalars, nonfinite = privatize_sum(torch.stack(results, dim=1), clip, mechanism, noise, reduce)
         else:
             scalars = torch.cat([r[0] for r in results])
             nonfinite = sum((r[1] for r in results), torch.zeros(()))

@@ -291,3 +291,18 @@ def test_joint_clip_step_equals_the_vector_mechanism_by_hand():
     s = (clipped.sum(0) + NoiseSource(seed=11, secure=True).normal((q,), model.noise_multiplier * clip).double()) / b
     expected = theta0 - lr / q * sum(sj * u for sj, u in zip(s, us))
     torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)
+
+
+def test_the_clamp_and_the_noise_follow_one_clip_bound():
+    """The clip bound had two holders: the module's (the noise) and a copy in the estimator (the clamp), which a
+    change of model.clip after the first step left behind — each example then moved the release by up to the old
+    bound under noise scaled to the new one. The audit's canary measures what one example moves the release by."""
+    from pl_dp.audit import _StepTrials
+
+    spec = PrivacySpec(epsilon=100.0, accountant="rdp", noise_multiplier=1.0)
+    model = DPZero(nn.Linear(4, 3), clip=1.0, privacy=spec)
+    data = PrivatePublicDataModule(blobs(40), batch_size=8)
+    make_trainer(max_steps=1).fit(model, data)  # the estimator is built with clip 1
+    model.clip = 0.25  # between steps, as a schedule would
+    result = _StepTrials(trials=20, reference_size=8, canary=None, input_scale=100.0, confidence=0.95).run(model, data)
+    assert result.canary_influence == pytest.approx(1.0, abs=0.02), result  # 4.0 with the stale clamp
