@@ -47,7 +47,7 @@ from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.preflight import PreflightReport, check_private_set
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
-from pl_dp.privacy.seal import sealed
+from pl_dp.privacy.seal import PlainAttributes, sealed
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.estimator import per_sample_evaluator
@@ -139,11 +139,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             draw is added per logical step, so memory is bounded by the physical batch while the
             release and its accounting are those of the logical batch. ``None``: one pass.
         preflight: at every private fit, before the first step, check every private example once — it loads,
-            its floating-point values are finite, it batches with the others through the loader's ``collate_fn``,
-            and its loss is finite (:mod:`pl_dp.privacy.preflight`) — and refuse to train with an error naming
-            the bad ones by index. Costs one inference pass over the private set. ``False`` skips it: an example
-            whose values or loss are bad then contributes 0 to each step that samples it, counted only in
-            ``nonfinite_total`` — but one that cannot be batched with the others still fails in the loader.
+            has the others' structure, batches with them through the loader's ``collate_fn``, its floating-point
+            values are finite and its loss is finite (:mod:`pl_dp.privacy.preflight`) — and refuse to train with an
+            error naming the bad ones by index. Costs one inference pass over the private set. ``False`` skips the
+            values and the loss (the forward passes): examples are still read, their structure and batching checked
+            (the private loader's batching rule rests on it), and one whose values or loss are bad then contributes
+            0 to each step that samples it, counted only in ``nonfinite_total``.
     """
 
     #: whether the method needs a public loader (PAZO, Coupling: :class:`~pl_dp.methods.public.PublicDataMixin`)
@@ -470,7 +471,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             self._batches_consumed = 0
         if self.privacy is None:
             return
-        report = self.check_private_data() if self.preflight else None
+        report = self.check_private_data()
         self.check_independence()
         self._seal_batching(report)
         self.ledger.fix_delta(sampler.num_samples)
@@ -492,12 +493,14 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         batch size (or of ``max_physical_batch_size``), by index — never through the Poisson sampler."""
         dataset, collate = private_data_of(self.trainer.train_dataloader)
         chunk = self.max_physical_batch_size or math.ceil(self.expected_batch_size or 1)
-        return check_private_set(dataset, collate, self.net, self.loss_fn, chunk, transfer=self._to_device)
+        return check_private_set(
+            dataset, collate, self.net, self.loss_fn, chunk, transfer=self._to_device, values=self.preflight
+        )
 
-    def _seal_batching(self, report: PreflightReport | None) -> None:
+    def _seal_batching(self, report: PreflightReport) -> None:
         """Tell pl_dp's private loader what a batch looks like: every example's structure, as the pre-flight pass
         found it (examples of another are left out, each by itself), and the empty batch (built now, not read at
-        the step that samples nothing). Without the pass, only the empty batch, from the probe's first example."""
+        the step that samples nothing)."""
         collate = self.trainer.train_dataloader.collate_fn
         if not isinstance(collate, EmptySafeCollate):
             rank_zero_warn(
@@ -507,10 +510,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
                 "it with pl_dp.data.PrivatePublicDataModule or pl_dp.privacy.poisson_loader."
             )
             return
-        if report is not None and report.reference is not None:
+        if report.reference is not None:
             collate.expect(report.reference)
-        else:
-            collate.expect(self._probe_examples()[0][0], structure=False)
 
     def check_independence(self) -> None:
         """Per-example independence, once per private fit before any step: refuse batch-mixing layers, then probe
@@ -594,8 +595,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
         self.noise.start_step(self.private_steps)
+        attributes = PlainAttributes(self.net) if self.privacy is not None else None
         with sealed(self.privacy is not None and not self.log_private_metrics), self._private_randomness():
             stats = self.private_step(batch, batch_size, mechanism)  # nothing record-dependent leaks out
+        if attributes is not None:  # what the net stored from this batch stays out of copies of it
+            attributes.restore()
         if self.touches_private_data:
             self.ledger.record(mechanism)
         self._batches_consumed += 1
@@ -685,6 +689,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         or batches, unless the user seeded them); the non-finite count is zeroed."""
         state = super().__getstate__()
         state["nonfinite_total"] = 0
+        state["_reference"] = None  # this process's fit's, rebuilt by the next one
         return state
 
     def privacy_state_dict(self) -> dict[str, Any]:

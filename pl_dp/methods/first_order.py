@@ -18,7 +18,7 @@ from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_examp
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.seal import isolate_failures, sealed
+from pl_dp.privacy.seal import PlainAttributes, isolate_failures, sealed
 from pl_dp.privacy.spec import PrivacySpec
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -152,8 +152,10 @@ class FirstOrderModule(PrivateModule):
             else:
                 self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
             if self.privacy is not None:  # each clipped row must be one example's whole gradient
+                attributes = PlainAttributes(self.net)  # what the net stores from the (maybe private) examples
                 with sealed():  # its examples may be private: whether they make the net speak is too
                     verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
+                attributes.restore()
 
     def reference_pass(self, batch: Any) -> None:
         """The clipped sum of ``batch``, computed and discarded (see :meth:`PrivateModule.check_reference`)."""

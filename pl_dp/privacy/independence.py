@@ -36,7 +36,6 @@ Two checks, both at fit start and before any private step:
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
-from pl_dp.privacy.seal import sealed
+from pl_dp.privacy.seal import PlainAttributes, sealed
 
 #: examples in the probe batch when no expected batch size is given (a BatchNorm-sized batch), and at most
 PROBE_SIZE = 8
@@ -517,35 +516,21 @@ class _Slot(NamedTuple):
         return getattr(self.module, self.name, None) is not self.tensor or self.tensor._version != version
 
 
-#: the entries of a module's ``__dict__`` that :class:`NetState` restores by their own rules, not as plain attributes
-_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules", "training"})
-
-
 class NetState:
     """What the probe and the pre-flight pass must leave as they found it, and which buffers and parameters a
     forward wrote.
 
     Writes are seen through each tensor's version counter (bumped by every in-place operation, also under
     ``torch.inference_mode()``) and identity (a reassigned attribute); buffers added by a forward are seen
-    by name. Plain attributes (a cache a forward grows, a list it appends to) are put back too — added ones
-    removed, reassigned ones restored, lists, dicts and sets refilled — so that nothing the checks computed from
-    the examples stays on the net, where a pickle of the module would carry it; a tensor attribute written in place
-    is not (it is the user's contract, as in training).
+    by name. Plain attributes (a cache a forward grows, a list it appends to) are put back too
+    (:class:`~pl_dp.privacy.seal.PlainAttributes`), so that nothing the checks computed from the examples stays on
+    the net, where a pickle of the module would carry it.
     """
 
     def __init__(self, net: nn.Module) -> None:
         self.net = net
         self.modes = [(module, module.training) for module in net.modules()]
-        self.attributes = [
-            (module, {key: value for key, value in module.__dict__.items() if key not in _REGISTRIES})
-            for module in net.modules()
-        ]
-        self.contents = {
-            (id(module), key): copy.copy(value)
-            for module, attributes in self.attributes
-            for key, value in attributes.items()
-            if type(value) in (list, dict, set)
-        }
+        self.attributes = PlainAttributes(net)
         modules = list(net.named_modules())
         self.buffers = [
             _Slot(f"{prefix}.{name}" if prefix else name, module, name, tensor)
@@ -579,20 +564,7 @@ class NetState:
     def reset(self) -> None:
         """Buffers back to their objects and values, added buffers removed, plain attributes and every module's
         mode restored."""
-        for module, attributes in self.attributes:
-            current = module.__dict__
-            for key in [key for key in current if key not in attributes and key not in _REGISTRIES]:
-                del current[key]
-            for key, value in attributes.items():
-                current[key] = value
-                saved = self.contents.get((id(module), key))
-                if saved is None:
-                    continue
-                value.clear()
-                if isinstance(value, list):
-                    value.extend(saved)
-                else:
-                    value.update(saved)
+        self.attributes.restore()
         for name in self._added_buffers():
             owner, _, attribute = name.rpartition(".")
             delattr(self.net.get_submodule(owner), attribute)

@@ -21,7 +21,8 @@ publication. What it cannot foresee (a loss that becomes non-finite, or raises, 
 inside the step: such an example contributes 0 and is counted privately.
 
 Cost: one inference pass over the private set, once per fit (``benchmarks/fit_start_checks.py`` measures it);
-``preflight=False`` on a method skips it.
+``preflight=False`` on a method skips the values and the loss — examples are still read and their structure and
+batching checked (a pass over the data without the net), since the private loader's batching rule rests on them.
 """
 
 from __future__ import annotations
@@ -90,11 +91,13 @@ def check_private_set(
     loss_fn: PerSampleLoss,
     chunk_size: int,
     transfer: Callable[[Any], Any] = lambda batch: batch,
+    values: bool = True,
 ) -> PreflightReport:
     """Check every example of ``dataset`` (see the module docstring); raise :class:`DataError` listing the bad ones.
 
     ``collate`` is the private loader's ``collate_fn``, ``transfer`` moves a batch to the net's device, and
     ``chunk_size`` examples are batched at a time (the run's expected batch size, so memory is that of a step).
+    ``values=False`` checks reading, structure and batching only — no finiteness, no forward pass.
     Each chunk is batched together with the first good example (the *reference*), so examples of different chunks
     are known to batch together too. When every example of the first batch scored makes the loss raise, the fault
     is the net's or the loss's, not a record's: that error is raised as it is (e.g. the per-example loss contract
@@ -118,8 +121,11 @@ def check_private_set(
                     structure = max(found, key=found.count)
                 loaded = _of_structure(loaded, structure, problems)
                 rows = ([reference] if reference is not None else []) + loaded
-                rows, batch = _batch(collate, rows, reference, problems)
+                rows, batch = _batch(collate, rows, reference, problems, values)
                 if batch is None:
+                    continue
+                if not values:
+                    reference = reference or rows[0]
                     continue
                 failed = _score(net, loss_fn, transfer(batch), rows, problems)
                 if reference is None:
@@ -178,8 +184,10 @@ def _batch(
     rows: list[tuple[int, Any]],
     reference: tuple[int, Any] | None,
     problems: dict[int, str],
+    values: bool = True,
 ) -> tuple[list[tuple[int, Any]], Any]:
-    """The rows that batch together (with the reference, when there is one) and are finite, and their batch."""
+    """The rows that batch together (with the reference, when there is one) and, with ``values``, are finite, and
+    their batch."""
     if not rows:
         return rows, None
     try:
@@ -189,7 +197,7 @@ def _batch(
         if not rows:
             return rows, None
         batch = collate([example for _, example in rows])
-    nonfinite = _nonfinite_rows(batch, len(rows))
+    nonfinite = _nonfinite_rows(batch, len(rows)) if values else []
     for position in nonfinite:
         i, example = rows[position]
         where = nonfinite_field(example)
@@ -271,6 +279,7 @@ def _message(problems: dict[int, str], size: int) -> str:
         + "\n  - ".join(f"example {i}: {problems[i]}" for i in listed)
         + (f"\n  - … and {more} more" if more else "")
         + "\nFix or remove them and run again. Inside training such an example could only contribute nothing, and "
-        "any warning or crash it caused would say when it was sampled. Pass preflight=False to the method to skip "
-        "this check (bad examples then contribute 0 to their steps, counted only in model.nonfinite_total)."
+        "any warning or crash it caused would say when it was sampled. Values and losses are checked unless the "
+        "method has preflight=False (such examples then contribute 0 to their steps, counted only in "
+        "model.nonfinite_total); reading, structure and batching always are."
     )

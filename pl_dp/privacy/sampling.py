@@ -292,10 +292,10 @@ class EmptySafeCollate:
         self.structure: Any = None
         self._empty: Any = None
 
-    def expect(self, example: Any, structure: bool = True) -> None:
-        """An empty batch is ``example``'s batch, sliced to 0 (read once now, not at the step that samples none);
-        with ``structure``, from now on only examples of ``example``'s structure are batched."""
-        self.structure = structure_of(example) if structure else None
+    def expect(self, example: Any) -> None:
+        """From now on only examples of ``example``'s structure are batched, and an empty batch is ``example``'s
+        batch sliced to 0 (built now, not at the step that samples nothing)."""
+        self.structure = structure_of(example)
         self._empty = _slice_empty(self.collate_fn([example]))
 
     def __call__(self, items: Any) -> Any:

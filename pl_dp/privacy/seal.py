@@ -21,6 +21,7 @@ step that isolates a failure takes longer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import sys
 import warnings
@@ -111,3 +112,49 @@ def isolate_failures(
                 half = len(positions) // 2
                 pending += [positions[half:], positions[:half]]
     return done, failed
+
+
+#: the entries of a module's ``__dict__`` that are not plain attributes (parameters, buffers, submodules, mode)
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules", "training"})
+
+
+class PlainAttributes:
+    """The plain attributes of every module of a net — a cache a forward grows (a positional table as long as the
+    longest input seen), a list it appends to — as they are now, to put back with :meth:`restore`.
+
+    Whatever a forward stores there from a private batch stays on the net, and a pickle or a deep copy of the
+    module carries it (a table's length says how long the longest record sampled was). Restored after the
+    fit-start checks and after every private step: added attributes removed, reassigned ones put back, lists,
+    dicts and sets refilled; parameters, buffers and submodules are not touched (a forward that writes a buffer is
+    refused by the probe). A tensor attribute written in place is not restored: the user's contract.
+    """
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        self.attributes = [
+            (module, {key: value for key, value in module.__dict__.items() if key not in _REGISTRIES})
+            for module in net.modules()
+        ]
+        self.contents = {
+            (id(module), key): copy.copy(value)
+            for module, attributes in self.attributes
+            for key, value in attributes.items()
+            if type(value) in (list, dict, set)
+        }
+
+    def restore(self) -> None:
+        for module, attributes in self.attributes:
+            current = module.__dict__
+            if len(current) != len(attributes) + sum(key in current for key in _REGISTRIES):
+                for key in [key for key in current if key not in attributes and key not in _REGISTRIES]:
+                    del current[key]
+            for key, value in attributes.items():
+                if current.get(key) is not value:
+                    current[key] = value
+                saved = self.contents.get((id(module), key))
+                if saved is None:
+                    continue
+                value.clear()
+                if isinstance(value, list):
+                    value.extend(saved)
+                else:
+                    value.update(saved)

@@ -177,10 +177,11 @@ def test_with_the_pre_flight_off_a_bad_record_changes_nothing_a_run_says_or_how_
 
 
 class Unreliable(Dataset):
-    """blobs(100), plus record X at index 100 whose reading warns and, with ``fails``, raises (a truncated file)."""
+    """blobs(100), plus record X at index 100 whose reading warns and, with ``fails``, raises after its first read
+    (a file on a failing disk: the pre-flight pass reads it fine, training does not)."""
 
     def __init__(self, with_x: bool, fails: bool) -> None:
-        self.data, self.with_x, self.fails = blobs(100), with_x, fails
+        self.data, self.with_x, self.fails, self.reads = blobs(100), with_x, fails, 0
 
     def __len__(self) -> int:
         return 100 + self.with_x
@@ -188,7 +189,8 @@ class Unreliable(Dataset):
     def __getitem__(self, i: int):
         if i == 100:
             warnings.warn("record 100: truncated, padded with zeros", UserWarning, stacklevel=1)
-            if self.fails:
+            self.reads += 1
+            if self.fails and self.reads > 1:
                 raise OSError("record 100 is unreadable")
             return torch.zeros(4), torch.tensor(0)
         return self.data[i]
@@ -198,10 +200,9 @@ class Unreliable(Dataset):
 @pytest.mark.parametrize("cls", METHODS)
 def test_a_record_that_warns_or_fails_when_read_changes_nothing_a_run_says_or_how_it_ends(cls, fails):
     """Reading happens in the loader, outside the step; and the pre-flight pass reads every record (it is sealed too:
-    with a record that only warns it passes, and says nothing)."""
-    preflight = not fails  # a record that fails to read is refused by the pre-flight pass: see the test above
-    steps, said = _run_and_capture(cls, Unreliable(False, fails), preflight=preflight)
-    steps_with, said_with = _run_and_capture(cls, Unreliable(True, fails), preflight=preflight)
+    the record passes it, and nothing it says shows)."""
+    steps, said = _run_and_capture(cls, Unreliable(False, fails), preflight=True)
+    steps_with, said_with = _run_and_capture(cls, Unreliable(True, fails), preflight=True)
     assert steps == steps_with == 6
     assert said == said_with
 
@@ -426,24 +427,6 @@ def test_a_copy_of_a_first_order_module_holds_nothing_the_size_of_a_batch(per_sa
     assert last.size not in (3, 4) and not [t for t in batch_sized if tuple(t.shape) not in parameter_shapes]
 
 
-class _Masks(L.Callback):
-    """The dropout pattern of the first private step."""
-
-    def __init__(self) -> None:
-        self.pattern = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.pattern is None:
-            self.pattern = pl_module.net[1].last
-
-
-class _RecordingDropout(nn.Dropout):
-    def forward(self, x):
-        out = super().forward(x)
-        self.last = (out == 0).clone()
-        return out
-
-
 @pytest.mark.parametrize("noise_seed", [None, 5])
 def test_dropout_inside_a_private_step_is_drawn_from_a_secret_generator(noise_seed):
     """Dropout masks from the public global generator (seed_everything) let whoever knows its state see that one
@@ -452,12 +435,15 @@ def test_dropout_inside_a_private_step_is_drawn_from_a_secret_generator(noise_se
     patterns = []
     for _ in range(2):
         L.seed_everything(0, verbose=False)
-        net = nn.Sequential(nn.Linear(4, 64), _RecordingDropout(0.5), nn.Linear(64, 3))
+        seen: list = []  # training-mode masks, by a hook (a plain attribute of the net is restored after steps)
+        net = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5), nn.Linear(64, 3))
+        net[1].register_forward_hook(
+            lambda module, args, out, seen=seen: seen.append(out == 0) if module.training else None
+        )
         model = DPSGD(net, clip=1.0, privacy=SPEC, noise_seed=noise_seed)
-        masks = _Masks()
         data = PrivatePublicDataModule(blobs(100), batch_size=20, sampling_seed=1)
-        make_trainer(max_steps=1, callbacks=[masks]).fit(model, data)
-        patterns.append(masks.pattern)
+        make_trainer(max_steps=1).fit(model, data)
+        patterns.append(seen[-1])  # the private step's (the fit-start probe's come first)
     assert torch.equal(patterns[0], patterns[1]) == (noise_seed is not None)
 
 
@@ -513,3 +499,47 @@ def test_a_copy_holds_no_un_noised_count():
 def _nan_for_every_example(net, batch):
     x, y = batch
     return F.cross_entropy(net(x), y, reduction="none") * float("nan")
+
+
+class _GrowingTable(nn.Module):
+    """A positional table grown, as a plain attribute, to the longest input seen (as many models' caches are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.head = nn.Linear(8, 2)
+        self.table = torch.zeros(1, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > len(self.table):
+            self.table = torch.zeros(tokens.shape[1], 8)
+        mask = (tokens != 0).unsqueeze(-1).float()
+        hidden = (self.embed(tokens) + self.table[: tokens.shape[1]]) * mask
+        return self.head(hidden.sum(dim=1) / mask.sum(dim=1).clamp_min(1))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_what_a_net_stores_from_a_private_batch_does_not_stay_in_copies_of_it(cls):
+    """The third review: a table grown to the longest record sampled stayed on the net, so torch.save(model) said
+    whether one long record was in the data (length 9 without it, 37 with it)."""
+    lengths = {}
+    for with_x in (False, True):
+        data = Sentences(longest=9)
+        if with_x:
+            data.tokens.append(torch.randint(1, 50, (37,), generator=torch.Generator().manual_seed(3)))
+            data.labels = torch.cat([data.labels, torch.tensor([1])])
+        model = cls(_GrowingTable(), clip=1.0, privacy=SPEC)
+        make_trainer(max_steps=5).fit(model, PrivatePublicDataModule(data, batch_size=24))  # q = 1/2
+        lengths[with_x] = len(copy.deepcopy(model).net.table)
+    assert lengths[False] == lengths[True] == 1  # as constructed: nothing of a private batch
+
+
+def test_the_structure_every_example_has_is_checked_without_the_pre_flight_s_losses_too():
+    """preflight=False skips values and losses, not the structure: with one int64 record among float32 ones, the
+    loader's batching rule would have had no structure to hold, and that record, coming first, turned the others'
+    features into integers (the third review)."""
+    examples = [(torch.rand(4), torch.tensor(i % 3)) for i in range(60)]
+    examples[7] = (torch.tensor([1, 2, 3, 4]), torch.tensor(0))
+    model = DPSGD(nn.Linear(4, 3), clip=1.0, privacy=SPEC, preflight=False)
+    with pytest.raises(DataError, match=r"example 7: its structure differs.*int64"):
+        make_trainer(max_steps=1).fit(model, PrivatePublicDataModule(examples, batch_size=6))
