@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pl_dp.privacy.seeding import derive_seed, secret_cpu_generator, secret_cpu_state
+from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, derive_seed, secret_cpu_generator, secret_cpu_state
 
 _KEY_BYTES = 32
 
@@ -49,7 +49,7 @@ _CHUNK = 1 << 20
 _LOW53 = (1 << 53) - 1
 
 
-class NoiseSource:
+class NoiseSource(CopiesDrawTheirOwnSecret):
     """Gaussian noise for DP mechanisms from a secret key, counter-based per private step.
 
     Args:
@@ -63,24 +63,16 @@ class NoiseSource:
         self.seeded = seed is not None
         self.secure = bool(secure)
         if seed is None:
-            self._key = secrets.token_bytes(_KEY_BYTES)
+            self._key = self._draw_secret()
         else:
             self._key = hashlib.sha256(b"pl_dp noise seed " + str(int(seed)).encode()).digest()
         self._step = 0
         self._draws = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        """What a pickle or a deep copy of this source holds: no key unless a user seed made it public."""
-        state = dict(self.__dict__)
-        if not self.seeded:
-            del state["_key"]
-        return state
+    secret = "_key"  # left out of pickles and deep copies, which draw their own (CopiesDrawTheirOwnSecret)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy without the key draws its own from OS entropy: it never replays the original's noise."""
-        self.__dict__.update(state)
-        if "_key" not in state:
-            self._key = secrets.token_bytes(_KEY_BYTES)
+    def _draw_secret(self) -> bytes:
+        return secrets.token_bytes(_KEY_BYTES)
 
     def start_step(self, step: int) -> None:
         """Draws from now on belong to private step ``step`` (a pure function of key, step, draw index)."""

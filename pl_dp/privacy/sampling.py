@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.privacy.seal import sealed
-from pl_dp.privacy.seeding import derive_seed, entropy_seed, secret_cpu_generator
+from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, derive_seed, entropy_seed, secret_cpu_generator
 
 
 class CountingBatchSampler(Sampler[list[int]]):
@@ -65,7 +65,7 @@ class CountingBatchSampler(Sampler[list[int]]):
         self.position = int(state["position"])
 
 
-class PoissonBatchSampler(CountingBatchSampler):
+class PoissonBatchSampler(CopiesDrawTheirOwnSecret, CountingBatchSampler):
     """Yields Poisson-sampled index lists: each example independently with probability ``sample_rate``.
 
     ``seed=None`` (default) draws the sampling seed from OS entropy; an integer makes the batches
@@ -96,18 +96,10 @@ class PoissonBatchSampler(CountingBatchSampler):
         self.rank = int(rank)
         self.position = 0  # index of the next batch to draw
 
-    def __getstate__(self) -> dict[str, Any]:
-        """What a pickle or a deep copy of this sampler holds: no seed unless the user gave one (it is public)."""
-        state = dict(self.__dict__)
-        if not self.seeded:
-            del state["seed"]
-        return state
+    secret = "seed"  # left out of pickles and deep copies, which draw their own (CopiesDrawTheirOwnSecret)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy without the seed draws its own from OS entropy: it never replays the original's batches."""
-        self.__dict__.update(state)
-        if "seed" not in state:
-            self.seed = entropy_seed()
+    def _draw_secret(self) -> int:
+        return entropy_seed()
 
     @property
     def expected_batch_size(self) -> float:

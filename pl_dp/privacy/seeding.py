@@ -11,6 +11,7 @@ import functools
 import hashlib
 import secrets
 import struct
+from typing import Any
 
 import torch
 
@@ -35,6 +36,29 @@ def derive_seed(base_seed: int, *counters: int) -> int:
 def entropy_seed() -> int:
     """A 63-bit seed from the operating system's entropy pool (``secrets``)."""
     return secrets.randbits(63)
+
+
+class CopiesDrawTheirOwnSecret:
+    """Mixin: a pickle or a deep copy (``torch.save(model)``, ``copy.deepcopy``) leaves the secret attribute named
+    ``secret`` out — unless ``seeded``: a user's seed is public — and the copy draws its own (``_draw_secret``), so
+    it never replays the original's draws."""
+
+    secret: str
+    seeded: bool
+
+    def _draw_secret(self) -> Any:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if not self.seeded:
+            del state[self.secret]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.secret not in state:
+            setattr(self, self.secret, self._draw_secret())
 
 
 #: where the 624 words of the Mersenne Twister sit in a torch CPU generator's state (after the initial seed, the
