@@ -1,4 +1,4 @@
-"""Measurement callbacks shared by the benchmark scripts: step wall time and peak-RSS growth."""
+"""What the benchmark scripts share: a training-only Trainer, and callbacks for step wall time and peak-RSS growth."""
 
 from __future__ import annotations
 
@@ -8,6 +8,21 @@ import sys
 import time
 
 import lightning as L
+
+
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU ``Trainer`` that only trains: no logger, checkpoints, progress bar, summary or validation, none of
+    which a timing should include. ``kwargs`` add to or override these."""
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
 
 
 def status_kb(field: str) -> int:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _measure import StepTimer  # noqa: E402
+from _measure import StepTimer, quiet_trainer  # noqa: E402
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import DigitsDataModule, VaderSentimentDataModule  # noqa: E402
@@ -84,18 +84,7 @@ def measure(quick: bool, steps: int) -> list[dict]:
         _timed(model, "check_private_data", seconds)
         _timed(model, "check_independence", seconds)
         timer = StepTimer()
-        trainer = L.Trainer(
-            max_steps=steps,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            callbacks=[timer],
-        )
+        trainer = quiet_trainer(max_steps=steps, devices=1, callbacks=[timer])
         trainer.fit(model, data)
         step = statistics.median(timer.times[1:])
         rows.append(

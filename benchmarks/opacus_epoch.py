@@ -32,6 +32,8 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _measure import quiet_trainer  # noqa: E402
+
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import DigitsDataModule  # noqa: E402
 from pl_dp.methods import DPSGD  # noqa: E402
@@ -63,16 +65,7 @@ def pl_dp_epoch(build, accountant: str) -> tuple[float, float]:
     L.seed_everything(0, verbose=False)
     data = DigitsDataModule(batch_size=BATCH)
     model = DPSGD(build(), lr=LR, clip=CLIP, privacy=PrivacySpec(epsilon=EPSILON, accountant=accountant))
-    trainer = L.Trainer(
-        max_epochs=EPOCHS,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(max_epochs=EPOCHS)
     start = time.perf_counter()
     trainer.fit(model, data)
     return (time.perf_counter() - start) / EPOCHS, model.epsilon

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _measure import quiet_trainer  # noqa: E402
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import DigitsDataModule  # noqa: E402
@@ -90,18 +91,8 @@ def worker(devices: int, steps: int, out: Path) -> None:
         L.seed_everything(0)
         meter = _Meter()
         _METER[:] = [meter]
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=devices,
-            strategy="ddp" if devices > 1 else "auto",
-            max_steps=steps + 1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            callbacks=[meter],
+        trainer = quiet_trainer(
+            devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=steps + 1, callbacks=[meter]
         )
         model = make()
         trainer.fit(model, DigitsDataModule(batch_size=BATCH))

@@ -67,7 +67,7 @@ from torch.utils.data import TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _measure import FitMemory, PeakMemory, StepTimer, reset_peak_rss, status_kb  # noqa: E402
+from _measure import FitMemory, PeakMemory, StepTimer, quiet_trainer, reset_peak_rss, status_kb  # noqa: E402
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import PrivatePublicDataModule, digits_splits  # noqa: E402
@@ -201,16 +201,7 @@ def timed(op):
 
 def fit_method(method, net, private, public, batch_size, steps, callback, options=None, **trainer_kwargs):
     """``steps`` steps of ``method`` (built with ``options``) inside ``Trainer.fit`` with ``callback`` attached."""
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(max_steps=steps, callbacks=[callback], **trainer_kwargs)
     data = PrivatePublicDataModule(private, public=public, batch_size=batch_size, public_batch_size=PUBLIC_BATCH)
     trainer.fit({**METHODS, **FIRST_ORDER}[method](copy.deepcopy(net), **(options or {})), data)
 
@@ -608,16 +599,7 @@ def fine_tune_probe(name, method, quick, steps):
     torch.set_num_threads(2)
     net, dataset, public, batch_size = make_case(name, quick)
     timer, memory, sizes = StepTimer(), FitMemory(warmup=2), _BatchSizes()
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[timer, memory, sizes],
-    )
+    trainer = quiet_trainer(max_steps=steps, callbacks=[timer, memory, sizes])
     data = PrivatePublicDataModule(
         dataset, public=public, batch_size=batch_size, public_batch_size=PUBLIC_BATCH, sampling_seed=0
     )
