@@ -1,0 +1,91 @@
+"""Where a parameter's local shard sits in the whole tensor, for perturbing sharded parameters in place.
+
+Under FSDP2 (``torch.distributed.fsdp.fully_shard``) a parameter is a ``DTensor`` placed ``Shard(0)`` on a 1-D
+mesh: each rank holds a block of rows, i.e. one contiguous range of the tensor's row-major flat coordinates.
+:class:`ShardLayout` records that range, so that the zeroth-order engine can draw a direction chunk by chunk in
+the *global* coordinates (a chunk's seed depends on its number, never on the world size) and write only the part
+of each chunk that falls in its shard: rank r's slice of the direction is exactly the slice one process would
+draw (Alg. 1 of Zhang et al. 2024, "DPZero", is then the same run on any layout). A plain tensor is its own
+whole (offset 0). Only ``Shard(0)`` and ``Replicate`` placements on a 1-D mesh are supported: tensor parallelism
+(``Shard`` on another dimension) would make a shard's coordinates non-contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The local block of one parameter: flat coordinates [offset, offset + local numel) of ``shape``.
+
+    ``owner`` says whether this rank speaks for the tensor in a sum over ranks (each coordinate is counted once: a
+    replicated tensor is counted by the mesh's rank 0 only).
+    """
+
+    shape: torch.Size
+    offset: int
+    rows: tuple[int, int]
+    owner: bool
+    group: dist.ProcessGroup | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_size(self) -> int:
+        return math.prod(self.shape[1:]) if len(self.shape) else 1
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank writes in place: a ``DTensor``'s local shard (its storage itself), else the tensor."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():  # outside autograd, to_local() is the shard's own tensor, not a differentiable view
+        return tensor.to_local()
+
+
+def shard_layouts(tensors: Sequence[torch.Tensor]) -> list[ShardLayout]:
+    """The layouts of ``tensors``, which must be sharded over one process group if any is.
+
+    Plain tensors beside sharded ones are whole replicas on every rank: the group's rank 0 owns them.
+    """
+    layouts = [layout_of(f"parameter {i}", t) for i, t in enumerate(tensors)]
+    groups = {id(a.group): a.group for a in layouts if a.group is not None}
+    if len(groups) > 1:
+        raise NotImplementedError("the trained parameters are sharded over different process groups.")
+    if not groups:
+        return layouts
+    group = next(iter(groups.values()))
+    lead = dist.get_rank(group) == 0
+    return [a if a.group is not None else replace(a, owner=lead, group=group) for a in layouts]
+
+
+def layout_of(name: str, tensor: torch.Tensor) -> ShardLayout:
+    """The layout of ``tensor`` (``name`` is for the error): where its local block sits, and its process group."""
+    if not isinstance(tensor, DTensor):
+        return ShardLayout(tensor.shape, 0, (0, tensor.shape[0] if tensor.dim() else 1), True, None)
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    if mesh.ndim != 1 or not all(p == Shard(0) or isinstance(p, Replicate) for p in placements):
+        raise NotImplementedError(
+            f"{name} is placed {placements} on a {mesh.ndim}-D mesh: zeroth-order perturbation supports FSDP's "
+            "Shard(0) (or Replicate) on a 1-D mesh only. Shard with fully_shard on a 1-D data-parallel mesh "
+            "(ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1))."
+        )
+    local_shape, global_offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    if tuple(local_shape) != tuple(tensor.to_local().shape):
+        raise NotImplementedError(f"{name}: its local shard {tuple(tensor.to_local().shape)} is not a block of rows.")
+    start = global_offset[0] if tensor.dim() else 0
+    stop = start + (local_shape[0] if tensor.dim() else 1)
+    row_size = math.prod(tensor.shape[1:]) if tensor.dim() else 1
+    sharded = any(isinstance(p, Shard) for p in placements)
+    owner = sharded or mesh.get_local_rank() == 0
+    return ShardLayout(tensor.shape, start * row_size, (start, stop), owner, mesh.get_group())
