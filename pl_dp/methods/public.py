@@ -41,11 +41,24 @@ class PublicDataMixin:
         return [self.transfer_batch_to_device(b, self.device, 0) for b in self._public_source().public_batches(k)]
 
     def public_gradient(self, batch: Any) -> list[torch.Tensor]:
-        """∇ of the mean loss over a public batch at the current parameters: no clipping, no noise."""
+        """∇ of the mean loss over a public batch at the current parameters: no clipping, no noise.
+
+        Sharded (FSDP2), the graph's leaves are the gathered parameters, not the shards ``autograd.grad`` would be
+        asked about: the gradient is taken by ``backward``, whose reduce-scatter leaves each rank its shard of it
+        (the mean over ranks of one and the same public gradient, since every rank draws the same public batch).
+        """
         params = self.trainable_parameters()
         with torch.enable_grad():
             losses = check_per_sample(self.loss_fn(self.net, batch), batch_size_of(batch))
-            grads = torch.autograd.grad(losses.mean(), params, allow_unused=True)
+            if not self.sharded:
+                grads = torch.autograd.grad(losses.mean(), params, allow_unused=True)
+            else:
+                for p in params:
+                    p.grad = None
+                losses.mean().backward()
+                grads = [p.grad for p in params]
+                for p in params:
+                    p.grad = None
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
     def log_gradient_similarity(self, batch: Any, public_grad: list[torch.Tensor]) -> list[torch.Tensor] | None:

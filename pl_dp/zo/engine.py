@@ -494,8 +494,8 @@ class PerturbationEngine:
         Kept directions are added tensor by tensor; the others are drawn chunk by chunk on all
         cores, each chunk added while it is still in cache; low-rank factors are redrawn (m + n
         numbers) and added with one broadcast ``addcmul_`` per matrix (elementwise: a block of rows gets exactly
-        the values the whole matrix gets, which ``addr_``'s BLAS kernel does not promise). Mastered parameters are not written here
-        (:meth:`_present` does).
+        the values the whole matrix gets, which ``addr_``'s BLAS kernel does not promise). Mastered parameters are
+        not written here (:meth:`_present` does).
         """
         drawn = ([(key, alpha) for key, alpha in direct if key not in self._cache], times)
         drawn_masters = ([(key, alpha) for key, alpha in mastered if key not in self._cache], 1)

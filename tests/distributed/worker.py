@@ -4,6 +4,9 @@
 tests/distributed/test_ddp.py compares them with the single-process results of :func:`run_all`.
 Lightning's DDP launcher re-runs this file for ranks 1..N−1.
 
+``python tests/distributed/worker.py sharded OUT_DIR`` runs :data:`SHARDED_METHODS` on 2 CPU processes under
+``ModelParallelStrategy`` (FSDP2: each rank holds half of every parameter), for tests/distributed/test_fsdp.py.
+
 ``python tests/distributed/worker.py nodes OUT_DIR`` is one node of a multi-node run as a cluster launches it
 (``torchrun`` or SLURM set ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK`` and ``LOCAL_RANK``; the
 caller starts one such process per node): ``Trainer(num_nodes=WORLD_SIZE, devices=1)``, :data:`NODE_METHODS` only.
@@ -19,12 +22,14 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
-from pl_dp.methods import DPSGD, PAZOM, PAZOS, Coupling, DPZero
+from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 
 STEPS = 4
 SIGMA = 1.3
@@ -60,6 +65,30 @@ METHODS = {
     "dpzero_rank_seeded": lambda: DPZero(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=3, privacy=_spec()),
     "dpsgd_zero_grad": lambda: DPSGD(
         nn.Linear(64, 16), loss=_zero_gradient_loss, lr=1.0, clip=CLIP, privacy=_spec(), noise_seed=7
+    ),
+}
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+#: the fits of the FSDP2 test: the same seeds as their DDP and single-process runs
+SHARDED_METHODS = {
+    **{name: METHODS[name] for name in ("dpzero", "dpzero_rank_seeded", "pazo_m")},
+    "pazo_p": lambda: PAZOP(_mlp(), lr=0.05, clip=CLIP, queries=2, k=2, privacy=_spec(), noise_seed=7),
+    "dpzero_sphere_mlp": lambda: DPZero(
+        _mlp(), lr=0.05, clip=CLIP, queries=2, direction="sphere", privacy=_spec(), noise_seed=7
+    ),
+    "dpzero_lowrank_mlp": lambda: DPZero(
+        _mlp(),
+        lr=0.05,
+        clip=CLIP,
+        queries=2,
+        direction="lowrank",
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=3,
     ),
 }
 
@@ -111,20 +140,30 @@ def _data(name: str) -> PrivatePublicDataModule:
 NODE_METHODS = ("dpzero", "dpsgd", "dpzero_rank_seeded")
 
 
-def run_one(name: str, devices: int, num_nodes: int = 1) -> dict:
+def _flat(net: nn.Module) -> torch.Tensor:
+    """The whole parameters, gathered from their shards when sharded (a collective: every rank calls it)."""
+    whole = [p.full_tensor() if isinstance(p, DTensor) else p for p in net.parameters()]
+    return torch.cat([p.detach().flatten() for p in whole])
+
+
+def run_one(name: str, devices: int, num_nodes: int = 1, sharded: bool = False) -> dict:
     if name == "dpzero_rank_seeded":
         torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
     else:
         L.seed_everything(0)
-    model = METHODS[name]()
-    start = torch.cat([p.detach().flatten() for p in model.net.parameters()])
+    model = (SHARDED_METHODS if name in SHARDED_METHODS else METHODS)[name]()
+    start = _flat(model.net)
+    if sharded:
+        strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    else:
+        strategy = "ddp" if devices * num_nodes > 1 else "auto"
     counter = CollectiveBytes()
     _COUNTERS[:] = [counter]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
-        strategy="ddp" if devices * num_nodes > 1 else "auto",
+        strategy=strategy,
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -134,7 +173,7 @@ def run_one(name: str, devices: int, num_nodes: int = 1) -> dict:
         callbacks=[counter],
     )
     trainer.fit(model, _data(name))
-    end = torch.cat([p.detach().flatten() for p in model.net.parameters()])
+    end = _flat(model.net)
     sampler = model._sampler
     return {
         "rank": trainer.global_rank,
@@ -143,6 +182,7 @@ def run_one(name: str, devices: int, num_nodes: int = 1) -> dict:
         "update": (end - start).tolist(),
         "epsilon": model.epsilon,
         "private_steps": model.private_steps,
+        "direction_seed": model.direction_seed,
         "expected_batch_size": model.expected_batch_size,
         "sample_rate": model.sample_rate,
         "pl_dp_bytes_per_step": model.collective_bytes / STEPS,
@@ -159,7 +199,9 @@ def run_all(devices: int) -> dict:
 if __name__ == "__main__":
     _instrument()
     out = Path(sys.argv[2])
-    if sys.argv[1] == "nodes":
+    if sys.argv[1] == "sharded":
+        results = {name: run_one(name, 2, sharded=True) for name in SHARDED_METHODS}
+    elif sys.argv[1] == "nodes":
         nodes = int(os.environ["WORLD_SIZE"])
         results = {name: run_one(name, 1, num_nodes=nodes) for name in NODE_METHODS}
     else:

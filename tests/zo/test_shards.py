@@ -66,8 +66,8 @@ def _single(kind: str, masked: bool, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def _worker(rank: int, port: int, results: dict) -> None:
-    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -115,3 +115,26 @@ def test_blocks_straddle_chunks(sharded):
     rows = [-(-s[0] // 2) for s in SHAPES]
     starts = [r * torch.Size(s[1:]).numel() for r, s in zip(rows, SHAPES)]
     assert all(start % CPU_CHUNK for start in starts[:2])
+
+
+class _Counting(nn.Linear):
+    calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("size, physical, forwards", [(0, None, 2), (5, 2, 4), (5, None, 3)])
+def test_a_sharded_evaluation_runs_as_many_forwards_as_every_rank(size, physical, forwards):
+    """A sharded forward is a collective: a rank with fewer (or no) examples pads with forwards on an empty batch,
+    and the losses are those of its examples."""
+    from pl_dp.privacy.losses import resolve_loss
+    from pl_dp.zo.estimator import per_sample_evaluator
+
+    net, loss = _Counting(3, 2), resolve_loss("cross_entropy")
+    batch = (torch.randn(size, 3), torch.randint(0, 2, (size,)))
+    _Counting.calls = 0
+    padded = per_sample_evaluator(net, loss, batch, size, physical, forwards=forwards)()
+    assert _Counting.calls == forwards
+    assert torch.equal(padded, per_sample_evaluator(net, loss, batch, size, physical)())

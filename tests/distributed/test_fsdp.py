@@ -1,0 +1,73 @@
+"""Sharded private training: the zeroth-order methods under Lightning's ``ModelParallelStrategy`` (FSDP2, each of 2
+CPU processes holding half of every parameter) are the one logical run that one process is (invariant 11).
+
+The sharded fits run once per session in a subprocess (tests/distributed/worker.py sharded); the single-process
+references run here with the same seeds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import worker
+
+ROOT = Path(__file__).resolve().parents[2]
+SEEDED = [name for name in worker.SHARDED_METHODS if name != "dpzero_rank_seeded"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/distributed/worker.py"), "sharded", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks, {name: worker.run_one(name, 1) for name in SEEDED}
+
+
+def _params(result):
+    return torch.tensor(result["parameters"])
+
+
+@pytest.mark.parametrize("name", SEEDED)
+def test_two_sharded_processes_end_where_one_process_ends(runs, name):
+    """Gaussian directions on one linear layer: bit for bit (the clipped sums of 2 ranks add up exactly there);
+    elsewhere within float summation order of the clipped sums and of a sphere's or a basis' norms."""
+    (rank0, rank1), single = runs
+    assert rank0[name]["world_size"] == 2
+    assert [rank0[name]["sampler"], rank1[name]["sampler"]] == [
+        {"num_replicas": 2, "rank": 0},
+        {"num_replicas": 2, "rank": 1},
+    ]
+    if name == "dpzero":
+        assert torch.equal(_params(rank0[name]), _params(single[name]))
+    torch.testing.assert_close(_params(rank0[name]), _params(single[name]), rtol=0, atol=1e-5)
+    assert rank0[name]["epsilon"] == single[name]["epsilon"]  # accounting does not see the layout
+
+
+@pytest.mark.parametrize("name", list(worker.SHARDED_METHODS))
+def test_sharded_steps_send_a_few_scalars_beyond_the_gathers(runs, name):
+    """Beyond FSDP's own all-gathers, a step sends q × (clipped sum, count) and the number of forwards to agree on."""
+    (rank0, _), _ = runs
+    assert rank0[name]["pl_dp_bytes_per_step"] <= 64
+
+
+def test_ranks_with_their_own_seeds_share_rank_0s(runs):
+    """Every rank starts from its own global seed: rank 0's direction seed (and, in memory, its noise key and
+    sampling seed) must reach the others, or each shard would move along a block of another direction."""
+    (rank0, rank1), _ = runs
+    name = "dpzero_rank_seeded"
+    assert rank0[name]["direction_seed"] == rank1[name]["direction_seed"]
+    assert rank0[name]["private_steps"] == rank1[name]["private_steps"] == worker.STEPS
