@@ -71,3 +71,12 @@ def test_ranks_with_their_own_seeds_share_rank_0s(runs):
     name = "dpzero_rank_seeded"
     assert rank0[name]["direction_seed"] == rank1[name]["direction_seed"]
     assert rank0[name]["private_steps"] == rank1[name]["private_steps"] == worker.STEPS
+
+
+def test_kill_and_resume_from_a_sharded_checkpoint_is_the_same_run(runs):
+    """Reproduction mode (both secrets seeded): resumed from a distributed checkpoint after 2 of 4 steps, the
+    sharded run ends where the uninterrupted one ends, with the same ε (invariant 5 on a sharded layout)."""
+    (rank0, _), _ = runs
+    resumed, straight = rank0["resumed"], rank0["dpzero_sphere_mlp"]
+    assert torch.equal(_params(resumed), _params(straight))
+    assert resumed["epsilon"] == straight["epsilon"] and resumed["private_steps"] == worker.STEPS

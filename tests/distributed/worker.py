@@ -22,6 +22,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -146,7 +147,16 @@ def _flat(net: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in whole])
 
 
-def run_one(name: str, devices: int, num_nodes: int = 1, sharded: bool = False) -> dict:
+def run_one(
+    name: str,
+    devices: int,
+    num_nodes: int = 1,
+    sharded: bool = False,
+    steps: int = STEPS,
+    checkpoints: str | None = None,
+    ckpt_path: str | None = None,
+) -> dict:
+    """One fit of ``name``; with ``checkpoints``, a checkpoint every 2 steps there, and ``ckpt_path`` resumes one."""
     if name == "dpzero_rank_seeded":
         torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
     else:
@@ -164,15 +174,16 @@ def run_one(name: str, devices: int, num_nodes: int = 1, sharded: bool = False) 
         devices=devices,
         num_nodes=num_nodes,
         strategy=strategy,
-        max_steps=STEPS,
+        max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoints is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[counter],
+        callbacks=[counter]
+        + ([ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1)] if checkpoints else []),
     )
-    trainer.fit(model, _data(name))
+    trainer.fit(model, _data(name), ckpt_path=ckpt_path)
     end = _flat(model.net)
     sampler = model._sampler
     return {
@@ -201,6 +212,10 @@ if __name__ == "__main__":
     out = Path(sys.argv[2])
     if sys.argv[1] == "sharded":
         results = {name: run_one(name, 2, sharded=True) for name in SHARDED_METHODS}
+        # killed after 2 steps and resumed from its distributed checkpoint (a folder of shards)
+        run_one("dpzero_sphere_mlp", 2, sharded=True, steps=2, checkpoints=str(out / "checkpoints"))
+        resumed = str(out / "checkpoints" / "epoch=0-step=2.ckpt")
+        results["resumed"] = run_one("dpzero_sphere_mlp", 2, sharded=True, ckpt_path=resumed)
     elif sys.argv[1] == "nodes":
         nodes = int(os.environ["WORLD_SIZE"])
         results = {name: run_one(name, 1, num_nodes=nodes) for name in NODE_METHODS}
