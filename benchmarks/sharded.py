@@ -37,7 +37,7 @@ from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import VaderSentimentDataModule  # noqa: E402
 from pl_dp.methods import PAZOM, DPZero  # noqa: E402
 from pl_dp.nets import MiniLMClassifier  # noqa: E402
-from pl_dp.zo.shards import local  # noqa: E402
+from pl_dp.privacy.shards import local  # noqa: E402
 
 warnings.filterwarnings("ignore")
 BATCH = 16

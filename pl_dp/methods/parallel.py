@@ -5,7 +5,7 @@ contributions, and the sums are added across ranks *before* the noise; every ran
 same noise draw — one draw per logical step — and applies the same update. Only clipped sums and
 counts cross the network, never per-example values. Single device, DDP and — for the zeroth-order methods —
 FSDP2 through Lightning's ``ModelParallelStrategy`` are supported (the method shards its net itself in
-``configure_model``; :mod:`pl_dp.zo.shards` perturbs each rank's block); ``FSDPStrategy`` (FSDP1) and DeepSpeed
+``configure_model``; :mod:`pl_dp.privacy.shards` perturbs each rank's block); ``FSDPStrategy`` (FSDP1) and DeepSpeed
 are refused.
 """
 
@@ -43,7 +43,8 @@ def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
         if not shardable:
             raise NotImplementedError(
                 f"{method} cannot be sharded yet (ModelParallelStrategy): its update needs the whole parameters on "
-                "every rank. Use strategy='ddp' (or one device); the zeroth-order methods run sharded."
+                "every rank. Use strategy='ddp' (or one device); DPZero, PAZO-M, PAZO-P, and DPSGD and Coupling "
+                "with per_sample='ghost', run sharded."
             )
         tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
         if tensor_parallel != 1:
@@ -66,7 +67,8 @@ def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
 def shard(net: nn.Module, mesh: Any) -> None:
     """FSDP2 over ``mesh``: ``fully_shard`` each layer that holds parameters, then the whole net.
 
-    Each layer's parameters are all-gathered for its own forward only (peak memory: the shards plus one layer).
+    Each layer's parameters are all-gathered for its own forward only (peak memory: the shards plus one layer), and
+    a backward's reduce-scatter sums the ranks' gradients, as pl_dp's own all-reduce sums the clipped sums of DDP.
     A parameter shared by several layers (tied embeddings) is left to the whole net's group, since FSDP2 shards a
     parameter in one group only.
     """
@@ -84,6 +86,9 @@ def shard(net: nn.Module, mesh: Any) -> None:
     # the whole net too (FSDP2 keeps the root's parameters gathered after a forward by default): between forwards
     # every parameter is its shard, which is what the zeroth-order sweeps write
     fully_shard(net, mesh=mesh, reshard_after_forward=True)
+    for module in [*layers, net]:  # gradients are summed over ranks (FSDP's default averages), with a plain sum
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 @torch.no_grad()

@@ -28,10 +28,10 @@ from pl_dp.methods.public import PublicDataMixin
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.shards import local
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import privatize_sum
-from pl_dp.zo.shards import local
 from pl_dp.zo.subspace import SubspaceEngine
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pl_dp.privacy.losses import batch_size_of, check_per_sample
+from pl_dp.privacy.shards import replicated_gradient
 
 
 class PublicDataMixin:
@@ -43,22 +44,13 @@ class PublicDataMixin:
     def public_gradient(self, batch: Any) -> list[torch.Tensor]:
         """∇ of the mean loss over a public batch at the current parameters: no clipping, no noise.
 
-        Sharded (FSDP2), the graph's leaves are the gathered parameters, not the shards ``autograd.grad`` would be
-        asked about: the gradient is taken by ``backward``, whose reduce-scatter leaves each rank its shard of it
-        (the mean over ranks of one and the same public gradient, since every rank draws the same public batch).
+        Every rank draws the same public batches, so the gradient is the same on every rank; sharded (FSDP2),
+        each rank gets its shard of it (:func:`~pl_dp.privacy.shards.replicated_gradient`).
         """
         params = self.trainable_parameters()
         with torch.enable_grad():
             losses = check_per_sample(self.loss_fn(self.net, batch), batch_size_of(batch))
-            if not self.sharded:
-                grads = torch.autograd.grad(losses.mean(), params, allow_unused=True)
-            else:
-                for p in params:
-                    p.grad = None
-                losses.mean().backward()
-                grads = [p.grad for p in params]
-                for p in params:
-                    p.grad = None
+            grads = replicated_gradient(losses.mean(), params)
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
     def log_gradient_similarity(self, batch: Any, public_grad: list[torch.Tensor]) -> list[torch.Tensor] | None:

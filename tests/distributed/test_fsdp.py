@@ -44,7 +44,9 @@ def _params(result):
 @pytest.mark.parametrize("name", SEEDED)
 def test_two_sharded_processes_end_where_one_process_ends(runs, name):
     """Gaussian directions on one linear layer: bit for bit (the clipped sums of 2 ranks add up exactly there);
-    elsewhere within float summation order of the clipped sums and of a sphere's or a basis' norms."""
+    elsewhere within float summation order of the clipped sums and of a sphere's or a basis' norms. Ghost DP-SGD and
+    Coupling: the noise of each shard is its slice of the one whole-tensor draw, the clipped sums are FSDP's
+    reduce-scatter of both ranks' (padded with empty micro-batches where a rank has fewer)."""
     (rank0, rank1), single = runs
     assert rank0[name]["world_size"] == 2
     assert [rank0[name]["sampler"], rank1[name]["sampler"]] == [
@@ -53,6 +55,7 @@ def test_two_sharded_processes_end_where_one_process_ends(runs, name):
     ]
     if name == "dpzero":
         assert torch.equal(_params(rank0[name]), _params(single[name]))
+    assert rank0[name]["nonfinite_total"] == single[name]["nonfinite_total"]
     torch.testing.assert_close(_params(rank0[name]), _params(single[name]), rtol=0, atol=1e-5)
     assert rank0[name]["epsilon"] == single[name]["epsilon"]  # accounting does not see the layout
 
@@ -80,3 +83,10 @@ def test_kill_and_resume_from_a_sharded_checkpoint_is_the_same_run(runs):
     resumed, straight = rank0["resumed"], rank0["dpzero_sphere_mlp"]
     assert torch.equal(_params(resumed), _params(straight))
     assert resumed["epsilon"] == straight["epsilon"] and resumed["private_steps"] == worker.STEPS
+
+
+def test_a_non_finite_gradient_on_one_rank_is_dropped_by_all(runs):
+    """An example with a finite loss and a NaN gradient, sampled on one rank: every rank runs its micro-batch again
+    without its non-finite examples (a pass is a collective), and the run ends where one process ends."""
+    (rank0, _), single = runs
+    assert single["dpsgd_ghost_nonfinite"]["nonfinite_total"] > 0

@@ -46,6 +46,12 @@ def _blobs(n: int, seed: int) -> TensorDataset:
     return TensorDataset(centers[y] + torch.randn(n, 12, generator=g), y)
 
 
+def _root_loss(net, batch):
+    x, y = batch
+    out = net(x)
+    return nn.functional.cross_entropy(out, y, reduction="none") + out[:, 0].abs().sqrt()
+
+
 def _zero_gradient_loss(net, batch):
     x, _ = batch
     return (net(x) * 0.0).sum(dim=1)
@@ -78,6 +84,23 @@ def _mlp() -> nn.Module:
 SHARDED_METHODS = {
     **{name: METHODS[name] for name in ("dpzero", "dpzero_rank_seeded", "pazo_m")},
     "pazo_p": lambda: PAZOP(_mlp(), lr=0.05, clip=CLIP, queries=2, k=2, privacy=_spec(), noise_seed=7),
+    "dpsgd_ghost_mlp": lambda: DPSGD(
+        _mlp(), lr=0.5, clip=CLIP, per_sample="ghost", privacy=_spec(), noise_seed=7, max_physical_batch_size=3
+    ),
+    # rows of zeros in the private set give a NaN gradient (√|0| of a bias-free layer) with a finite loss: the
+    # rank that samples one must make every rank run the micro-batch again without it
+    "dpsgd_ghost_nonfinite": lambda: DPSGD(
+        nn.Linear(12, 4, bias=False),
+        loss=_root_loss,
+        lr=0.5,
+        clip=CLIP,
+        per_sample="ghost",
+        privacy=_spec(),
+        noise_seed=7,
+    ),
+    "coupling_ghost": lambda: Coupling(
+        nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, per_sample="ghost", privacy=_spec(), noise_seed=7
+    ),
     "dpzero_sphere_mlp": lambda: DPZero(
         _mlp(), lr=0.05, clip=CLIP, queries=2, direction="sphere", privacy=_spec(), noise_seed=7
     ),
@@ -131,6 +154,8 @@ def _data(name: str) -> PrivatePublicDataModule:
         private = TensorDataset(torch.randn(N_PRIVATE, 64), torch.zeros(N_PRIVATE, dtype=torch.long))
     else:
         private = _blobs(N_PRIVATE, 0)
+    if name == "dpsgd_ghost_nonfinite":
+        private.tensors[0][::5] = 0.0
     sampling_seed = None if name == "dpzero_rank_seeded" else 11  # seeded: 1 and 2 processes draw the same batches
     return PrivatePublicDataModule(
         private, public=_blobs(40, 3), batch_size=BATCH, public_batch_size=8, seed=11, sampling_seed=sampling_seed
@@ -194,6 +219,7 @@ def run_one(
         "epsilon": model.epsilon,
         "private_steps": model.private_steps,
         "direction_seed": model.direction_seed,
+        "nonfinite_total": model.nonfinite_total,
         "expected_batch_size": model.expected_batch_size,
         "sample_rate": model.sample_rate,
         "pl_dp_bytes_per_step": model.collective_bytes / STEPS,

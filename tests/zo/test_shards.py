@@ -1,4 +1,4 @@
-"""Sharded perturbation (pl_dp.zo.shards): on 2 ranks holding FSDP-style Shard(0) blocks of each parameter, the
+"""Sharded perturbation (pl_dp.privacy.shards): on 2 ranks holding FSDP-style Shard(0) blocks of each parameter, the
 engine writes exactly the slice of the direction one process writes — bit for bit — for every direction kind, under
 a mask, with importance values and with fp32 masters, including chunks that straddle the edge of a block.
 
@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from pl_dp.privacy.shards import layout_of
 from pl_dp.zo.engine import CPU_CHUNK, Direction, PerturbationEngine
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.master import MasterWeights
-from pl_dp.zo.shards import layout_of
 
 # rows chosen so that chunks of CPU_CHUNK coordinates straddle the edge between the two ranks' blocks
 SHAPES = [(7, CPU_CHUNK // 3 + 5), (CPU_CHUNK + 11,), (5, 3)]

@@ -1,4 +1,4 @@
-"""Where a parameter's local shard sits in the whole tensor, for perturbing sharded parameters in place.
+"""Sharded parameters (FSDP2): where a rank's block sits in the whole tensor, and gradients taken through the shards.
 
 Under FSDP2 (``torch.distributed.fsdp.fully_shard``) a parameter is a ``DTensor`` placed ``Shard(0)`` on a 1-D
 mesh: each rank holds a block of rows, i.e. one contiguous range of the tensor's row-major flat coordinates.
@@ -7,7 +7,12 @@ the *global* coordinates (a chunk's seed depends on its number, never on the wor
 of each chunk that falls in its shard: rank r's slice of the direction is exactly the slice one process would
 draw (Alg. 1 of Zhang et al. 2024, "DPZero", is then the same run on any layout). A plain tensor is its own
 whole (offset 0). Only ``Shard(0)`` and ``Replicate`` placements on a 1-D mesh are supported: tensor parallelism
-(``Shard`` on another dimension) would make a shard's coordinates non-contiguous.
+(``Shard`` on another dimension) would make a shard's coordinates non-contiguous. The same layout tells the DP noise
+of a sharded gradient which slice of the one whole-tensor draw each rank adds (:func:`block`).
+
+Under FSDP2 the graph's leaves are the gathered copies of the parameters, not the shards: ``torch.autograd.grad``
+asked about the shards returns nothing (silently, with ``allow_unused``). Gradients are then taken by ``backward``,
+whose reduce-scatter leaves each rank its shard of the sum over ranks (:func:`replicated_gradient`).
 """
 
 from __future__ import annotations
@@ -89,3 +94,48 @@ def layout_of(name: str, tensor: torch.Tensor) -> ShardLayout:
     sharded = any(isinstance(p, Shard) for p in placements)
     owner = sharded or mesh.get_local_rank() == 0
     return ShardLayout(tensor.shape, start * row_size, (start, stop), owner, mesh.get_group())
+
+
+def is_sharded(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor (a parameter sharded by FSDP2)."""
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered, a collective) of a DTensor; a plain tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def as_gradient_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` (this rank's block) as the ``.grad`` of ``param``: a DTensor placed like a sharded parameter."""
+    if not isinstance(param, DTensor):
+        return grad
+    return DTensor.from_local(
+        grad, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def block(tensor: torch.Tensor) -> tuple[torch.Size, int]:
+    """The whole shape of ``tensor`` and the flat offset of this rank's block in it ((shape, 0) for a plain tensor)."""
+    layout = layout_of("tensor", tensor)
+    return layout.shape, layout.offset
+
+
+def replicated_gradient(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """∂loss/∂params for a ``loss`` that every rank computes alike (the same examples on every rank).
+
+    Plain parameters: ``torch.autograd.grad``. FSDP2-sharded ones: ``backward``, whose reduce-scatter (a sum over
+    ranks, as :func:`pl_dp.methods.parallel.shard` sets it) leaves each rank its shard of world-size copies of the
+    gradient, divided here by the world size; the parameters' ``.grad`` is left as it was. DTensor shards.
+    """
+    if not is_sharded(params):
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    loss.backward()
+    world = dist.get_world_size(layout_of("parameter", next(p for p in params if isinstance(p, DTensor))).group)
+    grads = [None if p.grad is None else p.grad / world for p in params]
+    for p, g in zip(params, kept):
+        p.grad = g
+    return grads
