@@ -1,14 +1,15 @@
 """Sharded private fine-tuning: the pretrained MiniLM (22.7M parameters) on VADER, 1 process vs 2 CPU ranks under
 Lightning's ``ModelParallelStrategy`` (FSDP2, each rank holding half of every parameter).
 
-    python benchmarks/sharded.py                      # DPZero and PAZO-M, 3 timed steps
+    python benchmarks/sharded.py                      # DPZero, PAZO-M, ghost DP-SGD; 3 timed steps
     python benchmarks/sharded.py --steps 5 --json benchmarks/results/sharded.json
 
 Each layout runs in its own subprocess (Lightning's launcher starts the second rank by re-running this file), with
 the same seeds (``noise_seed`` and ``sampling_seed``: reproduction mode) and the same total number of CPU threads.
 Measured per method: the parameter memory each rank holds (its shards, plus fp32 masters if any) against one
 process; seconds per step (from the end of a warm-up step to the end of training); the bytes pl_dp sends a step
-beyond FSDP's own all-gathers (``collective_bytes``: the released sums and the forwards count); and the largest
+beyond FSDP's own all-gathers and reduce-scatters (``collective_bytes``: the released sums, the non-finite count and
+the number of forwards every rank runs); and the largest
 |Δθ| between the gathered sharded parameters and the one-process ones. Prints a table and JSON.
 """
 
@@ -35,7 +36,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import VaderSentimentDataModule  # noqa: E402
-from pl_dp.methods import PAZOM, DPZero  # noqa: E402
+from pl_dp.methods import DPSGD, PAZOM, DPZero  # noqa: E402
 from pl_dp.nets import MiniLMClassifier  # noqa: E402
 from pl_dp.privacy.shards import local  # noqa: E402
 
@@ -49,6 +50,9 @@ def _methods():
     return {
         "dpzero": lambda: DPZero(net=net(), lr=1e-4, clip=1.0, queries=2, privacy=spec, noise_seed=7),
         "pazo_m": lambda: PAZOM(net=net(), lr=1e-4, clip=1.0, queries=2, alpha=0.5, privacy=spec, noise_seed=7),
+        "dpsgd_ghost": lambda: DPSGD(
+            net=net(), lr=0.1, clip=1.0, clip_fn="automatic", per_sample="ghost", privacy=spec, noise_seed=7
+        ),
     }
 
 

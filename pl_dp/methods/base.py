@@ -741,8 +741,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         if self.privacy is not None and self.lineage is not None:
             self._write_journal()  # before the checkpoint exists: a resume from it finds every step released
         checkpoint["pl_dp"] = self.privacy_state_dict()
-        masters = self.masters.state_dict(self.named_parameters())
-        if masters:  # the fp32 values the half-precision weights in "state_dict" are the rounding of
+        # the fp32 values the half-precision weights in "state_dict" are the rounding of; sharded, a distributed
+        # checkpoint saves only "state_dict" and the optimizers by shard, and a resume starts them from the weights
+        masters = {} if self.sharded else self.masters.state_dict(self.named_parameters())
+        if masters:
             checkpoint[MASTER_WEIGHTS_KEY] = masters
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -90,3 +90,32 @@ def test_a_non_finite_gradient_on_one_rank_is_dropped_by_all(runs):
     without its non-finite examples (a pass is a collective), and the run ends where one process ends."""
     (rank0, _), single = runs
     assert single["dpsgd_ghost_nonfinite"]["nonfinite_total"] > 0
+
+
+def test_pruning_is_refused_on_a_sharded_net():
+    """DP-ZOPO's data-free score needs whole parameters: refused by name, not run on shards. One process under
+    ModelParallelStrategy is enough to see it (and shows the Poisson loader is left alone there too)."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from pl_dp.callbacks import PruningSchedule
+
+    model = worker.SHARDED_METHODS["dpzero"]()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[PruningSchedule(rates=0.5)],
+    )
+    try:
+        with pytest.raises(NotImplementedError, match="PruningSchedule scores whole parameters"):
+            trainer.fit(model, worker._data("dpzero"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

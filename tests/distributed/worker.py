@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
+from pl_dp.callbacks import StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 
@@ -101,6 +102,7 @@ SHARDED_METHODS = {
     "coupling_ghost": lambda: Coupling(
         nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, per_sample="ghost", privacy=_spec(), noise_seed=7
     ),
+    "dpzoso": lambda: DPZero(_mlp(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
     "dpzero_sphere_mlp": lambda: DPZero(
         _mlp(), lr=0.05, clip=CLIP, queries=2, direction="sphere", privacy=_spec(), noise_seed=7
     ),
@@ -115,6 +117,10 @@ SHARDED_METHODS = {
         max_physical_batch_size=3,
     ),
 }
+
+
+#: callbacks of a fit beside the byte counter: DP-ZOSO is DPZero with a stagewise schedule (and its proximal term)
+CALLBACKS = {"dpzoso": lambda: [StagewiseSchedule(stages=2, proximal=0.05)]}
 
 
 class CollectiveBytes(L.Callback):
@@ -205,7 +211,7 @@ def run_one(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[counter]
+        callbacks=[counter, *CALLBACKS.get(name, list)()]
         + ([ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1)] if checkpoints else []),
     )
     trainer.fit(model, _data(name), ckpt_path=ckpt_path)
