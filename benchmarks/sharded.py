@@ -15,12 +15,9 @@ the number of forwards every rank runs); and the largest
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -30,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _measure import quiet_trainer  # noqa: E402
+from _measure import per_world_size, quiet_trainer, write_per_world_size  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
@@ -101,24 +98,17 @@ def worker(devices: int, steps: int, out: Path) -> None:
         out.write_text(json.dumps(results))
 
 
+def _read(out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    results = json.loads(out.read_text())
+    return results, {name: torch.load(out.with_suffix(f".{name}.pt")) for name in results}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.steps, args.out)
+    run = per_world_size(__file__, __doc__, 3, worker, _read)
+    if run is None:
         return
-    table, thetas = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for devices in (1, 2):
-            out = Path(tmp) / f"world{devices}.json"
-            cmd = [sys.executable, __file__, "--worker", str(devices), "--out", str(out), "--steps", str(args.steps)]
-            subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-            table[devices] = json.loads(out.read_text())
-            thetas[devices] = {name: torch.load(out.with_suffix(f".{name}.pt")) for name in table[devices]}
+    args, both = run
+    table, thetas = {d: both[d][0] for d in both}, {d: both[d][1] for d in both}
     for name in table[2]:
         table[2][name]["max_abs_difference_vs_1_process"] = float((thetas[2][name] - thetas[1][name]).abs().max())
     print(f"MiniLM ({table[1]['dpzero']['parameters']:,} parameters) on VADER, expected batch {BATCH}, "
@@ -133,10 +123,7 @@ def main() -> None:
             f" {one['seconds_per_step']:>6.2f}|{two['seconds_per_step']:<7.2f} {two['pl_dp_bytes_per_step']:>13.0f}"
             f" {two['max_abs_difference_vs_1_process']:>10.2e} {one['epsilon']:>5.3f}|{two['epsilon']:.3f}"
         )
-    result = {"world_1": table[1], "world_2": table[2], "steps": args.steps, "cpu_count": os.cpu_count()}
-    print(json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_per_world_size(args, table)
 
 
 if __name__ == "__main__":

@@ -1,40 +1,22 @@
-"""Sharded private training: the zeroth-order methods under Lightning's ``ModelParallelStrategy`` (FSDP2, each of 2
-CPU processes holding half of every parameter) are the one logical run that one process is (invariant 11).
+"""Sharded private training: the zeroth-order methods, and DP-SGD and Coupling with ghost clipping, under Lightning's
+``ModelParallelStrategy`` (FSDP2, each of 2 CPU processes holding half of every parameter) are the one logical run
+that one process is (invariant 11).
 
 The sharded fits run once per session in a subprocess (tests/distributed/worker.py sharded); the single-process
 references run here with the same seeds.
 """
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed import worker
 
-ROOT = Path(__file__).resolve().parents[2]
 SEEDED = [name for name in worker.SHARDED_METHODS if name != "dpzero_rank_seeded"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/distributed/worker.py"), "sharded", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return ranks, {name: worker.run_one(name, 1) for name in SEEDED}
+    return worker.launch("sharded", tmp_path_factory.mktemp("fsdp")), {name: worker.run_one(name, 1) for name in SEEDED}
 
 
 def _params(result):

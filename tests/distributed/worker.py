@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -233,6 +234,17 @@ def run_one(
         "dimension": int(end.numel()),
         "sampler": {"num_replicas": sampler.num_replicas, "rank": sampler.rank},
     }
+
+
+def launch(mode: str, out: Path) -> list[dict]:
+    """Run ``worker.py mode out`` as 2 processes (Lightning's launcher starts rank 1); each rank's results."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
+    proc = subprocess.run(
+        [sys.executable, __file__, mode, str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def run_all(devices: int) -> dict:
