@@ -567,7 +567,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
 
     # ---- Lightning hooks -----------------------------------------------------------------------
     def on_fit_start(self) -> None:
-        self.refuse_unsupported_strategy()
+        self.prepare_strategy()
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
 

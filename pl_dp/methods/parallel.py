@@ -3,10 +3,10 @@
 Every rank Poisson-samples its shard of one global batch, sums its clipped per-example
 contributions, and the sums are added across ranks *before* the noise; every rank then adds the
 same noise draw — one draw per logical step — and applies the same update. Only clipped sums and
-counts cross the network, never per-example values. Single device, DDP and — for the zeroth-order methods —
-FSDP2 through Lightning's ``ModelParallelStrategy`` are supported (the method shards its net itself in
-``configure_model``; :mod:`pl_dp.privacy.shards` perturbs each rank's block); ``FSDPStrategy`` (FSDP1) and DeepSpeed
-are refused.
+counts cross the network, never per-example values. Single device, DDP and — for the zeroth-order methods and
+ghost-clipped DP-SGD and Coupling — FSDP2 through Lightning's ``ModelParallelStrategy`` are supported (the method
+shards its net itself in ``configure_model``; :mod:`pl_dp.privacy.shards` says where each rank's block sits);
+``FSDPStrategy`` (FSDP1) and DeepSpeed are refused.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from lightning.pytorch.strategies import (
 )
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.sampling import PoissonBatchSampler
+from pl_dp.privacy.shards import is_sharded
 
 
 def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
@@ -57,10 +57,10 @@ def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
     if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         raise NotImplementedError(
             f"pl_dp supports the single-device and DDP strategies, and ModelParallelStrategy (FSDP2) for the "
-            f"zeroth-order methods; got {type(strategy).__name__}. FSDPStrategy (FSDP1) and DeepSpeed shard "
-            "parameters and gradients in ways the per-example clipped sums and the zeroth-order sweeps are not "
-            "written for: use strategy='ddp', ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) "
-            "for a zeroth-order method, or one device."
+            f"zeroth-order methods and ghost clipping; got {type(strategy).__name__}. FSDPStrategy (FSDP1) and "
+            "DeepSpeed shard parameters and gradients in ways the per-example clipped sums and the zeroth-order "
+            "sweeps are not written for: use strategy='ddp', ModelParallelStrategy(data_parallel_size=N, "
+            "tensor_parallel_size=1), or one device."
         )
 
 
@@ -105,11 +105,6 @@ def allocate_gathered(net: nn.Module) -> None:
             module.reshard()
 
 
-def is_sharded(net: nn.Module) -> bool:
-    """Whether ``net``'s parameters are DTensors (sharded by FSDP2)."""
-    return any(isinstance(p, DTensor) for p in net.parameters())
-
-
 class DataParallelMixin:
     """Collectives of a :class:`~pl_dp.methods.base.PrivateModule` under data parallelism.
 
@@ -119,6 +114,7 @@ class DataParallelMixin:
     #: whether the method runs under data parallelism (sum-then-noise collectives; O2NC does not yet)
     supports_data_parallel: bool = True
     #: whether the method runs with its net sharded by FSDP2 (``ModelParallelStrategy``): the zeroth-order methods
+    #: but O2NC and PAZO-S, and ghost-clipped DP-SGD and Coupling
     supports_sharding: bool = False
 
     @property
@@ -136,12 +132,12 @@ class DataParallelMixin:
         if not self.sharded:
             return
         check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
-        if not is_sharded(self.net):
+        if not is_sharded(list(self.net.parameters())):
             shard(self.net, self.device_mesh["data_parallel"])
 
-    def refuse_unsupported_strategy(self) -> None:
-        """Refuse a strategy this method does not support (:func:`check_strategy`); under FSDP2, allocate the
-        gathered parameters' memory before any forward (:func:`allocate_gathered`)."""
+    def prepare_strategy(self) -> None:
+        """At fit start: refuse a strategy this method does not support (:func:`check_strategy`); under FSDP2,
+        allocate the gathered parameters' memory before any forward (:func:`allocate_gathered`)."""
         check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
         if self.sharded:
             allocate_gathered(self.net)
