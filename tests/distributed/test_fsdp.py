@@ -74,6 +74,16 @@ def test_a_non_finite_gradient_on_one_rank_is_dropped_by_all(runs):
     assert single["dpsgd_ghost_nonfinite"]["nonfinite_total"] > 0
 
 
+def test_lora_adapters_of_a_hugging_face_model_train_sharded(tmp_path):
+    """A peft LoRA model (frozen base, trainable adapters and head copy) under FSDP2: DPZero ends where one process
+    ends bit for bit, ghost DP-SGD within float summation order."""
+    rank0, _ = worker.launch("lora", tmp_path)
+    for name, tolerance in (("dpzero", 0.0), ("ghost", 1e-6)):
+        single = worker.run_lora(name, 1, tmp_path)
+        assert any(".lora_A." in n for n in rank0[name]["trained"])
+        torch.testing.assert_close(_params(rank0[name]), _params(single), rtol=0, atol=tolerance)
+
+
 def test_pruning_is_refused_on_a_sharded_net():
     """DP-ZOPO's data-free score needs whole parameters: refused by name, not run on shards. One process under
     ModelParallelStrategy is enough to see it (and shows the Poisson loader is left alone there too)."""

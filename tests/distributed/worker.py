@@ -236,6 +236,42 @@ def run_one(
     }
 
 
+def run_lora(name: str, devices: int, directory: Path) -> dict:
+    """DPZero or ghost DP-SGD on LoRA adapters of a tiny BERT (peft), sharded on ``devices`` > 1 processes."""
+    from pl_dp.data import TextDataModule
+    from pl_dp.nets import HFClassifier
+    from tests.test_lora import LABELS, TEXTS
+    from tests.tiny_hf import tiny_model
+
+    path = directory / "bert-cls"
+    if not (path / "config.json").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        tiny_model(path, "bert-cls")
+    L.seed_everything(0)
+    net = HFClassifier(path, trainable="lora", lora_rank=4, lora_targets=["query", "value"])
+    net.eval()  # dropout off: the same parameters as one process, not only the same law
+    kwargs = dict(lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7)
+    model = DPZero(net, smoothing=1e-2, **kwargs) if name == "dpzero" else DPSGD(net, per_sample="ghost", **kwargs)
+    data = TextDataModule(
+        (TEXTS * 4, LABELS * 4), tokenizer=path, batch_size=8, val_fraction=0.25, test_fraction=0, sampling_seed=11
+    )
+    strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if devices > 1 else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, data)
+    trained = [n for n, p in model.net.named_parameters() if p.requires_grad]
+    return {"rank": trainer.global_rank, "parameters": _flat(model.net).tolist(), "trained": trained}
+
+
 def launch(mode: str, out: Path) -> list[dict]:
     """Run ``worker.py mode out`` as 2 processes (Lightning's launcher starts rank 1); each rank's results."""
     root = Path(__file__).resolve().parents[2]
@@ -254,7 +290,9 @@ def run_all(devices: int) -> dict:
 if __name__ == "__main__":
     _instrument()
     out = Path(sys.argv[2])
-    if sys.argv[1] == "sharded":
+    if sys.argv[1] == "lora":
+        results = {name: run_lora(name, 2, out) for name in ("dpzero", "ghost")}
+    elif sys.argv[1] == "sharded":
         results = {name: run_one(name, 2, sharded=True) for name in SHARDED_METHODS}
         # killed after 2 steps and resumed from its distributed checkpoint (a folder of shards)
         run_one("dpzero_sphere_mlp", 2, sharded=True, steps=2, checkpoints=str(out / "checkpoints"))
