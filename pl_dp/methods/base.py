@@ -458,6 +458,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         planned = trainer.estimated_stepping_batches
         if not math.isfinite(planned):
             raise ValueError("private training needs a finite plan: set trainer max_steps or max_epochs.")
+        if self.sharded and self.log_private_metrics:
+            raise ValueError(
+                "log_private_metrics is not available on a sharded net: its statistics of the private batch (forwards "
+                "and sums over ranks) would run only on the ranks whose share of the Poisson batch is not empty."
+            )
         if self.privacy is not None and self.sharded and not self.preflight:
             raise ValueError(
                 "a sharded private run needs preflight=True: a sharded forward is a collective, so an example whose "

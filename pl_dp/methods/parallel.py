@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import (
 )
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.sampling import PoissonBatchSampler
@@ -86,9 +87,16 @@ def shard(net: nn.Module, mesh: Any) -> None:
     # the whole net too (FSDP2 keeps the root's parameters gathered after a forward by default): between forwards
     # every parameter is its shard, which is what the zeroth-order sweeps write
     fully_shard(net, mesh=mesh, reshard_after_forward=True)
-    for module in [*layers, net]:  # gradients are summed over ranks (FSDP's default averages), with a plain sum
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)
+    sum_gradients(net)
+
+
+def sum_gradients(net: nn.Module) -> None:
+    """Make every FSDP2 group of ``net`` sum the ranks' gradients with a plain sum (FSDP's default averages them):
+    the clipped sums of the ranks add up, as pl_dp's own all-reduce adds them under DDP."""
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 @torch.no_grad()
@@ -124,7 +132,8 @@ class DataParallelMixin:
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy``, shard the net with FSDP2 over the data-parallel ranks (:func:`shard`),
-        unless it is sharded already (a net whose own ``configure_model`` did it); otherwise nothing.
+        unless it is sharded already (a net whose own ``configure_model`` did it: then all its trainable parameters
+        must be, and its gradients are made to sum over ranks); otherwise nothing.
 
         Lightning calls this hook at every fit, test and predict; pl_dp applies the sharding, so that
         ``pl-dp fit --trainer.strategy ModelParallelStrategy`` needs no code from the user.
@@ -132,8 +141,17 @@ class DataParallelMixin:
         if not self.sharded:
             return
         check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
-        if not is_sharded(list(self.net.parameters())):
+        params = list(self.net.parameters())
+        if not is_sharded(params):
             shard(self.net, self.device_mesh["data_parallel"])
+            return
+        whole = [n for n, p in self.net.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if whole:  # their gradients would stay on each rank, and each rank would add the whole noise to them
+            raise ValueError(
+                f"the net is sharded already, but not its trainable parameters {whole[:3]}: shard all of them (or "
+                "leave the sharding to pl_dp, which shards every layer)."
+            )
+        sum_gradients(self.net)  # a net sharded by its own configure_model averages the ranks' gradients
 
     def prepare_strategy(self) -> None:
         """At fit start: refuse a strategy this method does not support (:func:`check_strategy`); under FSDP2,

@@ -26,13 +26,16 @@ they are counted. Both passes run in fp32 with autocast disabled, whatever the t
 weight is applied to the very gradient whose norm it was computed from; trainable parameters must be fp32.
 
 Sharded by FSDP2 (DTensor parameters), Opacus' FSDP module records the norms on each layer (FSDP swaps a layer's
-parameters between shards and gathered copies), both passes are ``backward`` calls, and the second one's
-reduce-scatter leaves each rank its shard of the clipped sum *over all ranks*: every rank runs the same passes
+parameters between shards and gathered copies), both passes are ``backward`` calls — the first reduce-scatters
+nothing (its gradient is unclipped), the second's reduce-scatter leaves each rank its shard of the clipped sum
+*over all ranks*: every rank runs the same passes
 (collectives), and a micro-batch with a non-finite norm on any rank is run again, without those examples, by all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,6 +45,9 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleModuleFastGradientClippingFSDP,
 )
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin, DefaultReduceScatter
 
 from pl_dp.per_sample.gradients import (
     OPACUS_RNNS,
@@ -82,6 +88,28 @@ class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
 
 class _ShardedGhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
     """Opacus' fast-gradient-clipping module for FSDP2, recording in eval mode too: norms are kept on each layer."""
+
+
+class _NoReduceScatter(DefaultAllocMixin, ReduceScatter):
+    """An FSDP2 reduce-scatter that sends nothing (and leaves zeros): for the first ghost pass, whose parameter
+    gradients are discarded — each rank's *unclipped* gradient sum, which must not cross the wire. FSDP2's hook for a
+    custom reduce-scatter (``set_custom_reduce_scatter``) is public; its base classes live in a private module."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op=False):
+        output_tensor.zero_()
+
+
+@contextmanager
+def _gradients_stay_local(net: nn.Module) -> Iterator[None]:
+    """Within: a backward reduce-scatters nothing (:class:`_NoReduceScatter`)."""
+    modules = [m for m in net.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.set_custom_reduce_scatter(_NoReduceScatter())
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_custom_reduce_scatter(DefaultReduceScatter())
 
 
 def shared_parameters(net: nn.Module) -> list[str]:
@@ -223,15 +251,17 @@ class GhostClipping:
         return norms, losses
 
     def _sharded_norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept; the norms are read off the layers (and
-        taken off them: un-noised per-example values) and the gradient it reduce-scattered is dropped."""
+        """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept and no reduce-scatter (the unclipped
+        gradient stays on its rank and is dropped); the norms are read off the layers (and taken off them:
+        un-noised per-example values)."""
         gsm = self._gsm
         holders = {id(p): m for m in self.net.modules() for p in m.parameters(recurse=False)}
         gsm.enable_hooks()
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
                 losses = check_per_sample(self.loss_fn(gsm, batch), size)
-                losses.sum().backward(retain_graph=True)
+                with _gradients_stay_local(self.net):
+                    losses.sum().backward(retain_graph=True)
             missed = [
                 name
                 for name, p in zip(self.names, self.params)

@@ -82,6 +82,19 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+class PreshardedDPSGD(DPSGD):
+    """A user's subclass that shards the net itself, with FSDP2's defaults (which average the ranks' gradients)."""
+
+    def configure_model(self) -> None:
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+        super().configure_model()
+
+
 #: the fits of the FSDP2 test: the same seeds as their DDP and single-process runs
 SHARDED_METHODS = {
     **{name: METHODS[name] for name in ("dpzero", "dpzero_rank_seeded", "pazo_m")},
@@ -99,6 +112,9 @@ SHARDED_METHODS = {
         per_sample="ghost",
         privacy=_spec(),
         noise_seed=7,
+    ),
+    "dpsgd_ghost_presharded": lambda: PreshardedDPSGD(
+        _mlp(), lr=0.5, clip=CLIP, per_sample="ghost", privacy=_spec(), noise_seed=7
     ),
     "coupling_ghost": lambda: Coupling(
         nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, per_sample="ghost", privacy=_spec(), noise_seed=7

@@ -7,19 +7,15 @@ The 2 ranks are plain torch processes over gloo (``torch.distributed.tensor.dist
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from pl_dp.privacy.shards import layout_of
 from pl_dp.zo.engine import CPU_CHUNK, Direction, PerturbationEngine
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.master import MasterWeights
+from tests.distributed import on_two_ranks
 
 # rows chosen so that chunks of CPU_CHUNK coordinates straddle the edge between the two ranks' blocks
 SHAPES = [(7, CPU_CHUNK // 3 + 5), (CPU_CHUNK + 11,), (5, 3)]
@@ -65,41 +61,22 @@ def _single(kind: str, masked: bool, dtype: torch.dtype) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def _worker(rank: int, port: int, results: dict) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, mesh, results: dict) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        for case in CASES:
-            kind, masked, dtype = case
-            params = [
-                nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in _parameters(dtype)
-            ]
-            engine = PerturbationEngine(params, 42, Direction(kind), mask=_mask() if masked else None)
-            _run(engine)
-            full = [p.detach().full_tensor() for p in params]
-            if rank == 0:
-                results[case] = (full, [layout_of("p", p).offset for p in params])
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for case in CASES:
+        kind, masked, dtype = case
+        params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in _parameters(dtype)]
+        engine = PerturbationEngine(params, 42, Direction(kind), mask=_mask() if masked else None)
+        _run(engine)
+        full = [p.detach().full_tensor() for p in params]
+        if rank == 0:
+            results[case] = (full, [layout_of("p", p).offset for p in params])
 
 
 @pytest.fixture(scope="module")
 def sharded():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), results), nprocs=2, join=True)
-        return dict(results)
+    return on_two_ranks(_worker)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'masked' if c[1] else 'dense'}-{c[2]}")
