@@ -96,8 +96,8 @@ class _RecordingMechanism:
         self.released.append(out.detach().flatten().double().cpu())
         return out
 
-    def privatize_(self, sums: Sequence[torch.Tensor], noise: Any) -> None:
-        self._inner.privatize_(sums, noise)
+    def privatize_(self, sums: Sequence[torch.Tensor], noise: Any, blocks: Any = None) -> None:
+        self._inner.privatize_(sums, noise, blocks=blocks)
         self.released.extend(t.detach().flatten().double().cpu() for t in sums)
 
     def privatize_auxiliary(self, count: torch.Tensor, noise: Any) -> torch.Tensor:

@@ -235,14 +235,22 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         """A closure giving the fp32 per-example losses of the private ``batch`` at the current parameters, as
         zeroth-order methods evaluate them (eval mode, inference mode, micro-batched by ``max_physical_batch_size``).
         In a private run an example whose loss raises gets NaN — it contributes 0, counted — instead of ending the
-        run at the step that sampled it (:func:`~pl_dp.privacy.seal.isolate_failures`)."""
-        forwards = None
-        if self.sharded:  # a collective forward cannot be isolated by bisection: pre-flight checked every example
+        run at the step that sampled it (:func:`~pl_dp.privacy.seal.isolate_failures`; sharded, by passes every rank
+        runs: :func:`~pl_dp.zo.estimator.per_sample_evaluator`)."""
+        forwards = agree = None
+        if self.sharded:  # forwards are collectives: every rank runs as many (see per_sample_evaluator)
             physical = self.max_physical_batch_size or batch_size or 1
             forwards = self.forwards_on_every_rank(math.ceil(batch_size / physical))
-        isolate = self.privacy is not None and forwards is None
+            agree = self.forwards_on_every_rank
         return per_sample_evaluator(
-            self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size, isolate=isolate, forwards=forwards
+            self.net,
+            self.loss_fn,
+            batch,
+            batch_size,
+            self.max_physical_batch_size,
+            isolate=self.privacy is not None,
+            forwards=forwards,
+            agree=agree,
         )
 
     def reference_pass(self, batch: Any) -> None:

@@ -7,7 +7,8 @@ Shared mechanics (per-example gradients, weighted clipping, noise, optimizer) li
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -18,10 +19,11 @@ from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_examp
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, select_examples, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.seal import PlainAttributes, isolate_failures, sealed
+from pl_dp.privacy.seal import PassFailed, PlainAttributes, isolate_failures, sealed
 from pl_dp.privacy.shards import as_gradient_of, block, local
 from pl_dp.privacy.spec import PrivacySpec
 
+T = TypeVar("T")
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
@@ -174,17 +176,21 @@ class FirstOrderModule(PrivateModule):
         """(Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I)) / expected batch size, one tensor per parameter."""
         params = self.trainable_parameters()
         sums = [torch.zeros_like(local(p)) for p in params]
-        parts = self._physical_batches(batch, batch_size)
+        parts = split_batch(batch, self.max_physical_batch_size) if batch_size > 0 else []
         blocks = [block(p) for p in params] if self.sharded else None
         if self.clip_function is None:  # non-private baseline: the plain mean gradient
-            for part in parts:
+
+            def gradient(part: Any) -> list[torch.Tensor | None]:
                 with torch.enable_grad():
                     losses = check_per_sample(self.loss_fn(self.net, part), batch_size_of(part))
-                    for s, g in zip(sums, self._gradient_of_sum(losses.sum(), params)):
-                        if g is not None:
-                            s.add_(g)
+                    return self._gradient_of_sum(losses.sum(), params)
+
+            for grads in self._sharded_passes(batch, parts, gradient)[0] if self.sharded else map(gradient, parts):
+                for s, g in zip(sums, grads):
+                    if g is not None:
+                        s.add_(g)
             sums, _ = self._sum_across_ranks(sums, torch.zeros(()))
-            mechanism.privatize_(sums, self.noise, blocks)
+            mechanism.privatize_(sums, self.noise, blocks=blocks)
             return sums, {}
         device = params[0].device
         norms, nonfinite = [torch.zeros(0, device=device)], torch.zeros((), dtype=torch.long, device=device)
@@ -192,35 +198,65 @@ class FirstOrderModule(PrivateModule):
         def compute(examples: Any) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
             return self._per_sample.clipped_sum(examples, self.clip_function)
 
-        for part in parts:  # one physical micro-batch at a time, clipped sums added up (one noise draw below)
-            if self.privacy is None or self.sharded:  # sharded: a collective pass cannot be isolated (pre-flight ran)
-                done, failed = [(None, compute(part))], []
-            else:  # an example whose pass raises is left out (weight 0) and counted: no record-dependent crash
-                done, failed = isolate_failures(compute, part, reset=self._per_sample.reset)
-            for _, (part_sums, part_norms, part_nonfinite) in done:
-                for s, t in zip(sums, part_sums):
-                    s.add_(t.to(s.dtype))
-                norms.append(part_norms)
-                nonfinite = nonfinite + part_nonfinite
-            nonfinite = nonfinite + len(failed)
+        # one physical micro-batch at a time, clipped sums added up (one noise draw below); an example whose pass
+        # raises is left out (weight 0) and counted: no record-dependent crash
+        if self.sharded:
+            done, failed = self._sharded_passes(batch, parts, compute)
+        elif self.privacy is None:
+            done, failed = [compute(part) for part in parts], 0
+        else:
+            done, failed = [], 0
+            for part in parts:
+                isolated, raised = isolate_failures(compute, part, reset=self._per_sample.reset)
+                done += [result for _, result in isolated]
+                failed += len(raised)
+        for part_sums, part_norms, part_nonfinite in done:
+            for s, t in zip(sums, part_sums):
+                s.add_(t.to(s.dtype))
+            norms.append(part_norms)
+            nonfinite = nonfinite + part_nonfinite
+        nonfinite = nonfinite + failed
         norms = torch.cat(norms)
         sums, nonfinite = self._sum_across_ranks(sums, nonfinite)
         stats = {"nonfinite": nonfinite}
         if self.log_private_metrics and batch_size > 0:
             stats.update(self._clip_diagnostics(sums, norms, mechanism))
-        mechanism.privatize_(sums, self.noise, blocks)
+        mechanism.privatize_(sums, self.noise, blocks=blocks)
         if self.clip_quantile is not None:
             stats.update(self._adapt_clip(norms, mechanism))
         return sums, stats
 
-    def _physical_batches(self, batch: Any, batch_size: int) -> list[Any]:
-        """The micro-batches of ``batch`` (none when it is empty); sharded, padded with empty batches to the number
-        every rank runs (a sharded forward and backward are collectives)."""
-        parts = split_batch(batch, self.max_physical_batch_size) if batch_size > 0 else []
-        if self.sharded:
-            empty = select_examples(batch, torch.zeros(0, dtype=torch.long)) if batch_size > 0 else batch
-            parts += [empty] * (self.forwards_on_every_rank(len(parts)) - len(parts))
-        return parts
+    def _sharded_passes(self, batch: Any, parts: list[Any], compute: Callable[[Any], T]) -> tuple[list[T], int]:
+        """``compute`` of each of this rank's ``parts``, sharded: a pass (forward and backward) is a collective, so
+        every rank runs as many, in rounds whose length the ranks agree on, padded with empty batches.
+
+        A pass whose loss raises on some rank is abandoned by all (:class:`~pl_dp.privacy.seal.PassFailed`, raised
+        by the ghost-clipping pass on every rank before its backward); the rank where it raised runs that part's
+        examples one by one in a later round, and an example that raises alone is left out and counted; the others
+        run their abandoned part again. Returns the results and the number of examples left out.
+        """
+        empty = select_examples(batch, torch.zeros(0, dtype=torch.long)) if batch_size_of(batch) else batch
+        results, failed, queue = [], 0, list(parts)
+        rounds = self.forwards_on_every_rank(len(queue))
+        while rounds:
+            retry = []
+            for r in range(rounds):
+                part = queue[r] if r < len(queue) else None
+                try:
+                    results.append(compute(empty if part is None else part))
+                except PassFailed as failure:
+                    if part is None:
+                        continue
+                    size = batch_size_of(part)
+                    if not failure.here:
+                        retry.append(part)
+                    elif size > 1:
+                        retry += [select_examples(part, torch.tensor([i])) for i in range(size)]
+                    else:
+                        failed += 1
+            queue = retry
+            rounds = self.forwards_on_every_rank(len(queue))
+        return results, failed
 
     def _gradient_of_sum(self, loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
         """∂loss/∂params; sharded, this rank's shard of the gradient summed over ranks (FSDP's reduce-scatter)."""

@@ -59,6 +59,7 @@ from pl_dp.per_sample.gradients import (
 )
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
+from pl_dp.privacy.seal import PassFailed
 from pl_dp.privacy.shards import is_sharded, layout_of, local
 
 
@@ -253,13 +254,21 @@ class GhostClipping:
     def _sharded_norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept and no reduce-scatter (the unclipped
         gradient stays on its rank and is dropped); the norms are read off the layers (and taken off them:
-        un-noised per-example values)."""
+        un-noised per-example values). A loss that raises on any rank makes every rank raise
+        :class:`~pl_dp.privacy.seal.PassFailed` before the backward."""
         gsm = self._gsm
         holders = {id(p): m for m in self.net.modules() for p in m.parameters(recurse=False)}
         gsm.enable_hooks()
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
-                losses = check_per_sample(self.loss_fn(gsm, batch), size)
+                try:
+                    losses = check_per_sample(self.loss_fn(gsm, batch), size)
+                except Exception:  # noqa: BLE001 - agreed on by every rank before the backward's collectives
+                    losses = None
+                raised = torch.tensor([float(losses is None)])
+                dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=self.group)
+                if bool(raised):
+                    raise PassFailed(here=losses is None)
                 with _gradients_stay_local(self.net):
                     losses.sum().backward(retain_graph=True)
             missed = [

@@ -97,6 +97,7 @@ class SubsampledGaussian:
         self,
         sums: Sequence[torch.Tensor],
         noise: NoiseSource,
+        *,
         blocks: Sequence[tuple[torch.Size, int]] | None = None,
     ) -> None:
         """In-place version for a vector release split into tensors (e.g. one gradient per parameter).

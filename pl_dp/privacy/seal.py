@@ -76,6 +76,17 @@ def sealed(active: bool = True) -> Iterator[None]:
         warnings.showwarning, sys.stdout, sys.stderr, logging.Logger.handle = show, out, err, handle
 
 
+class PassFailed(Exception):
+    """A collective pass (a sharded forward and backward) that every rank abandons because the per-example
+    computation raised on some rank — ``here``: on this one. Raised on every rank at once, before the pass's first
+    collective after the loss, so that the ranks stay in step; the caller isolates the failing examples in later
+    passes that every rank runs as well."""
+
+    def __init__(self, here: bool) -> None:
+        super().__init__("a per-example computation raised on some rank: the pass is run again without it")
+        self.here = here
+
+
 def isolate_failures(
     compute: Callable[[Any], T], batch: Any, reset: Callable[[], None] | None = None
 ) -> tuple[list[tuple[torch.Tensor, T]], list[tuple[int, Exception]]]:

@@ -62,6 +62,7 @@ def per_sample_evaluator(
     max_physical_batch_size: int | None = None,
     isolate: bool = False,
     forwards: int | None = None,
+    agree: Callable[[int], int] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
 
@@ -70,13 +71,17 @@ def per_sample_evaluator(
     With ``isolate`` (private runs), an example whose loss raises gets a NaN loss instead of ending the step
     (:func:`~pl_dp.privacy.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
     the release and is counted with the other non-finite values.
-    With ``forwards``, exactly that many forward passes run, the micro-batches and then empty batches: a sharded
-    net's forward is a collective (FSDP all-gathers each layer), which every rank must run as often as the others,
-    whatever its share of the Poisson batch.
+
+    Sharded (``forwards`` and ``agree`` given): a sharded net's forward is a collective (FSDP all-gathers each
+    layer), which every rank must run as often as the others, whatever its share of the Poisson batch. Exactly
+    ``forwards`` passes run, the micro-batches and then empty batches; then the examples of micro-batches whose loss
+    raised are run one by one, as many passes on every rank as the most any rank needs (``agree``: the maximum over
+    ranks), and each that raises again gets NaN. This isolates a loss that raises after the net's forward; one that
+    raises inside it, between two layers' collectives, cannot be sealed (the pre-flight pass checks every example).
     """
     micro_batches = split_batch(batch, max_physical_batch_size) if batch_size else []
+    empty = select_examples(batch, torch.zeros(0, dtype=torch.long)) if batch_size else batch
     if forwards is not None:
-        empty = select_examples(batch, torch.zeros(0, dtype=torch.long)) if batch_size else batch
         micro_batches += [empty] * (forwards - len(micro_batches))
 
     def losses_of(part: Any) -> torch.Tensor:
@@ -91,11 +96,34 @@ def per_sample_evaluator(
             losses[positions.to(losses.device)] = values.to(losses.device)
         return losses
 
+    def or_nan(part: Any) -> torch.Tensor | None:
+        try:
+            return losses_of(part)
+        except Exception:  # noqa: BLE001 - any failure of one record must stay inside the step
+            return None
+
+    def collectively(parts: list[Any]) -> list[torch.Tensor]:
+        losses = [or_nan(part) for part in parts]
+        retry = [
+            select_examples(part, torch.tensor([i])) for part, loss in zip(parts, losses) if loss is None
+            for i in range(batch_size_of(part))
+        ]
+        rounds = agree(len(retry))
+        alone = [or_nan(retry[r] if r < len(retry) else empty) for r in range(rounds)][: len(retry)]
+        singles = iter(torch.full((1,), math.nan, device=device_of(batch)) if v is None else v for v in alone)
+        return [
+            loss if loss is not None else torch.cat([next(singles) for _ in range(batch_size_of(part))])
+            for part, loss in zip(parts, losses)
+        ]
+
     def evaluate() -> torch.Tensor:
         if not micro_batches:
             return torch.zeros(0)
         with eval_mode(net), torch.inference_mode():
-            losses = [(isolated if isolate else losses_of)(part) for part in micro_batches]
+            if agree is not None:
+                losses = collectively(micro_batches)
+            else:
+                losses = [(isolated if isolate else losses_of)(part) for part in micro_batches]
         return losses[0] if len(losses) == 1 else torch.cat(losses)
 
     return evaluate

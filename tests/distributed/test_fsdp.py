@@ -44,9 +44,16 @@ def test_two_sharded_processes_end_where_one_process_ends(runs, name):
 
 @pytest.mark.parametrize("name", list(worker.SHARDED_METHODS))
 def test_sharded_steps_send_a_few_scalars_beyond_the_gathers(runs, name):
-    """Beyond FSDP's own all-gathers, a step sends q × (clipped sum, count) and the number of forwards to agree on."""
+    """Beyond FSDP's own collectives, a zeroth-order step sends q × (clipped sum, count), the number of forwards,
+    and for each of its 2q evaluations how many single-example retries the ranks run (0 unless a loss raised):
+    8 + 24·q bytes, whatever the model size. A first-order step: the count and the rounds of passes."""
     (rank0, _), _ = runs
-    assert rank0[name]["pl_dp_bytes_per_step"] <= 64
+    model = worker.SHARDED_METHODS[name]()
+    queries = getattr(model, "queries", None)
+    if queries is not None and name != "pazo_p":
+        assert rank0[name]["pl_dp_bytes_per_step"] == 8 + 24 * queries
+    else:
+        assert rank0[name]["pl_dp_bytes_per_step"] <= 64
 
 
 def test_ranks_with_their_own_seeds_share_rank_0s(runs):
@@ -111,3 +118,13 @@ def test_pruning_is_refused_on_a_sharded_net():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["dpzero_touchy", "dpsgd_ghost_touchy"])
+def test_a_loss_that_raises_for_one_record_inside_a_step_does_not_end_the_run(runs, name):
+    """A loss that passes the pre-flight pass and raises (after the net's forward) for a record once training runs:
+    every rank runs the same collectives, the record sits its step out and is counted, as on one process — whether
+    the run ends does not depend on whether that record was sampled (invariant 10)."""
+    (rank0, rank1), single = runs
+    assert rank0[name]["private_steps"] == rank1[name]["private_steps"] == worker.STEPS
+    assert rank0[name]["nonfinite_total"] == single[name]["nonfinite_total"] > 0

@@ -54,6 +54,29 @@ def _root_loss(net, batch):
     return nn.functional.cross_entropy(out, y, reduction="none") + out[:, 0].abs().sqrt()
 
 
+_ARMED = {"on": False}
+
+
+class Arm(L.Callback):
+    """Arms :func:`_touchy_loss` for the training steps only: the fit-start checks see a well-behaved loss."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        _ARMED["on"] = True
+
+    def on_train_end(self, trainer, pl_module):
+        _ARMED["on"] = False
+
+
+def _touchy_loss(net, batch):
+    """Raises, after the net's forward, for a batch holding a marked record (first feature 99) once armed: a loss
+    that passes the pre-flight pass and fails inside a step, for the record sampled only."""
+    x, y = batch
+    out = net(x)
+    if _ARMED["on"] and bool((x[:, 0] == 99.0).any()):
+        raise ValueError("a touchy record")
+    return nn.functional.cross_entropy(out, y, reduction="none")
+
+
 def _zero_gradient_loss(net, batch):
     x, _ = batch
     return (net(x) * 0.0).sum(dim=1)
@@ -113,6 +136,26 @@ SHARDED_METHODS = {
         privacy=_spec(),
         noise_seed=7,
     ),
+    "dpzero_touchy": lambda: DPZero(
+        nn.Linear(12, 4),
+        loss=_touchy_loss,
+        lr=0.05,
+        clip=CLIP,
+        queries=2,
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=4,
+    ),
+    "dpsgd_ghost_touchy": lambda: DPSGD(
+        _mlp(),
+        loss=_touchy_loss,
+        lr=0.5,
+        clip=CLIP,
+        per_sample="ghost",
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=4,
+    ),
     "dpsgd_ghost_presharded": lambda: PreshardedDPSGD(
         _mlp(), lr=0.5, clip=CLIP, per_sample="ghost", privacy=_spec(), noise_seed=7
     ),
@@ -137,7 +180,11 @@ SHARDED_METHODS = {
 
 
 #: callbacks of a fit beside the byte counter: DP-ZOSO is DPZero with a stagewise schedule (and its proximal term)
-CALLBACKS = {"dpzoso": lambda: [StagewiseSchedule(stages=2, proximal=0.05)]}
+CALLBACKS = {
+    "dpzoso": lambda: [StagewiseSchedule(stages=2, proximal=0.05)],
+    "dpzero_touchy": lambda: [Arm()],
+    "dpsgd_ghost_touchy": lambda: [Arm()],
+}
 
 
 class CollectiveBytes(L.Callback):
@@ -179,6 +226,8 @@ def _data(name: str) -> PrivatePublicDataModule:
         private = _blobs(N_PRIVATE, 0)
     if name == "dpsgd_ghost_nonfinite":
         private.tensors[0][::5] = 0.0
+    if name.endswith("touchy"):
+        private.tensors[0][::9, 0] = 99.0
     sampling_seed = None if name == "dpzero_rank_seeded" else 11  # seeded: 1 and 2 processes draw the same batches
     return PrivatePublicDataModule(
         private, public=_blobs(40, 3), batch_size=BATCH, public_batch_size=8, seed=11, sampling_seed=sampling_seed
