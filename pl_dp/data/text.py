@@ -31,6 +31,16 @@ TextSource = Union[str, Path, Mapping[str, Sequence[Any]], tuple[Sequence[str], 
 def read_texts(source: TextSource, text_column: str = "text", label_column: str = "label") -> tuple[list[str], list]:
     """``(texts, labels)`` from a path (``.csv``, ``.tsv``, ``.jsonl``: one JSON object per line), a mapping of
     columns, a pair ``(texts, labels)`` or a Hugging Face ``datasets.Dataset`` (any object with ``column_names``)."""
+    if isinstance(source, (tuple, list)) and len(source) == 2:
+        texts, labels = source
+        return list(texts), list(labels)
+    texts, labels = read_columns(source, [text_column, label_column])
+    return texts, labels
+
+
+def read_columns(source: Any, columns: Sequence[str]) -> list[list]:
+    """The named ``columns`` (one list each, in order) of a path (``.csv``, ``.tsv``, ``.jsonl``: one JSON object per
+    line), a mapping of columns or a Hugging Face ``datasets.Dataset`` (any object with ``column_names``)."""
     if isinstance(source, (str, Path)):
         path = Path(source)
         if path.suffix in (".csv", ".tsv"):
@@ -41,19 +51,16 @@ def read_texts(source: TextSource, text_column: str = "text", label_column: str 
                 rows = [json.loads(line) for line in file if line.strip()]
         else:
             raise ValueError(f"cannot read {path}: use a .csv, .tsv or .jsonl file.")
-        missing = {text_column, label_column} - set(rows[0] if rows else ())
+        missing = set(columns) - set(rows[0] if rows else ())
         if rows and missing:
             raise KeyError(f"{path} has no column {sorted(missing)}; its columns are {sorted(rows[0])}.")
-        return [row[text_column] for row in rows], [row[label_column] for row in rows]
+        return [[row[column] for row in rows] for column in columns]
     if isinstance(source, Mapping) or hasattr(source, "column_names"):
-        columns = source.keys() if isinstance(source, Mapping) else source.column_names
-        missing = {text_column, label_column} - set(columns)
+        names = source.keys() if isinstance(source, Mapping) else source.column_names
+        missing = set(columns) - set(names)
         if missing:
-            raise KeyError(f"the data has no column {sorted(missing)}; its columns are {sorted(columns)}.")
-        return list(source[text_column]), list(source[label_column])
-    if isinstance(source, (tuple, list)) and len(source) == 2:
-        texts, labels = source
-        return list(texts), list(labels)
+            raise KeyError(f"the data has no column {sorted(missing)}; its columns are {sorted(names)}.")
+        return [list(source[column]) for column in columns]
     raise TypeError(
         f"cannot read texts from a {type(source).__name__}: give a .csv/.tsv/.jsonl path, a mapping of columns, "
         "a pair (texts, labels) or a datasets.Dataset."

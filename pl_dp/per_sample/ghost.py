@@ -24,6 +24,10 @@ time is about one forward and two backwards. Examples whose norm is not finite a
 run again on the other examples (a zero weight alone would not do: 0·NaN is NaN in the second backward), and
 they are counted. Both passes run in fp32 with autocast disabled, whatever the trainer's precision, so that each
 weight is applied to the very gradient whose norm it was computed from; trainable parameters must be fp32.
+
+A parameter tied across modules (a language model's output projection reusing its input embedding: GPT-2, OPT,
+Llama-style models) gets the norm of the *sum* of its uses' gradients, cross term included
+(:mod:`pl_dp.per_sample.tied`); Opacus' hooks, which cover one use only, are kept off the modules that hold it.
 """
 
 from __future__ import annotations
@@ -35,13 +39,13 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from torch import nn
 
 from pl_dp.per_sample.gradients import (
-    OPACUS_RNNS,
     BroadcastLookups,
     RecordsInEvalMode,
     clear_hook_state,
     refuse_rows_not_examples,
     unsupported_layers,
 )
+from pl_dp.per_sample.tied import TiedNorms, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
 
@@ -54,8 +58,12 @@ class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
     """
 
     layer_names: dict[nn.Module, str]
+    #: modules holding a tied parameter: their norms come from :class:`~pl_dp.per_sample.tied.TiedNorms`
+    skipped: frozenset[nn.Module] = frozenset()
 
     def capture_activations_hook(self, module: nn.Module, forward_input: Any, forward_output: Any) -> None:
+        if module in self.skipped:
+            return
         if (
             self.hooks_enabled
             and torch.is_grad_enabled()
@@ -69,30 +77,18 @@ class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
             )
         super().capture_activations_hook(module, forward_input, forward_output)
 
-
-def shared_parameters(net: nn.Module) -> list[str]:
-    """One line per trainable parameter held by more than one hooked module of ``net`` (tied weights).
-
-    Opacus' recurrent layers alias their cells' parameters and are not hooked themselves: they do not count.
-    """
-    owners: dict[int, list[str]] = {}
-    modules: dict[int, set[int]] = {}
-    for name, module in net.named_modules(remove_duplicate=False):
-        if isinstance(module, OPACUS_RNNS):
-            continue
-        for pname, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
-                owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
-                modules.setdefault(id(p), set()).add(id(module))
-    return [" = ".join(names) for key, names in owners.items() if len(modules[key]) > 1]
+    def capture_backprops_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if module not in self.skipped:
+            super().capture_backprops_hook(module, *args, **kwargs)
 
 
 class GhostClipping:
     """The clipped sum Σ_i c(‖g_i‖)·g_i of a batch for the trainable parameters of ``net``, by ghost clipping.
 
     Refused at construction, each with the parameter or layer named: trainable parameters in a precision below
-    fp32, and trainable parameters tied across modules (a language-model head sharing the input embeddings: each
-    layer's ghost norm would cover only its own part). Refused at the first batch: a layer called twice in one
+    fp32, and trainable parameters tied across modules other than the weight of ``nn.Linear`` and ``nn.Embedding``
+    modules (a language-model head sharing the input embeddings is computed exactly, see
+    :mod:`pl_dp.per_sample.tied`). Refused at the first batch: a layer called twice in one
     forward, a parameter whose norm the hooks cannot compute (used outside its module, or an ``nn.Linear`` whose
     input is neither ``[B, d]`` nor ``[B, T, d]``), and a layer that sees the batch merged with another dimension.
     """
@@ -120,15 +116,17 @@ class GhostClipping:
                 + "\n  - ".join(unsupported)
                 + "\n(opacus.validators.ModuleValidator.fix(net) swaps them), or freeze them (requires_grad=False)."
             )
-        shared = shared_parameters(net)
+        shared = unsupported_ties(net)
         if shared:
             raise ValueError(
-                f"per_sample='ghost' cannot clip parameters tied across modules: {shared}. Ghost clipping computes "
-                "each layer's norm alone, so a shared parameter's per-example norm would miss the other layers' "
-                "part. Freeze or untie them, or use per_sample='hooks'."
+                f"per_sample='ghost' cannot clip these parameters tied across modules: {shared}. A shared "
+                "parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie them, or use "
+                "per_sample='hooks'."
             )
+        self._tied = TiedNorms(net)
         self._gsm = _GhostNormModule(net, batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
         self._gsm.layer_names = {m: name or "<the net itself>" for name, m in net.named_modules()}
+        self._gsm.skipped = frozenset(self._tied.modules)
         self._gsm.disable_hooks()
         self._lookups = BroadcastLookups(net)
 
@@ -161,10 +159,12 @@ class GhostClipping:
     def close(self) -> None:
         """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
         self._gsm.remove_hooks()
+        self._tied.close()
 
     def reset(self) -> None:
         """Clear what a pass that raised left in the hooks (:func:`~pl_dp.per_sample.gradients.clear_hook_state`)."""
         clear_hook_state(self.net, self.params)
+        self._tied.clear()
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
@@ -172,14 +172,19 @@ class GhostClipping:
             p._norm_sample = None
         gsm = self._gsm
         gsm.enable_hooks()
+        self._tied.start()
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
                 losses = check_per_sample(self.loss_fn(gsm, batch), size)
                 grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=True, allow_unused=True)
+        except BaseException:
+            self._tied.clear()
+            raise
         finally:
             gsm.disable_hooks()
             clear_hook_state(self.net, self.params)
-        missed, not_per_example = [], []
+        not_per_example = self._tied.finish(size)  # the tied parameters' norms, cross terms included
+        missed = []
         for name, p, g in zip(self.names, self.params, grads):
             norm = p._norm_sample
             if norm is None:
