@@ -32,6 +32,7 @@ Llama-style models) gets the norm of the *sum* of its uses' gradients, cross ter
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,12 +59,16 @@ class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
     """
 
     layer_names: dict[nn.Module, str]
-    #: modules holding a tied parameter: their norms come from :class:`~pl_dp.per_sample.tied.TiedNorms`
-    skipped: frozenset[nn.Module] = frozenset()
+
+    def __init__(self, module: nn.Module, *, skipped: frozenset[nn.Module], **kwargs: Any) -> None:
+        # modules holding a tied parameter get no Opacus hook: their norms come from TiedNorms
+        object.__setattr__(self, "skipped", skipped)  # read by iterate_submodules, inside Opacus' __init__
+        super().__init__(module, **kwargs)
+
+    def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
+        yield from (m for m in super().iterate_submodules(module) if m not in self.skipped)
 
     def capture_activations_hook(self, module: nn.Module, forward_input: Any, forward_output: Any) -> None:
-        if module in self.skipped:
-            return
         if (
             self.hooks_enabled
             and torch.is_grad_enabled()
@@ -76,10 +81,6 @@ class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
                 "such a layer covers one call only. Use per_sample='hooks'."
             )
         super().capture_activations_hook(module, forward_input, forward_output)
-
-    def capture_backprops_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
-        if module not in self.skipped:
-            super().capture_backprops_hook(module, *args, **kwargs)
 
 
 class GhostClipping:
@@ -124,9 +125,15 @@ class GhostClipping:
                 "per_sample='hooks'."
             )
         self._tied = TiedNorms(net)
-        self._gsm = _GhostNormModule(net, batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
+        self._gsm = _GhostNormModule(
+            net,
+            skipped=frozenset(self._tied.modules),
+            batch_first=True,
+            loss_reduction="sum",
+            strict=True,
+            use_ghost_clipping=True,
+        )
         self._gsm.layer_names = {m: name or "<the net itself>" for name, m in net.named_modules()}
-        self._gsm.skipped = frozenset(self._tied.modules)
         self._gsm.disable_hooks()
         self._lookups = BroadcastLookups(net)
 
