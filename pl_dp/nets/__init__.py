@@ -1,6 +1,6 @@
 """Reference networks and local Hugging Face classifiers and causal language models."""
 
-from pl_dp.nets.causal import CausalLM
+from pl_dp.nets.causal import CausalLM, perplexity
 from pl_dp.nets.hf import HFClassifier, MiniLMClassifier, minilm_path
 from pl_dp.nets.mlp import MLP
 from pl_dp.nets.prompt import PromptClassifier
@@ -14,4 +14,5 @@ __all__ = [
     "PromptClassifier",
     "TinyTransformerClassifier",
     "minilm_path",
+    "perplexity",
 ]

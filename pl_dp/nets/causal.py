@@ -2,7 +2,7 @@
 
 :class:`CausalLM` loads a local checkpoint with ``AutoModelForCausalLM`` (``local_files_only=True``) and its
 tokenizer, returns ``[B, T, V]`` next-token logits — what ``loss="causal_lm"`` (:func:`pl_dp.privacy.losses.causal_lm`)
-trains — and samples continuations with :meth:`CausalLM.generate`.
+trains — and samples continuations with :meth:`CausalLM.generate`; :func:`perplexity` evaluates it.
 
 Privacy: sampling reads only the model's weights, so text sampled from a privately trained model is post-processing
 of the released model and costs no privacy (Dwork & Roth, 2014, Proposition 2.1). It is no better protected than
@@ -11,13 +11,16 @@ the weights either: a model at ε = 8 can still reproduce a training sequence wi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from pl_dp.nets.hf import add_lora, local_model_dir, quiet_transformers, select_trainable
+from pl_dp.privacy.losses import causal_lm_token_losses
 
 
 class CausalLM(nn.Module):
@@ -143,3 +146,21 @@ def sample_continuations(
         for m, training in modes.items():
             m.training = training
     return out
+
+
+@torch.no_grad()
+def perplexity(net: nn.Module, batches: Iterable[Any]) -> float:
+    """Token-level perplexity exp(Σ NLL / Σ tokens) of ``net`` over ``batches`` (dicts as for ``loss="causal_lm"``),
+    in eval mode (the net's train/eval flags are restored). Evaluation data is not private: this costs nothing."""
+    modes = {m: m.training for m in net.modules()}
+    device = next(net.parameters()).device
+    total, count = 0.0, 0
+    try:
+        net.eval()
+        for batch in batches:
+            nll, tokens = causal_lm_token_losses(net, {k: v.to(device) for k, v in batch.items()})
+            total, count = total + float(nll.sum()), count + int(tokens.sum())
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return math.exp(total / max(count, 1))
