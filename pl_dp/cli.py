@@ -105,7 +105,6 @@ class GenerateCLI(PlDpCLI):
     """The ``generate`` subcommand: a config's model, a checkpoint's weights, and the sampling options."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        super().add_arguments_to_parser(parser)
         parser.add_argument("--ckpt_path", type=str, required=True, help="the checkpoint whose weights to sample from")
         parser.add_argument("--prompt", type=str, default="", help="a prompt (repeat the option for several)")
         parser.add_argument("--max_new_tokens", type=int, default=32, help="tokens to sample per prompt")

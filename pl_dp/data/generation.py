@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
-from pl_dp.data.text import read_columns, split_indices
+from pl_dp.data.text import carve_splits, in_memory, read_columns
 from pl_dp.privacy.losses import IGNORE_INDEX
 
 #: texts: a list of strings, a CSV/TSV/JSONL path, a mapping of columns or a ``datasets.Dataset``
@@ -148,17 +148,11 @@ class TextGenerationDataModule(PrivatePublicDataModule):
         self.max_length = max_length
         columns = dict(text_column=text_column, prompt_column=prompt_column, completion_column=completion_column)
         prompts, completions = read_generation_texts(data, **columns)
-        fractions = {
-            "test": (0.0 if test is not None else 0.1) if test_fraction is None else test_fraction,
-            "val": (0.0 if val is not None else 0.1) if val_fraction is None else val_fraction,
-            "public": public_fraction,
+        given = {
+            name: None if source is None else read_generation_texts(source, **columns)
+            for name, source in {"public": public, "val": val, "test": test}.items()
         }
-        pool = split_indices(len(prompts), fractions, split_seed)
-        given = {"public": public, "val": val, "test": test}
-        raw = {"private": ([prompts[i] for i in pool["rest"]], [completions[i] for i in pool["rest"]])}
-        for name, source in given.items():
-            extra = read_generation_texts(source, **columns) if source is not None else ([], [])
-            raw[name] = ([prompts[i] for i in pool[name]] + extra[0], [completions[i] for i in pool[name]] + extra[1])
+        raw = carve_splits((prompts, completions), given, test_fraction, val_fraction, public_fraction, split_seed)
         splits = {name: tokenize_sequences(*pair, self.tokenizer, max_length, add_eos) for name, pair in raw.items()}
         super().__init__(
             **self.from_splits(
@@ -172,6 +166,4 @@ class TextGenerationDataModule(PrivatePublicDataModule):
                 pin_memory=pin_memory,
             )
         )
-        given_objects = {"data": data, "public": public, "val": val, "test": test, "tokenizer": tokenizer}
-        objects = [name for name, value in given_objects.items() if not isinstance(value, (str, Path, type(None)))]
-        self.save_hyperparameters(ignore=objects)
+        self.save_hyperparameters(ignore=in_memory(data=data, public=public, val=val, test=test, tokenizer=tokenizer))
