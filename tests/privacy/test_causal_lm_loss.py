@@ -57,3 +57,18 @@ def test_other_batches_are_refused_with_a_pointer(gpt2):
         causal_lm(gpt2, (ids, ids))
     with pytest.raises(ValueError, match="token-level labels"):
         causal_lm(gpt2, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])})
+
+
+def test_perplexity_weights_every_token_alike_and_leaves_the_mode(gpt2):
+    from pl_dp.nets import perplexity
+
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(2, 300, (n,), generator=g) for n in (3, 8)]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    batch = {"input_ids": ids, "attention_mask": (torch.arange(8) < torch.tensor([[3], [8]])).long()}
+    with torch.no_grad():  # Hugging Face's mean over each sequence's 2 and 7 predicted tokens
+        nll = sum(_hf_loss(gpt2, row.unsqueeze(0)) * (len(row) - 1) for row in rows)
+    gpt2.train()
+    torch.testing.assert_close(torch.tensor(perplexity(gpt2, [batch])), torch.exp(nll / 9), rtol=1e-5, atol=0)
+    assert gpt2.training
+    gpt2.eval()
