@@ -120,7 +120,7 @@ class GhostClipping:
         shared = unsupported_ties(net)
         if shared:
             raise ValueError(
-                f"per_sample='ghost' cannot clip these parameters tied across modules: {shared}. A shared "
+                f"per_sample='ghost' cannot clip these parameters tied across modules: {'; '.join(shared)}. A shared "
                 "parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie them, or use "
                 "per_sample='hooks'."
             )

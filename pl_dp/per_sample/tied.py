@@ -65,7 +65,7 @@ def unsupported_ties(net: nn.Module) -> list[str]:
         names = " = ".join(name for name, _ in found)
         if any(type(m) not in (nn.Linear, nn.Embedding) or m.weight is not p for _, m in found):
             kinds = sorted({type(m).__name__ for _, m in found})
-            lines.append(f"{names} (in {kinds}): exact norms cover tied weights of nn.Linear and nn.Embedding")
+            lines.append(f"{names} (in {', '.join(kinds)}): exact norms cover tied weights of Linear and Embedding")
         elif any(isinstance(m, nn.Embedding) and (m.scale_grad_by_freq or m.max_norm is not None) for _, m in found):
             lines.append(f"{names}: an nn.Embedding with scale_grad_by_freq or max_norm (batch-dependent gradients)")
         elif any(counts[m] > 1 for _, m in found):
