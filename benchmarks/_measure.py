@@ -1,11 +1,20 @@
-"""What the benchmark scripts share: a training-only Trainer, and callbacks for step wall time and peak-RSS growth."""
+"""What the benchmark scripts share: a training-only Trainer, callbacks for step wall time and peak-RSS growth, and a
+driver that runs a script once per world size."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 
@@ -119,3 +128,40 @@ class FitMemory(L.Callback):
         self.live_mb = (self.live - self.base) / 1024
         self.step_peak_mb = (peak - self.live) / 1024
         self.fit_peak_mb = (max(peak, self.warmup_peak) - self.base) / 1024
+
+
+
+def per_world_size(
+    script: str, doc: str, steps: int, worker: Callable[[int, int, Path], None], read: Callable[[Path], Any]
+) -> tuple[argparse.Namespace, dict[int, Any]] | None:
+    """The command line of a script measured on 1 and 2 processes (``--steps``, ``--json``).
+
+    Run as a worker (``--worker W --out FILE``, how it re-runs itself), it calls ``worker(W, steps, FILE)`` and
+    returns None. Otherwise it runs itself once per world size, each in its own subprocess (a multi-process
+    launcher re-runs the script for the other ranks), and returns the arguments and ``read(FILE)`` per world size.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.out)
+        return None
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for devices in (1, 2):
+            out = Path(tmp) / f"world{devices}.json"
+            cmd = [sys.executable, script, "--worker", str(devices), "--out", str(out), "--steps", str(args.steps)]
+            subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+            results[devices] = read(out)
+    return args, results
+
+
+def write_per_world_size(args: argparse.Namespace, table: dict[int, dict]) -> None:
+    """Print the results of :func:`per_world_size` as JSON, and write them to ``--json`` if given."""
+    result = {"world_1": table[1], "world_2": table[2], "steps": args.steps, "cpu_count": os.cpu_count()}
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))

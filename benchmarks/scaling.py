@@ -13,12 +13,9 @@ Prints a table and JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _measure import quiet_trainer  # noqa: E402
+from _measure import per_world_size, quiet_trainer, write_per_world_size  # noqa: E402
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import DigitsDataModule  # noqa: E402
@@ -107,22 +104,10 @@ def worker(devices: int, steps: int, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.steps, args.out)
+    run = per_world_size(__file__, __doc__, 20, worker, lambda out: json.loads(out.read_text()))
+    if run is None:
         return
-    table = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for devices in (1, 2):
-            out = Path(tmp) / f"world{devices}.json"
-            cmd = [sys.executable, __file__, "--worker", str(devices), "--out", str(out), "--steps", str(args.steps)]
-            subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-            table[devices] = json.loads(out.read_text())
+    args, table = run
     print(f"digits MLP 64-{'-'.join(map(str, HIDDEN))}-10, expected batch {BATCH}, {args.steps} timed steps")
     header = ["method".ljust(8), "d".rjust(8), "steps/s 1 proc".rjust(15), "steps/s 2 proc".rjust(15)]
     print(" ".join(header + ["bytes/step 2 proc".rjust(18), "epsilon 1|2".rjust(14)]))
@@ -132,10 +117,7 @@ def main() -> None:
             f"{name:8} {one['parameters']:>8} {one['steps_per_second']:>15.1f} {two['steps_per_second']:>15.1f} "
             f"{two['bytes_per_step']:>18.0f} {one['epsilon']:>6.3f}|{two['epsilon']:.3f}"
         )
-    result = {"world_1": table[1], "world_2": table[2], "steps": args.steps, "cpu_count": os.cpu_count()}
-    print(json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_per_world_size(args, table)
 
 
 if __name__ == "__main__":

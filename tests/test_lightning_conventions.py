@@ -10,7 +10,13 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -18,7 +24,7 @@ from pl_dp import PrivacySpec
 from pl_dp.callbacks import PrivacyBudget, StagewiseSchedule, WandbPrivacyLogger
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD, O2NC, PAZOM, PAZOP, PAZOS, Coupling, DPZero
-from pl_dp.methods.base import check_strategy
+from pl_dp.methods.parallel import check_strategy
 from pl_dp.per_sample import clipped_sum
 from pl_dp.privacy import ClipFunction
 from tests.conftest import blobs, make_trainer
@@ -310,11 +316,22 @@ def test_an_untrained_private_model_can_be_tested_and_reports_nothing_spent():
 
 # ---- 10. strategies ---------------------------------------------------------------------------------------
 def test_unsupported_strategies_are_refused_with_what_to_use():
-    check_strategy(SingleDeviceStrategy(torch.device("cpu")))
-    check_strategy(DDPStrategy())
+    check_strategy(SingleDeviceStrategy(torch.device("cpu")), "DPSGD", shardable=False)
+    check_strategy(DDPStrategy(), "DPSGD", shardable=False)
     for strategy in (FSDPStrategy(), DeepSpeedStrategy.__new__(DeepSpeedStrategy)):
         with pytest.raises(NotImplementedError, match="strategy='ddp'"):
-            check_strategy(strategy)
+            check_strategy(strategy, "DPZero", shardable=True)
+    for method in ("DPSGD", "Coupling", "O2NC", "PAZOS"):  # sharding is refused by name where not implemented
+        with pytest.raises(NotImplementedError, match=f"{method} cannot be sharded yet"):
+            check_strategy(ModelParallelStrategy(), method, shardable=False)
+
+
+def test_which_methods_shard_is_declared_by_the_method():
+    net = nn.Linear(4, 3)
+    assert all(cls.supports_sharding for cls in (DPZero, PAZOM, PAZOP))
+    assert not any(cls.supports_sharding for cls in (PAZOS, O2NC))
+    assert DPSGD(net, per_sample="ghost").supports_sharding and Coupling(net, per_sample="ghost").supports_sharding
+    assert not DPSGD(net).supports_sharding  # per-example gradients of gathered layers are not sharded
 
 
 # ---- 11. defaults compose ------------------------------------------------------------------------------

@@ -149,6 +149,12 @@ class PruningSchedule(PrivacyCallback):
 
     # ---- hooks -------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if getattr(pl_module, "sharded", False):
+            raise NotImplementedError(
+                "PruningSchedule scores whole parameters (a path norm through the net with |θ| substituted), which a "
+                "net sharded by FSDP2 does not hold on any rank: DP-ZOPO runs on one process or under DDP; "
+                "DP-ZOSO (StagewiseSchedule) runs sharded."
+            )
         stagewise = self._stagewise(trainer)
         stages = 1 if stagewise is None else stagewise.stages
         if len(self.rates) not in (1, stages):

@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from pl_dp.methods.evaluation import EvaluationMixin
-from pl_dp.methods.parallel import DataParallelMixin, check_strategy
+from pl_dp.methods.parallel import DataParallelMixin
 from pl_dp.privacy.accountants import Accountant
 from pl_dp.privacy.independence import (
     PROBE_MAX,
@@ -236,8 +236,13 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         zeroth-order methods evaluate them (eval mode, inference mode, micro-batched by ``max_physical_batch_size``).
         In a private run an example whose loss raises gets NaN — it contributes 0, counted — instead of ending the
         run at the step that sampled it (:func:`~pl_dp.privacy.seal.isolate_failures`)."""
+        forwards = None
+        if self.sharded:  # a collective forward cannot be isolated by bisection: pre-flight checked every example
+            physical = self.max_physical_batch_size or batch_size or 1
+            forwards = self.forwards_on_every_rank(math.ceil(batch_size / physical))
+        isolate = self.privacy is not None and forwards is None
         return per_sample_evaluator(
-            self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size, isolate=self.privacy is not None
+            self.net, self.loss_fn, batch, batch_size, self.max_physical_batch_size, isolate=isolate, forwards=forwards
         )
 
     def reference_pass(self, batch: Any) -> None:
@@ -453,6 +458,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         planned = trainer.estimated_stepping_batches
         if not math.isfinite(planned):
             raise ValueError("private training needs a finite plan: set trainer max_steps or max_epochs.")
+        if self.privacy is not None and self.sharded and not self.preflight:
+            raise ValueError(
+                "a sharded private run needs preflight=True: a sharded forward is a collective, so an example whose "
+                "loss fails cannot sit its step out (the ranks would disagree on the forwards run); the pre-flight "
+                "pass refuses such examples, by index, before the first release."
+            )
         if self.privacy is not None and trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 "accumulate_grad_batches must be 1: each Poisson batch is one private step "
@@ -556,7 +567,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
 
     # ---- Lightning hooks -----------------------------------------------------------------------
     def on_fit_start(self) -> None:
-        check_strategy(self.trainer.strategy)
+        self.prepare_strategy()
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
 
@@ -730,8 +741,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         if self.privacy is not None and self.lineage is not None:
             self._write_journal()  # before the checkpoint exists: a resume from it finds every step released
         checkpoint["pl_dp"] = self.privacy_state_dict()
-        masters = self.masters.state_dict(self.named_parameters())
-        if masters:  # the fp32 values the half-precision weights in "state_dict" are the rounding of
+        # the fp32 values the half-precision weights in "state_dict" are the rounding of; sharded, a distributed
+        # checkpoint saves only "state_dict" and the optimizers by shard, and a resume starts them from the weights
+        masters = {} if self.sharded else self.masters.state_dict(self.named_parameters())
+        if masters:
             checkpoint[MASTER_WEIGHTS_KEY] = masters
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -16,9 +16,10 @@ from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, split_batch
+from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, select_examples, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.seal import PlainAttributes, isolate_failures, sealed
+from pl_dp.privacy.shards import as_gradient_of, block, local
 from pl_dp.privacy.spec import PrivacySpec
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -55,6 +56,11 @@ class FirstOrderModule(PrivateModule):
     """
 
     private_loss_modes = ("train",)  # per-example gradients in training mode
+
+    @property
+    def supports_sharding(self) -> bool:
+        """Sharded (FSDP2) with ghost clipping only: per-example gradients of gathered layers would not be sharded."""
+        return self.per_sample_mode == "ghost"
 
     def __init__(
         self,
@@ -167,17 +173,18 @@ class FirstOrderModule(PrivateModule):
     ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """(Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I)) / expected batch size, one tensor per parameter."""
         params = self.trainable_parameters()
-        sums = [torch.zeros_like(p) for p in params]
+        sums = [torch.zeros_like(local(p)) for p in params]
+        parts = self._physical_batches(batch, batch_size)
+        blocks = [block(p) for p in params] if self.sharded else None
         if self.clip_function is None:  # non-private baseline: the plain mean gradient
-            for part in split_batch(batch, self.max_physical_batch_size):
+            for part in parts:
                 with torch.enable_grad():
                     losses = check_per_sample(self.loss_fn(self.net, part), batch_size_of(part))
-                    grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
-                for s, g in zip(sums, grads):
-                    if g is not None:
-                        s.add_(g)
+                    for s, g in zip(sums, self._gradient_of_sum(losses.sum(), params)):
+                        if g is not None:
+                            s.add_(g)
             sums, _ = self._sum_across_ranks(sums, torch.zeros(()))
-            mechanism.privatize_(sums, self.noise)
+            mechanism.privatize_(sums, self.noise, blocks)
             return sums, {}
         device = params[0].device
         norms, nonfinite = [torch.zeros(0, device=device)], torch.zeros((), dtype=torch.long, device=device)
@@ -185,35 +192,56 @@ class FirstOrderModule(PrivateModule):
         def compute(examples: Any) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
             return self._per_sample.clipped_sum(examples, self.clip_function)
 
-        if batch_size > 0:  # one physical micro-batch at a time, clipped sums added up (one noise draw below)
-            for part in split_batch(batch, self.max_physical_batch_size):
-                if self.privacy is None:
-                    done, failed = [(None, compute(part))], []
-                else:  # an example whose pass raises is left out (weight 0) and counted: no record-dependent crash
-                    done, failed = isolate_failures(compute, part, reset=self._per_sample.reset)
-                for _, (part_sums, part_norms, part_nonfinite) in done:
-                    for s, t in zip(sums, part_sums):
-                        s.add_(t.to(s.dtype))
-                    norms.append(part_norms)
-                    nonfinite = nonfinite + part_nonfinite
-                nonfinite = nonfinite + len(failed)
+        for part in parts:  # one physical micro-batch at a time, clipped sums added up (one noise draw below)
+            if self.privacy is None or self.sharded:  # sharded: a collective pass cannot be isolated (pre-flight ran)
+                done, failed = [(None, compute(part))], []
+            else:  # an example whose pass raises is left out (weight 0) and counted: no record-dependent crash
+                done, failed = isolate_failures(compute, part, reset=self._per_sample.reset)
+            for _, (part_sums, part_norms, part_nonfinite) in done:
+                for s, t in zip(sums, part_sums):
+                    s.add_(t.to(s.dtype))
+                norms.append(part_norms)
+                nonfinite = nonfinite + part_nonfinite
+            nonfinite = nonfinite + len(failed)
         norms = torch.cat(norms)
         sums, nonfinite = self._sum_across_ranks(sums, nonfinite)
         stats = {"nonfinite": nonfinite}
         if self.log_private_metrics and batch_size > 0:
             stats.update(self._clip_diagnostics(sums, norms, mechanism))
-        mechanism.privatize_(sums, self.noise)
+        mechanism.privatize_(sums, self.noise, blocks)
         if self.clip_quantile is not None:
             stats.update(self._adapt_clip(norms, mechanism))
         return sums, stats
+
+    def _physical_batches(self, batch: Any, batch_size: int) -> list[Any]:
+        """The micro-batches of ``batch`` (none when it is empty); sharded, padded with empty batches to the number
+        every rank runs (a sharded forward and backward are collectives)."""
+        parts = split_batch(batch, self.max_physical_batch_size) if batch_size > 0 else []
+        if self.sharded:
+            empty = select_examples(batch, torch.zeros(0, dtype=torch.long)) if batch_size > 0 else batch
+            parts += [empty] * (self.forwards_on_every_rank(len(parts)) - len(parts))
+        return parts
+
+    def _gradient_of_sum(self, loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+        """∂loss/∂params; sharded, this rank's shard of the gradient summed over ranks (FSDP's reduce-scatter)."""
+        if not self.sharded:
+            return list(torch.autograd.grad(loss, params, allow_unused=True))
+        loss.backward()
+        grads = [None if p.grad is None else local(p.grad) for p in params]
+        for p in params:
+            p.grad = None
+        return grads
 
     def _sum_across_ranks(
         self, sums: list[torch.Tensor], count: torch.Tensor
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The weighted sums and the non-finite count summed over data-parallel ranks, in one collective
-        (before the noise, which every rank then adds identically: one draw per logical step)."""
+        (before the noise, which every rank then adds identically: one draw per logical step). Sharded, the sums
+        are this rank's shards of sums over all ranks already (FSDP's reduce-scatter): only the count is summed."""
         if not self.data_parallel:
             return sums, count
+        if self.sharded:
+            return sums, self.all_reduce_sum(count.float().reshape(1))[0]
         flat = torch.cat([s.reshape(-1) for s in sums] + [count.to(sums[0]).reshape(1)])
         flat = self.all_reduce_sum(flat)
         out, offset = [], 0
@@ -228,8 +256,9 @@ class FirstOrderModule(PrivateModule):
         """Not differentially private: un-noised per-example information (the clip or amplified fraction, and
         the signal-to-noise ratio of Liu et al. 2023, §5.3)."""
         prefix = "diagnostics/not_private/"
-        signal = math.sqrt(sum(float(s.square().sum()) for s in sums))
-        dim = sum(s.numel() for s in sums)
+        squares = torch.stack([s.double().square().sum() for s in sums]).sum().reshape(1)
+        signal = math.sqrt(float(self.all_reduce_sum(squares) if self.sharded else squares))
+        dim = sum(p.numel() for p in self.trainable_parameters())
         noise = mechanism.noise_std * math.sqrt(dim)  # E‖σC·Z‖ ≈ σC√d
         fn = self.clip_function
         if fn.kind == "constant":
@@ -261,9 +290,10 @@ class FirstOrderModule(PrivateModule):
 
     @staticmethod
     def set_gradients(params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
-        """``.grad`` ← the privatized gradient, in each parameter's dtype (noise was added in fp32)."""
+        """``.grad`` ← the privatized gradient, in each parameter's dtype (noise was added in fp32); a sharded
+        parameter's gradient is its shard."""
         for p, g in zip(params, grads):
-            p.grad = g.to(p.dtype)
+            p.grad = as_gradient_of(p, g.to(p.dtype))
 
 
 class DPSGD(FirstOrderModule):
@@ -411,11 +441,11 @@ class Coupling(PublicDataMixin, FirstOrderModule):
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
         params, alpha = self.trainable_parameters(), self.alpha
-        combined = [torch.zeros_like(p) for p in params]
+        combined = [torch.zeros_like(local(p)) for p in params]
         stats: dict[str, torch.Tensor] = {"train/alpha": torch.tensor(alpha)}
         if alpha > 0.0:
             for c, g in zip(combined, self.public_gradient(self.public_batches(1)[0])):
-                c.add_(g, alpha=alpha)
+                c.add_(local(g), alpha=alpha)
         if alpha < 1.0:
             private, extra = self.private_gradient(batch, batch_size, mechanism)
             for c, g in zip(combined, private):

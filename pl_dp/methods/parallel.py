@@ -3,8 +3,10 @@
 Every rank Poisson-samples its shard of one global batch, sums its clipped per-example
 contributions, and the sums are added across ranks *before* the noise; every rank then adds the
 same noise draw — one draw per logical step — and applies the same update. Only clipped sums and
-counts cross the network, never per-example values. Single device and DDP are supported;
-FSDP and DeepSpeed (which shard parameters and gradients) are refused until implemented.
+counts cross the network, never per-example values. Single device, DDP and — for the zeroth-order methods and
+ghost-clipped DP-SGD and Coupling — FSDP2 through Lightning's ``ModelParallelStrategy`` are supported (the method
+shards its net itself in ``configure_model``; :mod:`pl_dp.privacy.shards` says where each rank's block sits);
+``FSDPStrategy`` (FSDP1) and DeepSpeed are refused.
 """
 
 from __future__ import annotations
@@ -13,26 +15,94 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.sampling import PoissonBatchSampler
+from pl_dp.privacy.shards import is_sharded
 
 
-def check_strategy(strategy: Strategy) -> None:
-    """Refuse, at fit start, a Lightning strategy pl_dp does not support yet (single device and DDP are).
+def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
+    """Refuse, at fit start, a Lightning strategy pl_dp does not support for ``method``.
 
-    FSDP and DeepSpeed shard parameters, gradients and optimizer state across ranks: the per-step
-    clipped sum, the one noise draw per logical step shared by every replica and the zeroth-order
-    sweeps are implemented for whole replicas only. Refusing is better than a run whose noise or
-    sensitivity silently differs from what is accounted.
+    Single device and DDP are supported for every method that runs data-parallel; ``ModelParallelStrategy`` (FSDP2
+    on a 1-D data-parallel mesh) for the methods that can be sharded (``shardable``). ``FSDPStrategy`` (FSDP1's
+    flat parameters) and DeepSpeed shard parameters, gradients and optimizer state in ways the zeroth-order sweeps
+    and the per-example clipped sums are not written for: a run whose noise or sensitivity silently differed from
+    what is accounted would be worse than a refusal.
     """
+    if isinstance(strategy, ModelParallelStrategy):
+        if not shardable:
+            raise NotImplementedError(
+                f"{method} cannot be sharded yet (ModelParallelStrategy): its update needs the whole parameters on "
+                "every rank. Use strategy='ddp' (or one device); DPZero, PAZO-M, PAZO-P, and DPSGD and Coupling "
+                "with per_sample='ghost', run sharded."
+            )
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel != 1:
+            raise ValueError(
+                f"pl_dp shards the net itself with FSDP2 over the data-parallel ranks and does not apply tensor "
+                f"parallelism; got tensor_parallel_size={tensor_parallel}. Use ModelParallelStrategy("
+                f"data_parallel_size={strategy.world_size}, tensor_parallel_size=1)."
+            )
+        return
     if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         raise NotImplementedError(
-            f"pl_dp supports the single-device and DDP strategies; got {type(strategy).__name__}. FSDP and "
-            "DeepSpeed shard parameters and gradients, for which one noise draw per logical step and the "
-            "per-example clipped sums are not implemented yet: use strategy='ddp' (or one device)."
+            f"pl_dp supports the single-device and DDP strategies, and ModelParallelStrategy (FSDP2) for the "
+            f"zeroth-order methods and ghost clipping; got {type(strategy).__name__}. FSDPStrategy (FSDP1) and "
+            "DeepSpeed shard parameters and gradients in ways the per-example clipped sums and the zeroth-order "
+            "sweeps are not written for: use strategy='ddp', ModelParallelStrategy(data_parallel_size=N, "
+            "tensor_parallel_size=1), or one device."
         )
+
+
+def shard(net: nn.Module, mesh: Any) -> None:
+    """FSDP2 over ``mesh``: ``fully_shard`` each layer that holds parameters, then the whole net.
+
+    Each layer's parameters are all-gathered for its own forward only (peak memory: the shards plus one layer), and
+    a backward's reduce-scatter sums the ranks' gradients, as pl_dp's own all-reduce sums the clipped sums of DDP.
+    A parameter shared by several layers (tied embeddings) is left to the whole net's group, since FSDP2 shards a
+    parameter in one group only.
+    """
+    holders: dict[int, list[nn.Module]] = {}
+    for module in net.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(module)
+    layers = []
+    for module in net.modules():
+        own = list(module.parameters(recurse=False))
+        if module is not net and own and all(len(holders[id(p)]) == 1 for p in own):
+            layers.append(module)
+    for module in layers:
+        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    # the whole net too (FSDP2 keeps the root's parameters gathered after a forward by default): between forwards
+    # every parameter is its shard, which is what the zeroth-order sweeps write
+    fully_shard(net, mesh=mesh, reshard_after_forward=True)
+    for module in [*layers, net]:  # gradients are summed over ranks (FSDP's default averages), with a plain sum
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def allocate_gathered(net: nn.Module) -> None:
+    """Gather and release every FSDP2 group of ``net`` once, outside inference mode (a collective).
+
+    FSDP2 allocates the memory of a group's gathered parameters at its first all-gather and reuses it: allocated
+    under ``torch.inference_mode()`` (a zeroth-order forward, the pre-flight pass) it would hold inference tensors,
+    which a later forward with autograd (a public gradient) may not write.
+    """
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
 
 
 class DataParallelMixin:
@@ -43,6 +113,43 @@ class DataParallelMixin:
 
     #: whether the method runs under data parallelism (sum-then-noise collectives; O2NC does not yet)
     supports_data_parallel: bool = True
+    #: whether the method runs with its net sharded by FSDP2 (``ModelParallelStrategy``): the zeroth-order methods
+    #: but O2NC and PAZO-S, and ghost-clipped DP-SGD and Coupling
+    supports_sharding: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this fit runs under ``ModelParallelStrategy`` (the net sharded by FSDP2)."""
+        return self._trainer is not None and isinstance(self._trainer.strategy, ModelParallelStrategy)
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy``, shard the net with FSDP2 over the data-parallel ranks (:func:`shard`),
+        unless it is sharded already (a net whose own ``configure_model`` did it); otherwise nothing.
+
+        Lightning calls this hook at every fit, test and predict; pl_dp applies the sharding, so that
+        ``pl-dp fit --trainer.strategy ModelParallelStrategy`` needs no code from the user.
+        """
+        if not self.sharded:
+            return
+        check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
+        if not is_sharded(list(self.net.parameters())):
+            shard(self.net, self.device_mesh["data_parallel"])
+
+    def prepare_strategy(self) -> None:
+        """At fit start: refuse a strategy this method does not support (:func:`check_strategy`); under FSDP2,
+        allocate the gathered parameters' memory before any forward (:func:`allocate_gathered`)."""
+        check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
+        if self.sharded:
+            allocate_gathered(self.net)
+
+    def forwards_on_every_rank(self, count: int) -> int:
+        """The number of forward passes every rank runs for a batch that needs ``count`` on this rank: the most any
+        rank needs when the net is sharded (a sharded forward is a collective: every rank must run each one), else
+        ``count``. Ranks with fewer examples run the rest on an empty batch."""
+        if not self.sharded or not self.data_parallel:
+            return count
+        self.collective_bytes += 8
+        return int(self.trainer.strategy.reduce(torch.tensor(count, device=self.device), reduce_op="max"))
 
     @property
     def data_parallel(self) -> bool:

@@ -28,6 +28,7 @@ from pl_dp.methods.public import PublicDataMixin
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.shards import local
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import privatize_sum
@@ -213,7 +214,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         engine = self.estimator.engine
         for c, public in enumerate(self.public_batches(self.k)):
             for slot, grad in zip(engine.basis_slot(c), self.public_gradient(public)):
-                slot.copy_(grad)
+                slot.copy_(local(grad))
         if self.log_private_metrics:
             self.log_gradient_similarity(batch, [b.mean(dim=0) for b in engine.basis])
         engine.finalize_basis(self.orthonormalize)

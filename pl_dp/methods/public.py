@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pl_dp.privacy.losses import batch_size_of, check_per_sample
+from pl_dp.privacy.shards import replicated_gradient
 
 
 class PublicDataMixin:
@@ -41,11 +42,15 @@ class PublicDataMixin:
         return [self.transfer_batch_to_device(b, self.device, 0) for b in self._public_source().public_batches(k)]
 
     def public_gradient(self, batch: Any) -> list[torch.Tensor]:
-        """∇ of the mean loss over a public batch at the current parameters: no clipping, no noise."""
+        """∇ of the mean loss over a public batch at the current parameters: no clipping, no noise.
+
+        Every rank draws the same public batches, so the gradient is the same on every rank; sharded (FSDP2),
+        each rank gets its shard of it (:func:`~pl_dp.privacy.shards.replicated_gradient`).
+        """
         params = self.trainable_parameters()
         with torch.enable_grad():
             losses = check_per_sample(self.loss_fn(self.net, batch), batch_size_of(batch))
-            grads = torch.autograd.grad(losses.mean(), params, allow_unused=True)
+            grads = replicated_gradient(losses.mean(), params)
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
     def log_gradient_similarity(self, batch: Any, public_grad: list[torch.Tensor]) -> list[torch.Tensor] | None:

@@ -53,6 +53,7 @@ class ZerothOrderModule(PrivateModule):
     """
 
     secure_rng_default = True
+    supports_sharding = True
     applies_own_update = True
     applies_proximal_term = True
     private_loss_modes = ("eval",)  # private_losses

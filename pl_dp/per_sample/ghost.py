@@ -28,6 +28,12 @@ weight is applied to the very gradient whose norm it was computed from; trainabl
 A parameter tied across modules (a language model's output projection reusing its input embedding: GPT-2, OPT,
 Llama-style models) gets the norm of the *sum* of its uses' gradients, cross term included
 (:mod:`pl_dp.per_sample.tied`); Opacus' hooks, which cover one use only, are kept off the modules that hold it.
+
+Sharded by FSDP2 (DTensor parameters), Opacus' FSDP module records the norms on each layer (FSDP swaps a layer's
+parameters between shards and gathered copies), both passes are ``backward`` calls, and the second one's
+reduce-scatter leaves each rank its shard of the clipped sum *over all ranks*: every rank runs the same passes
+(collectives), and a micro-batch with a non-finite norm on any rank is run again, without those examples, by all.
+Tied parameters are refused when sharded.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleModuleFastGradientClippingFSDP,
+)
 from torch import nn
 
 from pl_dp.per_sample.gradients import (
@@ -46,9 +56,10 @@ from pl_dp.per_sample.gradients import (
     refuse_rows_not_examples,
     unsupported_layers,
 )
-from pl_dp.per_sample.tied import TiedNorms, unsupported_ties
+from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
+from pl_dp.privacy.shards import is_sharded, layout_of, local
 
 
 class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
@@ -81,6 +92,10 @@ class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
                 "such a layer covers one call only. Use per_sample='hooks'."
             )
         super().capture_activations_hook(module, forward_input, forward_output)
+
+
+class _ShardedGhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
+    """Opacus' fast-gradient-clipping module for FSDP2, recording in eval mode too: norms are kept on each layer."""
 
 
 class GhostClipping:
@@ -124,15 +139,20 @@ class GhostClipping:
                 "parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie them, or use "
                 "per_sample='hooks'."
             )
-        self._tied = TiedNorms(net)
-        self._gsm = _GhostNormModule(
-            net,
-            skipped=frozenset(self._tied.modules),
-            batch_first=True,
-            loss_reduction="sum",
-            strict=True,
-            use_ghost_clipping=True,
-        )
+        self.sharded = is_sharded(self.params)
+        self.group = layout_of(self.names[0], self.params[0]).group if self.sharded else None
+        if self.sharded and tied_parameters(net):
+            names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
+            raise ValueError(
+                f"per_sample='ghost' cannot clip parameters tied across modules on a sharded net: {names}. Train "
+                "them in one process, freeze or untie them."
+            )
+        self._tied = TiedNorms(net)  # no tie when sharded: nothing to do
+        options = dict(batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
+        if self.sharded:
+            self._gsm = _ShardedGhostNormModule(net, **options)
+        else:
+            self._gsm = _GhostNormModule(net, skipped=frozenset(self._tied.modules), **options)
         self._gsm.layer_names = {m: name or "<the net itself>" for name, m in net.named_modules()}
         self._gsm.disable_hooks()
         self._lookups = BroadcastLookups(net)
@@ -143,9 +163,11 @@ class GhostClipping:
         The same three values as :func:`~pl_dp.per_sample.clipped_sum` of the per-example gradients.
         """
         size = batch_size_of(batch)
-        norms, losses = self._norms(batch, size)
+        norms, losses = (self._sharded_norms if self.sharded else self._norms)(batch, size)
         weights, finite = clip_fn.finite_weights(norms)
         nonfinite = (~finite).sum()
+        if self.sharded:
+            return self._sharded_sum(batch, clip_fn, norms, losses, weights, finite)
         if bool(nonfinite):  # 0·NaN is NaN: the others' sum is computed again without them
             del losses
             keep = finite.nonzero().squeeze(1)
@@ -161,7 +183,7 @@ class GhostClipping:
 
     def per_example_norms(self, batch: Any) -> torch.Tensor:
         """The per-example gradient norms ‖g_i‖ (fp32) that the first pass computes, and nothing else."""
-        return self._norms(batch, batch_size_of(batch))[0].detach()
+        return (self._sharded_norms if self.sharded else self._norms)(batch, batch_size_of(batch))[0].detach()
 
     def close(self) -> None:
         """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
@@ -214,6 +236,65 @@ class GhostClipping:
         for p in self.params:
             p._norm_sample = None
         return norms, losses
+
+    def _sharded_norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept; the norms are read off the layers (and
+        taken off them: un-noised per-example values) and the gradient it reduce-scattered is dropped."""
+        gsm = self._gsm
+        holders = {id(p): m for m in self.net.modules() for p in m.parameters(recurse=False)}
+        gsm.enable_hooks()
+        try:
+            with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
+                losses = check_per_sample(self.loss_fn(gsm, batch), size)
+                losses.sum().backward(retain_graph=True)
+            missed = [
+                name
+                for name, p in zip(self.names, self.params)
+                if p.grad is not None and "norm_sample" not in holders[id(p)].__dict__
+            ]
+            recorded = any("norm_sample" in m.__dict__ for m in self.net.modules())
+            norms = gsm.get_norm_sample().float().reshape(-1) if recorded else torch.zeros(size, device=losses.device)
+        finally:
+            gsm.disable_hooks()
+            gsm.per_sample_gradient_norms = None  # Opacus keeps them: un-noised per-example values of the batch
+            clear_hook_state(self.net, self.params)
+            for p in self.params:
+                p.grad = None
+        if missed:
+            raise RuntimeError(f"Opacus' FSDP ghost-clipping hooks recorded no per-example norm for {missed}.")
+        refuse_rows_not_examples([] if norms.shape == (size,) else ["the net"], size, "gradient norms")
+        return norms, losses
+
+    def _sharded_sum(
+        self,
+        batch: Any,
+        clip_fn: ClipFunction,
+        norms: torch.Tensor,
+        losses: torch.Tensor,
+        weights: torch.Tensor,
+        finite: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Second pass, sharded: this rank's shard of Σ_i c_i·g_i over every rank's examples. Whether any rank saw a
+        non-finite norm is agreed first (one all-reduce), so that all run the pass again without those examples."""
+        nonfinite = (~finite).sum()
+        flag = nonfinite.reshape(1).float()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if bool(flag):  # 0·NaN is NaN: every rank runs the passes again, without its non-finite examples
+            del losses
+            sums, _, more = self.clipped_sum(select_examples(batch, finite.nonzero().squeeze(1)), clip_fn)
+            return sums, norms, nonfinite + more
+        for p in self.params:
+            p.grad = None
+        with torch.enable_grad(), _full_precision(self.params[0].device):
+            (weights.detach() * losses).sum().backward()
+        sums = [
+            torch.zeros_like(local(p), dtype=torch.float32) if p.grad is None else local(p.grad).float()
+            for p in self.params
+        ]
+        for p in self.params:
+            p.grad = None
+        self._lookups.check(self.loss_fn, batch, batch_size_of(batch))
+        return sums, norms, nonfinite
 
     def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
         """Second pass, hooks off: the gradient of Σ_i c_i·ℓ_i through the kept graph is Σ_i c_i·g_i."""

@@ -30,6 +30,7 @@ from torch.func import functional_call, grad, vmap
 
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
+from pl_dp.privacy.shards import replicated_gradient, whole
 
 
 class _Functional(nn.Module):
@@ -161,7 +162,8 @@ def clear_hook_state(net: nn.Module, params: Sequence[nn.Parameter]) -> None:
     gradients (ghost norms, ``_norm_sample``, are reset by the next ghost pass). A layer run but not reached by the
     backward — or a pass that raised halfway — keeps some, and the counters would then misalign the next pass."""
     for module in net.modules():
-        for attr in ("activations", "max_batch_len"):
+        # Opacus' FSDP module keeps its call counters and per-example norms on the layers
+        for attr in ("activations", "max_batch_len", "_forward_counter", "norm_sample"):
             if attr in module.__dict__:  # its own attribute (a wrapper such as peft's may forward the name)
                 delattr(module, attr)
     for p in params:
@@ -345,10 +347,9 @@ def verify_per_example_gradients(
             for i in range(size):
                 with torch.enable_grad():
                     single = select_examples(examples, torch.tensor([i]))
-                    own = torch.autograd.grad(
-                        check_per_sample(per_sample.loss_fn(net, single), 1).sum(), params, allow_unused=True
-                    )
-                reference = max(math.sqrt(sum(float(g.double().square().sum()) for g in own if g is not None)), 1e-12)
+                    own = replicated_gradient(check_per_sample(per_sample.loss_fn(net, single), 1).sum(), params)
+                squares = sum(float(whole(g.double().square().sum())) for g in own if g is not None)
+                reference = max(math.sqrt(squares), 1e-12)
                 if ghost:
                     shortfall = 1 - float(rows[i]) / reference
                     if shortfall > rtol:

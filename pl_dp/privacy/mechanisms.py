@@ -93,11 +93,25 @@ class SubsampledGaussian:
         noisy = sums + noise.normal(sums.shape, self.noise_std, sums.device, sums.dtype)
         return noisy / self.expected_batch_size
 
-    def privatize_(self, sums: Sequence[torch.Tensor], noise: NoiseSource) -> None:
-        """In-place version for a vector release split into tensors (e.g. one gradient per parameter)."""
-        for t in sums:
-            if self.is_private:
+    def privatize_(
+        self,
+        sums: Sequence[torch.Tensor],
+        noise: NoiseSource,
+        blocks: Sequence[tuple[torch.Size, int]] | None = None,
+    ) -> None:
+        """In-place version for a vector release split into tensors (e.g. one gradient per parameter).
+
+        ``blocks``: the sums are this rank's blocks of sharded tensors (:func:`~pl_dp.privacy.shards.block`: each
+        one's whole shape and flat offset). The noise is drawn for the whole tensor — the draw one process makes —
+        and each rank adds its block of it: one draw per logical step, whatever the layout.
+        """
+        for i, t in enumerate(sums):
+            if self.is_private and blocks is None:
                 t.add_(noise.normal(t.shape, self.noise_std, t.device, t.dtype))
+            elif self.is_private:
+                shape, offset = blocks[i]
+                whole = noise.normal(shape, self.noise_std, t.device, t.dtype).view(-1)
+                t.add_(whole[offset : offset + t.numel()].view_as(t))
             t.div_(self.expected_batch_size)
 
     def account(self, *accountants: Accountant | None) -> None:

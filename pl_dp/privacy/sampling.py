@@ -343,16 +343,16 @@ def poisson_loader(
     read and batched sealed (:class:`SealedReads`, :class:`EmptySafeCollate`): an example that fails to load or to
     batch sits its step out instead of ending the run, and nothing the reading or the collate says is shown.
 
-    With ``num_replicas > 1`` each rank gets its shard of the global Poisson batch, and the
-    loader's ``sampler`` is a :class:`ShardMarker`: frameworks that inject a ``DistributedSampler``
-    (Lightning's ``use_distributed_sampler``) see the loader as already distributed and leave it
+    With ``num_replicas > 1`` each rank gets its shard of the global Poisson batch. The loader's ``sampler`` is a
+    :class:`ShardMarker`: frameworks that inject a ``DistributedSampler`` (Lightning's ``use_distributed_sampler``,
+    under any distributed strategy, one process included) see the loader as already distributed and leave it
     alone instead of failing on, or replacing, the Poisson batch sampler.
     """
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
     collate = EmptySafeCollate(dataset, collate_fn)
     loader = DataLoader(SealedReads(dataset), batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
-    if num_replicas > 1:  # DataLoader forbids setting ``sampler`` next to ``batch_sampler``; it never iterates it
-        object.__setattr__(loader, "sampler", ShardMarker(dataset, num_replicas, rank))
+    # DataLoader forbids setting ``sampler`` next to ``batch_sampler``; it never iterates it
+    object.__setattr__(loader, "sampler", ShardMarker(dataset, num_replicas, rank))
     return loader
 
 

@@ -23,7 +23,7 @@ with the update):
   unless asked for.
 * **Cheaper directions.** ``"rademacher"`` draws one random bit per coordinate (±1, Spall 1992's
   SPSA perturbation) instead of a Gaussian; ``"lowrank"`` draws u = a·bᵀ per matrix (Chen et al.
-  2025, LOZO) — m + n Gaussians added with one ``addr_`` instead of m·n. Both have E[u uᵀ] = I like
+  2025, LOZO) — m + n Gaussians added with one broadcast ``addcmul_`` instead of m·n. Both have E[u uᵀ] = I like
   the Gaussian; directions are data-independent, so no choice changes the privacy analysis.
 * Only parameters with ``requires_grad`` are perturbed; d counts only those.
 * With a :class:`~pl_dp.zo.mask.DirectionMask` (DP-ZOPO) only the kept coordinates are drawn
@@ -44,7 +44,7 @@ with the update):
   the fp16 collapses reported for MeZO (Malladi et al. 2023).
 
 Every write goes through :meth:`PerturbationEngine._place_chunk` (drawn chunks),
-:meth:`PerturbationEngine.place` (kept directions, dense extra terms) or the low-rank ``addr_`` in
+:meth:`PerturbationEngine.place` (kept directions, dense extra terms) or the low-rank ``addcmul_`` in
 :meth:`PerturbationEngine._sweep`, all on the tensors of ``self.weights`` (the parameters, or their
 masters); :meth:`PerturbationEngine._present` is the only writer of a mastered parameter.
 """
@@ -59,9 +59,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.shards import local, shard_layouts
 from pl_dp.zo import parallel
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.master import MasterWeights
@@ -116,16 +118,21 @@ class Direction:
 
 
 class Chunk(NamedTuple):
-    """Trained coordinates [start, stop) of parameter ``index``, drawn from one generator.
+    """Trained coordinates [start, stop) of this rank's block of parameter ``index``, drawn from one generator.
 
     Coordinates count in row-major order, or, under a mask that keeps part of the tensor, in the
-    mask's index order. ``number`` is the chunk's position within its parameter (part of its seed).
+    mask's index order. ``number`` is the chunk's position within the whole parameter (part of its seed):
+    chunk ``number`` covers ``drawn`` coordinates of the whole tensor, of which this rank's block holds
+    those from ``skip`` on (all of them, ``skip = 0``, unless the tensor is sharded and the chunk straddles
+    the edge of the block).
     """
 
     index: int
     number: int
     start: int
     stop: int
+    skip: int
+    drawn: int
 
 
 class PerturbationEngine:
@@ -147,6 +154,13 @@ class PerturbationEngine:
     ``params`` are the module's parameters; ``weights`` the tensors that hold their trained values (the
     parameter itself, or the fp32 master of a bf16/fp16 one). A caller that writes ``weights`` directly
     calls :meth:`sync` afterwards.
+
+    Sharded parameters (FSDP2 DTensors, see :mod:`pl_dp.privacy.shards`): ``params`` and ``weights`` are then
+    this rank's local blocks (the masters are sharded like their parameters). Chunks are planned over the whole
+    tensor and each rank draws those that meet its block, the ones across its edges in full (at most two per
+    parameter), so that every rank writes exactly its slice of the direction one process would draw; d, the
+    radius and a sphere's norm are those of the whole direction (the norm sums one value per chunk over the
+    ranks: 8 bytes a chunk per sphere direction).
     """
 
     def __init__(
@@ -160,12 +174,15 @@ class PerturbationEngine:
         cache_size: int = 1,
         masters: MasterWeights | None = None,
     ) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
+        trained = [p for p in params if p.requires_grad]
+        if not trained:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+        self.layouts = shard_layouts(trained)
+        self.group = self.layouts[0].group
         self.masters = MasterWeights() if masters is None else masters
-        self.weights = self.masters.weights(self.params)
-        self._mastered = [w is not p for w, p in zip(self.weights, self.params)]
+        weights = self.masters.weights(trained)
+        self._mastered = [w is not p for w, p in zip(weights, trained)]
+        self.params, self.weights = [local(p) for p in trained], [local(w) for w in weights]
         self._any_mastered, self._all_mastered = any(self._mastered), all(self._mastered)
         self._pending: dict[Key, float] = {}  # perturbation of the mastered parameters, not in their masters
         if isinstance(cache_size, bool) or int(cache_size) != cache_size or cache_size < 1:
@@ -173,13 +190,16 @@ class PerturbationEngine:
         self.seed = int(seed)
         self.direction = Direction(direction, radius) if isinstance(direction, str) else direction
         self.mask = None if mask is None else self._check_mask(mask)
-        self.counts = [self.mask.count(i) if self.mask else p.numel() for i, p in enumerate(self.params)]
-        self.dim = sum(self.counts)
+        self._windows, self._local_indices = self._plan_windows()
+        self.counts = [stop - start for start, stop in self._windows]  # this rank's, in coordinates drawn
+        self.total_counts = [self.mask.count(i) if self.mask else a.numel for i, a in enumerate(self.layouts)]
+        self.dim = sum(self.total_counts)
         self.radius = self.direction.resolved_radius(self.dim)
-        # low-rank parameters: drawn as a·bᵀ; added with one addr_ when the whole tensor is trained ("outer")
+        # low-rank parameters: drawn as a·bᵀ; added with one addcmul_ when the whole tensor is trained ("outer")
         lowrank = self.direction.kind == "lowrank"
         self._factored = [lowrank and w.dim() >= 2 and w.is_contiguous() for w in self.weights]
         self._outer = [f and self._indices(i) is None and self._values(i) is None for i, f in enumerate(self._factored)]
+        self._chunk_sizes = [self._chunk_size(i) for i in range(len(self.weights))]
         self.chunks = self._plan_chunks()
         self._chunks_of: dict[int, list[Chunk]] = {}
         for chunk in self.chunks:
@@ -203,7 +223,7 @@ class PerturbationEngine:
         return self.cache_size > 0
 
     def _check_mask(self, mask: DirectionMask) -> DirectionMask:
-        numels = [p.numel() for p in self.params]
+        numels = [a.numel for a in self.layouts]
         if list(mask.numels) != numels:
             raise ValueError(f"the direction mask was built for tensors of sizes {mask.numels}, not {numels}.")
         if mask.trained == 0:
@@ -211,32 +231,61 @@ class PerturbationEngine:
         return mask.to(self.params[0].device)
 
     def _indices(self, index: int) -> torch.Tensor | None:
-        return None if self.mask is None else self.mask.indices[index]
+        """The kept flat indices of this rank's block of parameter ``index`` (None: all)."""
+        return self._local_indices[index]
 
     def _values(self, index: int) -> torch.Tensor | None:
         return None if self.mask is None else self.mask.value(index)
 
-    def _plan_chunks(self) -> list[Chunk]:
-        chunks = []
-        for i, p in enumerate(self.weights):
-            if self._outer[i]:
+    def _plan_windows(self) -> tuple[list[tuple[int, int]], list[torch.Tensor | None]]:
+        """Per parameter, this rank's coordinates [start, stop) in the order drawn, and its kept local flat indices."""
+        windows, indices = [], []
+        for i, (w, layout) in enumerate(zip(self.weights, self.layouts)):
+            kept = None if self.mask is None else self.mask.indices[i]
+            if kept is None:
+                windows.append((layout.offset, layout.offset + w.numel()))
+                indices.append(None)
                 continue
-            # one chunk per tensor on accelerators, and for a non-contiguous tensor swept whole (no flat view)
-            whole = p.device.type != "cpu" or (self._indices(i) is None and not p.is_contiguous())
-            size = max(self.counts[i], 1) if whole else CPU_CHUNK
-            for number, start in enumerate(range(0, self.counts[i], size)):
-                chunks.append(Chunk(i, number, start, min(start + size, self.counts[i])))
+            bounds = torch.tensor([layout.offset, layout.offset + w.numel()], device=kept.device)
+            start, stop = torch.searchsorted(kept, bounds).tolist()  # the mask's indices are sorted
+            windows.append((start, stop))
+            indices.append(kept[start:stop] - layout.offset if layout.offset else kept[start:stop])
+        return windows, indices
+
+    def _chunk_size(self, index: int) -> int:
+        w = self.weights[index]
+        # one chunk per tensor on accelerators, and for a non-contiguous tensor swept whole (no flat view)
+        whole = w.device.type != "cpu" or (self._indices(index) is None and not w.is_contiguous())
+        return max(self.total_counts[index], 1) if whole else CPU_CHUNK
+
+    def _plan_chunks(self) -> list[Chunk]:
+        """The chunks that meet this rank's block of each parameter (every chunk, unsharded)."""
+        chunks = []
+        for i, (start, stop) in enumerate(self._windows):
+            if self._outer[i] or stop <= start:
+                continue
+            size, total = self._chunk_sizes[i], self.total_counts[i]
+            for number in range(start // size, -(-stop // size)):
+                first, last = number * size, min((number + 1) * size, total)
+                lo, hi = max(first, start), min(last, stop)
+                chunks.append(Chunk(i, number, lo - start, hi - start, lo - first, last - first))
         return chunks
 
     # ---- drawing ---------------------------------------------------------------------------
     def _factors(self, key: Key, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """a ∈ ℝ^m, b ∈ ℝ^n of the low-rank draw a·bᵀ of parameter ``index`` (viewed as m × n)."""
-        p = self.weights[index]
-        rows = p.shape[0]
+        """a ∈ ℝ^m, b ∈ ℝ^n of the low-rank draw a·bᵀ of parameter ``index`` (the whole tensor, viewed as m × n)."""
+        p, layout = self.weights[index], self.layouts[index]
+        rows = layout.shape[0]
         g = parallel.generator(p.device)
         g.manual_seed(self._parameter_seed(key, index))
-        ab = torch.empty(rows + p.numel() // rows, device=p.device, dtype=p.dtype).normal_(generator=g)
+        ab = torch.empty(rows + layout.row_size, device=p.device, dtype=p.dtype).normal_(generator=g)
         return ab[:rows], ab[rows:]
+
+    def _local_factors(self, key: Key, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of a that this rank's block holds, and b: its block of a·bᵀ is their outer product."""
+        a, b = self._factors(key, index)
+        first, last = self.layouts[index].rows
+        return a[first:last], b
 
     def _parameter_seed(self, key: Key, index: int) -> int:
         """``derive_seed(seed, *key, index)``: the seed of parameter ``index``'s low-rank factors, and the root of its
@@ -249,38 +298,47 @@ class PerturbationEngine:
         return seed
 
     def _fill(self, key: Key, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
-        """Draw chunk ``chunk`` of the unscaled M·z of direction ``key`` into ``out`` (1-D) and return it."""
-        p = self.weights[chunk.index]
-        if self._factored[chunk.index]:  # a low-rank parameter under a mask: the kept entries of a·bᵀ
-            a, b = self._factors(key, chunk.index)
-            idx = self._indices(chunk.index)
-            flat = (
-                torch.arange(chunk.start, chunk.stop, device=p.device)
-                if idx is None
-                else idx[chunk.start : chunk.stop]
-            )
+        """Draw this rank's part of chunk ``chunk`` of the unscaled M·z of direction ``key`` into ``out`` (1-D)."""
+        size = chunk.stop - chunk.start
+        if chunk.drawn == size:
+            return self._draw(key, chunk.index, chunk.number, out)
+        whole = self._draw(key, chunk.index, chunk.number, self._scratch_for(chunk, "drawn"))
+        return out.copy_(whole[chunk.skip : chunk.skip + size])
+
+    def _draw(self, key: Key, index: int, number: int, out: torch.Tensor) -> torch.Tensor:
+        """Draw chunk ``number`` of parameter ``index`` of the unscaled M·z of direction ``key`` — the whole chunk,
+        in the whole tensor's coordinates — into ``out`` (1-D, the chunk's size) and return it."""
+        p = self.weights[index]
+        first = number * self._chunk_sizes[index]
+        last = first + out.numel()
+        if self._factored[index]:  # a low-rank parameter under a mask: the kept entries of a·bᵀ
+            a, b = self._factors(key, index)
+            kept = None if self.mask is None else self.mask.indices[index]
+            flat = torch.arange(first, last, device=p.device) if kept is None else kept[first:last]
             torch.mul(a[flat // b.numel()], b[flat % b.numel()], out=out)
         else:
             g = parallel.generator(p.device)
-            g.manual_seed(derive_seed(self._parameter_seed(key, chunk.index), chunk.number))
+            g.manual_seed(derive_seed(self._parameter_seed(key, index), number))
             if self.direction.kind == "rademacher":
                 rademacher_(out, g)
             else:
                 out.normal_(generator=g)
-        value = self._values(chunk.index)
+        value = self._values(index)
         if value is not None:
-            out.mul_(value[chunk.start : chunk.stop])
+            out.mul_(value[first:last])
         return out
 
-    def _scratch_for(self, chunk: Chunk, slot: int = 0) -> torch.Tensor:
-        """The calling thread's buffer number ``slot`` for one chunk of parameter ``chunk.index``."""
+    def _scratch_for(self, chunk: Chunk, slot: int | str = 0) -> torch.Tensor:
+        """The calling thread's buffer number ``slot`` for one chunk of parameter ``chunk.index``: this rank's part of
+        it, or, with ``slot="drawn"``, the whole chunk."""
         p = self.weights[chunk.index]
         k = (threading.get_ident(), p.device, p.dtype, slot)
         buf = self._scratch.get(k)
+        whole = slot == "drawn"
         if buf is None:
-            size = max(c.stop - c.start for c in self.chunks if self._group(c) == k[1:3])
+            size = max(c.drawn if whole else c.stop - c.start for c in self.chunks if self._group(c) == k[1:3])
             buf = self._scratch[k] = torch.empty(size, device=p.device, dtype=p.dtype)
-        size = chunk.stop - chunk.start
+        size = chunk.drawn if whole else chunk.stop - chunk.start
         return buf if buf.numel() == size else buf[:size]
 
     def _group(self, chunk: Chunk) -> tuple[torch.device, torch.dtype]:
@@ -336,7 +394,7 @@ class PerturbationEngine:
             return self._shaped(entry[index], index)
         out = self._buffer(index)
         if self._outer[index]:
-            a, b = self._factors(key, index)
+            a, b = self._local_factors(key, index)
             torch.outer(a, b, out=out.view(a.numel(), b.numel()))
         for chunk in self._chunks_of.get(index, []):
             self._fill(key, chunk, out[chunk.start : chunk.stop])
@@ -373,7 +431,9 @@ class PerturbationEngine:
         if self.direction.kind != "sphere":
             return self.radius / math.sqrt(self.dim)
         norm = self._norm_cache.get(key)
-        if norm is None:
+        if norm is None and self.group is not None:
+            norm = self._sharded_norm(key)
+        elif norm is None:
             squares: list[torch.Tensor | None] = [None] * len(self.chunks)
             position = {c: k for k, c in enumerate(self.chunks)}
             if self.cache_size:
@@ -389,10 +449,29 @@ class PerturbationEngine:
 
             self._run(work)
             norm = math.sqrt(math.fsum(float(s) for s in squares))
-            if len(self._norm_cache) > 64:
-                self._norm_cache.clear()
-            self._norm_cache[key] = norm
+        if len(self._norm_cache) > 64:
+            self._norm_cache.clear()
+        self._norm_cache[key] = norm
         return self.radius / norm
+
+    def _sharded_norm(self, key: Key) -> float:
+        """‖M·z‖ of a sharded direction, as one process computes it: each chunk's sum of squares is computed whole by
+        the rank whose block holds its first coordinate, the sums are gathered by an all-reduce (each position has
+        one non-zero term, so the sum is exact), and ``math.fsum`` — exact, order-free — adds them up."""
+        base, positions = 0, {}
+        for i, (size, total) in enumerate(zip(self._chunk_sizes, self.total_counts)):
+            positions[i] = base
+            base += 0 if self._outer[i] else -(-total // size)
+        squares = torch.zeros(base, dtype=torch.float64, device=self.weights[0].device)
+
+        def work(c: Chunk) -> None:
+            if c.skip == 0 and self.layouts[c.index].owner:
+                whole = self._draw(key, c.index, c.number, self._scratch_for(c, "drawn"))
+                squares[positions[c.index] + c.number] = whole.double().square().sum()
+
+        self._run(work)
+        dist.all_reduce(squares, group=self.group)
+        return math.sqrt(math.fsum(squares.tolist()))
 
     def direction_tensors(self, key: Key) -> list[torch.Tensor]:
         """Materialize u for ``key`` (one tensor per parameter, in the dtype of ``weights``). Tests and diagnostics."""
@@ -414,8 +493,9 @@ class PerturbationEngine:
 
         Kept directions are added tensor by tensor; the others are drawn chunk by chunk on all
         cores, each chunk added while it is still in cache; low-rank factors are redrawn (m + n
-        numbers) and added with one ``addr_`` per matrix. Mastered parameters are not written here
-        (:meth:`_present` does).
+        numbers) and added with one broadcast ``addcmul_`` per matrix (elementwise: a block of rows gets exactly
+        the values the whole matrix gets, which ``addr_``'s BLAS kernel does not promise). Mastered parameters are
+        not written here (:meth:`_present` does).
         """
         drawn = ([(key, alpha) for key, alpha in direct if key not in self._cache], times)
         drawn_masters = ([(key, alpha) for key, alpha in mastered if key not in self._cache], 1)
@@ -438,10 +518,10 @@ class PerturbationEngine:
             for key, alpha in terms:
                 entry = self._cache.get(key)
                 if self._outer[i]:
-                    a, b = self._factors(key, i)
+                    a, b = self._local_factors(key, i)
                     matrix = w.view(a.numel(), b.numel())
                     for _ in range(repeat):
-                        matrix.addr_(a, b, alpha=alpha)
+                        matrix.addcmul_(a.unsqueeze(1), b, value=alpha)
                 elif entry is not None:
                     for _ in range(repeat):
                         self.place(w, i, self._shaped(entry[i], i), alpha)
@@ -486,8 +566,8 @@ class PerturbationEngine:
             value = self._buffer(i).view(param.shape[0], -1)
             value.copy_(master.view(value.shape))
             for key, alpha in pending:
-                a, b = self._factors(key, i)
-                value.addr_(a, b, alpha=alpha)
+                a, b = self._local_factors(key, i)
+                value.addcmul_(a.unsqueeze(1), b, value=alpha)
             param.view(value.shape).copy_(value)
 
     def _read_chunk(self, source: torch.Tensor, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
@@ -569,7 +649,7 @@ class PerturbationEngine:
         for i, w in enumerate(self.weights):
             idx = self._indices(i)
             for tensors, alpha in extra:
-                t = tensors[i]
+                t = None if tensors[i] is None else local(tensors[i])
                 if t is not None and alpha != 0.0:
                     self.place(w, i, t if idx is None else t.reshape(-1).index_select(0, idx), alpha)
         self._present()

@@ -27,7 +27,14 @@ import torch
 from torch import nn
 
 from pl_dp.privacy.clipping import clip_per_example
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, device_of, split_batch
+from pl_dp.privacy.losses import (
+    PerSampleLoss,
+    batch_size_of,
+    check_per_sample,
+    device_of,
+    select_examples,
+    split_batch,
+)
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.seal import isolate_failures
@@ -54,6 +61,7 @@ def per_sample_evaluator(
     batch_size: int,
     max_physical_batch_size: int | None = None,
     isolate: bool = False,
+    forwards: int | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
 
@@ -62,8 +70,14 @@ def per_sample_evaluator(
     With ``isolate`` (private runs), an example whose loss raises gets a NaN loss instead of ending the step
     (:func:`~pl_dp.privacy.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
     the release and is counted with the other non-finite values.
+    With ``forwards``, exactly that many forward passes run, the micro-batches and then empty batches: a sharded
+    net's forward is a collective (FSDP all-gathers each layer), which every rank must run as often as the others,
+    whatever its share of the Poisson batch.
     """
-    micro_batches = split_batch(batch, max_physical_batch_size)
+    micro_batches = split_batch(batch, max_physical_batch_size) if batch_size else []
+    if forwards is not None:
+        empty = select_examples(batch, torch.zeros(0, dtype=torch.long)) if batch_size else batch
+        micro_batches += [empty] * (forwards - len(micro_batches))
 
     def losses_of(part: Any) -> torch.Tensor:
         return check_per_sample(loss_fn(net, part), batch_size_of(part))
@@ -78,7 +92,7 @@ def per_sample_evaluator(
         return losses
 
     def evaluate() -> torch.Tensor:
-        if batch_size == 0:
+        if not micro_batches:
             return torch.zeros(0)
         with eval_mode(net), torch.inference_mode():
             losses = [(isolated if isolate else losses_of)(part) for part in micro_batches]

@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pl_dp.privacy.seeding import derive_seed
@@ -89,6 +90,8 @@ class SubspaceEngine(PerturbationEngine):
         for part in self._chunks():
             part = part.double()
             gram += (part @ part.T).cpu()
+        if self.group is not None:  # sharded: each rank holds a block of every column
+            dist.all_reduce(gram, group=self.group)
         if orthonormalize:
             evals, evecs = torch.linalg.eigh(gram)
             top = float(evals.max()) if evals.numel() else 0.0

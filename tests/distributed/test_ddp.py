@@ -5,11 +5,6 @@ The 2-process fits run once per session in a subprocess (tests/distributed/worke
 launcher starts rank 1); the single-process references run in this process with the same seeds.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,24 +12,10 @@ import torch
 from pl_dp.privacy.sampling import PoissonBatchSampler
 from tests.distributed import worker
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/distributed/worker.py"), "2", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return ranks, worker.run_all(1)
+    return worker.launch("2", tmp_path_factory.mktemp("ddp")), worker.run_all(1)
 
 
 def _params(result):

@@ -4,6 +4,9 @@
 tests/distributed/test_ddp.py compares them with the single-process results of :func:`run_all`.
 Lightning's DDP launcher re-runs this file for ranks 1..N−1.
 
+``python tests/distributed/worker.py sharded OUT_DIR`` runs :data:`SHARDED_METHODS` on 2 CPU processes under
+``ModelParallelStrategy`` (FSDP2: each rank holds half of every parameter), for tests/distributed/test_fsdp.py.
+
 ``python tests/distributed/worker.py nodes OUT_DIR`` is one node of a multi-node run as a cluster launches it
 (``torchrun`` or SLURM set ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK`` and ``LOCAL_RANK``; the
 caller starts one such process per node): ``Trainer(num_nodes=WORLD_SIZE, devices=1)``, :data:`NODE_METHODS` only.
@@ -13,18 +16,23 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
+from pl_dp.callbacks import StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
-from pl_dp.methods import DPSGD, PAZOM, PAZOS, Coupling, DPZero
+from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 
 STEPS = 4
 SIGMA = 1.3
@@ -38,6 +46,12 @@ def _blobs(n: int, seed: int) -> TensorDataset:
     y = torch.randint(0, 4, (n,), generator=g)
     centers = torch.randn(4, 12, generator=torch.Generator().manual_seed(1)) * 2
     return TensorDataset(centers[y] + torch.randn(n, 12, generator=g), y)
+
+
+def _root_loss(net, batch):
+    x, y = batch
+    out = net(x)
+    return nn.functional.cross_entropy(out, y, reduction="none") + out[:, 0].abs().sqrt()
 
 
 def _zero_gradient_loss(net, batch):
@@ -62,6 +76,52 @@ METHODS = {
         nn.Linear(64, 16), loss=_zero_gradient_loss, lr=1.0, clip=CLIP, privacy=_spec(), noise_seed=7
     ),
 }
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+#: the fits of the FSDP2 test: the same seeds as their DDP and single-process runs
+SHARDED_METHODS = {
+    **{name: METHODS[name] for name in ("dpzero", "dpzero_rank_seeded", "pazo_m")},
+    "pazo_p": lambda: PAZOP(_mlp(), lr=0.05, clip=CLIP, queries=2, k=2, privacy=_spec(), noise_seed=7),
+    "dpsgd_ghost_mlp": lambda: DPSGD(
+        _mlp(), lr=0.5, clip=CLIP, per_sample="ghost", privacy=_spec(), noise_seed=7, max_physical_batch_size=3
+    ),
+    # rows of zeros in the private set give a NaN gradient (√|0| of a bias-free layer) with a finite loss: the
+    # rank that samples one must make every rank run the micro-batch again without it
+    "dpsgd_ghost_nonfinite": lambda: DPSGD(
+        nn.Linear(12, 4, bias=False),
+        loss=_root_loss,
+        lr=0.5,
+        clip=CLIP,
+        per_sample="ghost",
+        privacy=_spec(),
+        noise_seed=7,
+    ),
+    "coupling_ghost": lambda: Coupling(
+        nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, per_sample="ghost", privacy=_spec(), noise_seed=7
+    ),
+    "dpzoso": lambda: DPZero(_mlp(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
+    "dpzero_sphere_mlp": lambda: DPZero(
+        _mlp(), lr=0.05, clip=CLIP, queries=2, direction="sphere", privacy=_spec(), noise_seed=7
+    ),
+    "dpzero_lowrank_mlp": lambda: DPZero(
+        _mlp(),
+        lr=0.05,
+        clip=CLIP,
+        queries=2,
+        direction="lowrank",
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=3,
+    ),
+}
+
+
+#: callbacks of a fit beside the byte counter: DP-ZOSO is DPZero with a stagewise schedule (and its proximal term)
+CALLBACKS = {"dpzoso": lambda: [StagewiseSchedule(stages=2, proximal=0.05)]}
 
 
 class CollectiveBytes(L.Callback):
@@ -101,6 +161,8 @@ def _data(name: str) -> PrivatePublicDataModule:
         private = TensorDataset(torch.randn(N_PRIVATE, 64), torch.zeros(N_PRIVATE, dtype=torch.long))
     else:
         private = _blobs(N_PRIVATE, 0)
+    if name == "dpsgd_ghost_nonfinite":
+        private.tensors[0][::5] = 0.0
     sampling_seed = None if name == "dpzero_rank_seeded" else 11  # seeded: 1 and 2 processes draw the same batches
     return PrivatePublicDataModule(
         private, public=_blobs(40, 3), batch_size=BATCH, public_batch_size=8, seed=11, sampling_seed=sampling_seed
@@ -111,30 +173,50 @@ def _data(name: str) -> PrivatePublicDataModule:
 NODE_METHODS = ("dpzero", "dpsgd", "dpzero_rank_seeded")
 
 
-def run_one(name: str, devices: int, num_nodes: int = 1) -> dict:
+def _flat(net: nn.Module) -> torch.Tensor:
+    """The whole parameters, gathered from their shards when sharded (a collective: every rank calls it)."""
+    whole = [p.full_tensor() if isinstance(p, DTensor) else p for p in net.parameters()]
+    return torch.cat([p.detach().flatten() for p in whole])
+
+
+def run_one(
+    name: str,
+    devices: int,
+    num_nodes: int = 1,
+    sharded: bool = False,
+    steps: int = STEPS,
+    checkpoints: str | None = None,
+    ckpt_path: str | None = None,
+) -> dict:
+    """One fit of ``name``; with ``checkpoints``, a checkpoint every 2 steps there, and ``ckpt_path`` resumes one."""
     if name == "dpzero_rank_seeded":
         torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
     else:
         L.seed_everything(0)
-    model = METHODS[name]()
-    start = torch.cat([p.detach().flatten() for p in model.net.parameters()])
+    model = (SHARDED_METHODS if name in SHARDED_METHODS else METHODS)[name]()
+    start = _flat(model.net)
+    if sharded:
+        strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    else:
+        strategy = "ddp" if devices * num_nodes > 1 else "auto"
     counter = CollectiveBytes()
     _COUNTERS[:] = [counter]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
-        strategy="ddp" if devices * num_nodes > 1 else "auto",
-        max_steps=STEPS,
+        strategy=strategy,
+        max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoints is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[counter],
+        callbacks=[counter, *CALLBACKS.get(name, list)()]
+        + ([ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1)] if checkpoints else []),
     )
-    trainer.fit(model, _data(name))
-    end = torch.cat([p.detach().flatten() for p in model.net.parameters()])
+    trainer.fit(model, _data(name), ckpt_path=ckpt_path)
+    end = _flat(model.net)
     sampler = model._sampler
     return {
         "rank": trainer.global_rank,
@@ -143,6 +225,8 @@ def run_one(name: str, devices: int, num_nodes: int = 1) -> dict:
         "update": (end - start).tolist(),
         "epsilon": model.epsilon,
         "private_steps": model.private_steps,
+        "direction_seed": model.direction_seed,
+        "nonfinite_total": model.nonfinite_total,
         "expected_batch_size": model.expected_batch_size,
         "sample_rate": model.sample_rate,
         "pl_dp_bytes_per_step": model.collective_bytes / STEPS,
@@ -152,6 +236,53 @@ def run_one(name: str, devices: int, num_nodes: int = 1) -> dict:
     }
 
 
+def run_lora(name: str, devices: int, directory: Path) -> dict:
+    """DPZero or ghost DP-SGD on LoRA adapters of a tiny BERT (peft), sharded on ``devices`` > 1 processes."""
+    from pl_dp.data import TextDataModule
+    from pl_dp.nets import HFClassifier
+    from tests.test_lora import LABELS, TEXTS
+    from tests.tiny_hf import tiny_model
+
+    path = directory / "bert-cls"
+    if not (path / "config.json").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        tiny_model(path, "bert-cls")
+    L.seed_everything(0)
+    net = HFClassifier(path, trainable="lora", lora_rank=4, lora_targets=["query", "value"])
+    net.eval()  # dropout off: the same parameters as one process, not only the same law
+    kwargs = dict(lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7)
+    model = DPZero(net, smoothing=1e-2, **kwargs) if name == "dpzero" else DPSGD(net, per_sample="ghost", **kwargs)
+    data = TextDataModule(
+        (TEXTS * 4, LABELS * 4), tokenizer=path, batch_size=8, val_fraction=0.25, test_fraction=0, sampling_seed=11
+    )
+    strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if devices > 1 else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, data)
+    trained = [n for n, p in model.net.named_parameters() if p.requires_grad]
+    return {"rank": trainer.global_rank, "parameters": _flat(model.net).tolist(), "trained": trained}
+
+
+def launch(mode: str, out: Path) -> list[dict]:
+    """Run ``worker.py mode out`` as 2 processes (Lightning's launcher starts rank 1); each rank's results."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
+    proc = subprocess.run(
+        [sys.executable, __file__, mode, str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 def run_all(devices: int) -> dict:
     return {name: run_one(name, devices) for name in METHODS}
 
@@ -159,7 +290,15 @@ def run_all(devices: int) -> dict:
 if __name__ == "__main__":
     _instrument()
     out = Path(sys.argv[2])
-    if sys.argv[1] == "nodes":
+    if sys.argv[1] == "lora":
+        results = {name: run_lora(name, 2, out) for name in ("dpzero", "ghost")}
+    elif sys.argv[1] == "sharded":
+        results = {name: run_one(name, 2, sharded=True) for name in SHARDED_METHODS}
+        # killed after 2 steps and resumed from its distributed checkpoint (a folder of shards)
+        run_one("dpzero_sphere_mlp", 2, sharded=True, steps=2, checkpoints=str(out / "checkpoints"))
+        resumed = str(out / "checkpoints" / "epoch=0-step=2.ckpt")
+        results["resumed"] = run_one("dpzero_sphere_mlp", 2, sharded=True, ckpt_path=resumed)
+    elif sys.argv[1] == "nodes":
         nodes = int(os.environ["WORLD_SIZE"])
         results = {name: run_one(name, 1, num_nodes=nodes) for name in NODE_METHODS}
     else:

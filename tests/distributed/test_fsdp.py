@@ -1,0 +1,113 @@
+"""Sharded private training: the zeroth-order methods, and DP-SGD and Coupling with ghost clipping, under Lightning's
+``ModelParallelStrategy`` (FSDP2, each of 2 CPU processes holding half of every parameter) are the one logical run
+that one process is (invariant 11).
+
+The sharded fits run once per session in a subprocess (tests/distributed/worker.py sharded); the single-process
+references run here with the same seeds.
+"""
+
+import pytest
+import torch
+
+from tests.distributed import worker
+
+SEEDED = [name for name in worker.SHARDED_METHODS if name != "dpzero_rank_seeded"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return worker.launch("sharded", tmp_path_factory.mktemp("fsdp")), {name: worker.run_one(name, 1) for name in SEEDED}
+
+
+def _params(result):
+    return torch.tensor(result["parameters"])
+
+
+@pytest.mark.parametrize("name", SEEDED)
+def test_two_sharded_processes_end_where_one_process_ends(runs, name):
+    """Gaussian directions on one linear layer: bit for bit (the clipped sums of 2 ranks add up exactly there);
+    elsewhere within float summation order of the clipped sums and of a sphere's or a basis' norms. Ghost DP-SGD and
+    Coupling: the noise of each shard is its slice of the one whole-tensor draw, the clipped sums are FSDP's
+    reduce-scatter of both ranks' (padded with empty micro-batches where a rank has fewer)."""
+    (rank0, rank1), single = runs
+    assert rank0[name]["world_size"] == 2
+    assert [rank0[name]["sampler"], rank1[name]["sampler"]] == [
+        {"num_replicas": 2, "rank": 0},
+        {"num_replicas": 2, "rank": 1},
+    ]
+    if name == "dpzero":
+        assert torch.equal(_params(rank0[name]), _params(single[name]))
+    assert rank0[name]["nonfinite_total"] == single[name]["nonfinite_total"]
+    torch.testing.assert_close(_params(rank0[name]), _params(single[name]), rtol=0, atol=1e-5)
+    assert rank0[name]["epsilon"] == single[name]["epsilon"]  # accounting does not see the layout
+
+
+@pytest.mark.parametrize("name", list(worker.SHARDED_METHODS))
+def test_sharded_steps_send_a_few_scalars_beyond_the_gathers(runs, name):
+    """Beyond FSDP's own all-gathers, a step sends q × (clipped sum, count) and the number of forwards to agree on."""
+    (rank0, _), _ = runs
+    assert rank0[name]["pl_dp_bytes_per_step"] <= 64
+
+
+def test_ranks_with_their_own_seeds_share_rank_0s(runs):
+    """Every rank starts from its own global seed: rank 0's direction seed (and, in memory, its noise key and
+    sampling seed) must reach the others, or each shard would move along a block of another direction."""
+    (rank0, rank1), _ = runs
+    name = "dpzero_rank_seeded"
+    assert rank0[name]["direction_seed"] == rank1[name]["direction_seed"]
+    assert rank0[name]["private_steps"] == rank1[name]["private_steps"] == worker.STEPS
+
+
+def test_kill_and_resume_from_a_sharded_checkpoint_is_the_same_run(runs):
+    """Reproduction mode (both secrets seeded): resumed from a distributed checkpoint after 2 of 4 steps, the
+    sharded run ends where the uninterrupted one ends, with the same ε (invariant 5 on a sharded layout)."""
+    (rank0, _), _ = runs
+    resumed, straight = rank0["resumed"], rank0["dpzero_sphere_mlp"]
+    assert torch.equal(_params(resumed), _params(straight))
+    assert resumed["epsilon"] == straight["epsilon"] and resumed["private_steps"] == worker.STEPS
+
+
+def test_a_non_finite_gradient_on_one_rank_is_dropped_by_all(runs):
+    """An example with a finite loss and a NaN gradient, sampled on one rank: every rank runs its micro-batch again
+    without its non-finite examples (a pass is a collective), and the run ends where one process ends."""
+    (rank0, _), single = runs
+    assert single["dpsgd_ghost_nonfinite"]["nonfinite_total"] > 0
+
+
+def test_lora_adapters_of_a_hugging_face_model_train_sharded(tmp_path):
+    """A peft LoRA model (frozen base, trainable adapters and head copy) under FSDP2: DPZero ends where one process
+    ends bit for bit, ghost DP-SGD within float summation order."""
+    rank0, _ = worker.launch("lora", tmp_path)
+    for name, tolerance in (("dpzero", 0.0), ("ghost", 1e-6)):
+        single = worker.run_lora(name, 1, tmp_path)
+        assert any(".lora_A." in n for n in rank0[name]["trained"])
+        torch.testing.assert_close(_params(rank0[name]), _params(single), rtol=0, atol=tolerance)
+
+
+def test_pruning_is_refused_on_a_sharded_net():
+    """DP-ZOPO's data-free score needs whole parameters: refused by name, not run on shards. One process under
+    ModelParallelStrategy is enough to see it (and shows the Poisson loader is left alone there too)."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from pl_dp.callbacks import PruningSchedule
+
+    model = worker.SHARDED_METHODS["dpzero"]()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[PruningSchedule(rates=0.5)],
+    )
+    try:
+        with pytest.raises(NotImplementedError, match="PruningSchedule scores whole parameters"):
+            trainer.fit(model, worker._data("dpzero"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
