@@ -17,6 +17,11 @@ take any optimizer; methods that write their own update accept plain SGD only).
 ``--audit.*``, e.g. ``--audit.trials 2000``); it prints the empirical lower bound on ε next to the
 accountant's claim and exits with status 1 when the bound exceeds the claim.
 
+``pl-dp generate --config C --ckpt_path PATH.ckpt --prompt "..." [--prompt "..."]`` builds the config's model,
+loads the checkpoint's weights and prints one sampled continuation per prompt (:func:`generate_from_checkpoint`;
+the net must have a ``generate`` method, as :class:`~pl_dp.nets.CausalLM` has). Sampling is post-processing of
+the released model: it costs no privacy, and the ε printed with it is the checkpoint's.
+
 ``pl-dp audit --run [--canaries 1000 --steps 1000 --sampling_seed ... ...]`` audits a whole run
 instead (:func:`pl_dp.audit_run.audit_run`: one real training run with canaries, a checkpoint and
 a kill-and-resume, and an adversary that replays the public config); the options are the
@@ -38,7 +43,9 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
+import torch
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -92,6 +99,50 @@ class AuditCLI(PlDpCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         super().add_arguments_to_parser(parser)
         parser.add_function_arguments(audit, "audit", skip={"model", "datamodule", "trainer", "canary"})
+
+
+class GenerateCLI(PlDpCLI):
+    """The ``generate`` subcommand: a config's model, a checkpoint's weights, and the sampling options."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--ckpt_path", type=str, required=True, help="the checkpoint whose weights to sample from")
+        parser.add_argument("--prompt", type=str, default="", help="a prompt (repeat the option for several)")
+        parser.add_argument("--max_new_tokens", type=int, default=32, help="tokens to sample per prompt")
+        parser.add_argument("--do_sample", type=bool, default=True, help="sample (false: greedy decoding)")
+        parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature when sampling")
+        parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the top-p probability mass")
+        parser.add_argument("--generation_seed", type=int, default=0, help="seed of the sampling (no secret)")
+
+
+def generate_from_checkpoint(model, ckpt_path: str, prompts: list[str], **sampling: Any) -> list[str]:
+    """Load ``ckpt_path``'s weights into ``model`` (a pl_dp method built like the one that trained) and sample one
+    continuation per prompt from its net (``net.generate(prompts, **sampling)``, e.g. :meth:`CausalLM.generate
+    <pl_dp.nets.CausalLM.generate>`).
+
+    Post-processing: only the released weights are read, so no privacy is spent; the checkpoint's ε covers the text.
+    """
+    net = getattr(model, "net", model)
+    if not callable(getattr(net, "generate", None)):
+        raise TypeError(f"the model's net ({type(net).__name__}) has no generate method: use pl_dp.nets.CausalLM.")
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    model.load_state_dict(checkpoint["state_dict"])
+    return net.generate(prompts, **sampling)
+
+
+def take_repeated(argv: list[str], option: str) -> tuple[list[str], list[str]]:
+    """``argv`` without every ``option VALUE`` (or ``option=VALUE``), and the values in order."""
+    rest, values, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == option and i + 1 < len(argv):
+            values.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith(option + "="):
+            values.append(argv[i][len(option) + 1 :])
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, values
 
 
 def report(model, test_metrics: dict) -> str:
@@ -174,7 +225,9 @@ DESCRIPTION = (
     "take a config (pl-dp fit --config configs/digits/dpzero.yaml) and any option over it."
 )
 EPILOG = (
-    "More subcommands: 'pl-dp report PATH.ckpt' prints a checkpoint's privacy report; 'pl-dp audit --config C' "
+    "More subcommands: 'pl-dp report PATH.ckpt' prints a checkpoint's privacy report; 'pl-dp generate --config C "
+    "--ckpt_path PATH.ckpt --prompt TEXT' samples text from a checkpoint's language model (post-processing, no "
+    "privacy cost); 'pl-dp audit --config C' "
     "audits one private step of a config's method (an empirical lower bound on epsilon next to the claim; "
     "--audit.* options); 'pl-dp audit --run' audits a whole training run with canaries (its options: 'pl-dp audit "
     "--run --help'). 'pl-dp --verbose SUBCOMMAND ...' (or PL_DP_VERBOSE=1) shows Lightning's info lines, which are "
@@ -194,6 +247,36 @@ def _run(argv: list[str], args: list[str] | None) -> None:
         if len(argv) != 2:
             raise SystemExit(REPORT_USAGE)
         print(PrivacyReport.from_checkpoint(argv[1]))
+        return
+    if argv[:1] == ["generate"]:
+        rest, prompts = take_repeated(argv[1:], "--prompt")
+        cli = GenerateCLI(
+            model_class=None,
+            datamodule_class=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=rest,
+            run=False,
+            save_config_callback=None,
+            auto_configure_optimizers=False,
+        )
+        options = cli.config
+        continuations = generate_from_checkpoint(
+            cli.model,
+            options["ckpt_path"],
+            prompts or [""],
+            max_new_tokens=options["max_new_tokens"],
+            do_sample=options["do_sample"],
+            temperature=options["temperature"],
+            top_p=options["top_p"],
+            seed=options["generation_seed"],
+        )
+        for prompt, text in zip(prompts or [""], continuations):
+            print(f"{prompt}{text}")
+        print(
+            f"pl-dp: sampled from the checkpoint, post-processing of the released model: no further privacy cost.\n"
+            f"{PrivacyReport.from_checkpoint(options['ckpt_path'])}"
+        )
         return
     if argv[:2] == ["audit", "--run"]:
         raise SystemExit(run_audit(argv[2:]))

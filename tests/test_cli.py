@@ -191,3 +191,49 @@ def test_the_documented_resume_under_a_larger_budget_trains_under_it(tmp_path):
     more = ["--trainer.max_epochs", "2", *change[1:]]  # a changed spec, not allowed: refused, loudly
     refused = _run("fit", "--config", str(path), "--ckpt_path", str(checkpoint), *more)
     assert refused.returncode != 0 and "AllowPrivacySpecChange" in refused.stderr
+
+
+def test_generate_samples_from_a_checkpoint_of_a_private_causal_lm(tmp_path):
+    from tests.tiny_hf import CORPUS, tiny_model
+
+    model_dir = tiny_model(tmp_path / "gpt2", "gpt2")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(f'{{"text": "{text} number {i}"}}\n' for i, text in enumerate(CORPUS)))
+    config = {
+        "seed_everything": 0,
+        "trainer": dict(
+            max_epochs=1,
+            limit_train_batches=2,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            default_root_dir=str(tmp_path),
+            enable_checkpointing=True,
+            enable_progress_bar=False,
+        ),
+        "model": {
+            "class_path": "pl_dp.methods.DPSGD",
+            "init_args": {
+                "net": {"class_path": "pl_dp.nets.CausalLM", "init_args": {"model_path": str(model_dir)}},
+                "loss": "causal_lm",
+                "per_sample": "ghost",
+                "lr": 0.5,
+                "privacy": {"epsilon": 8.0},
+            },
+        },
+        "data": {
+            "class_path": "pl_dp.data.TextGenerationDataModule",
+            "init_args": {"data": str(texts), "tokenizer": str(model_dir), "batch_size": 8, "max_length": 24},
+        },
+    }
+    path = tmp_path / "gpt2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    fitted = _run("fit", "--config", str(path))
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    (checkpoint,) = tmp_path.rglob("*.ckpt")
+    args = ("generate", "--config", str(path), "--ckpt_path", str(checkpoint), "--max_new_tokens", "5")
+    out = _run(*args, "--prompt", "the movie", "--prompt", "the plot")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("the movie") and lines[1].startswith("the plot")
+    assert "no further privacy cost" in out.stdout and "pl_dp privacy report — DPSGD" in out.stdout

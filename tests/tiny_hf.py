@@ -1,7 +1,8 @@
 """Tiny random Hugging Face models saved to a local directory with a tokenizer: no download, a few MB.
 
-BERT (masked LM, sequence classifier) uses the packaged MiniLM's WordPiece tokenizer; GPT-2 and OPT (causal LMs) a
-small byte-level BPE trained here, in which " great" and " terrible" are single tokens, as in GPT-2's own.
+BERT (masked LM, sequence classifier) uses the packaged MiniLM's WordPiece tokenizer; GPT-2, OPT and a Llama-style
+model (causal LMs, all three with tied input and output embeddings) a small byte-level BPE trained here, in which
+" great" and " terrible" are single tokens, as in GPT-2's own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def save_bpe_tokenizer(path: Path) -> int:
 
 
 def tiny_model(path: Path, architecture: str, seed: int = 0) -> Path:
-    """Save a random ``architecture`` ("bert-mlm", "bert-cls", "gpt2", "opt") with its tokenizer at ``path``."""
+    """Save a random ``architecture`` ("bert-mlm", "bert-cls", "gpt2", "opt", "llama") and its tokenizer at ``path``."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -74,6 +75,22 @@ def tiny_model(path: Path, architecture: str, seed: int = 0) -> Path:
             eos_token_id=1,
         )
         model = tf.OPTForCausalLM(config)
+    elif architecture == "llama":  # Llama-style, with tied input and output embeddings (as in Llama 3.2 1B)
+        vocab = save_bpe_tokenizer(path)
+        config = tf.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
+        model = tf.LlamaForCausalLM(config)
     else:
         raise ValueError(architecture)
     model.save_pretrained(path)

@@ -2,6 +2,7 @@
 
 from pl_dp.data.datamodule import PrivatePublicDataModule
 from pl_dp.data.digits import DigitsDataModule, digits_splits
+from pl_dp.data.generation import TextGenerationDataModule, TokenSequences
 from pl_dp.data.synthetic import SyntheticClassificationDataModule, synthetic_splits
 from pl_dp.data.text import TextDataModule, TokenizedTexts, read_texts, tokenize_prompts
 from pl_dp.data.vader import (
@@ -17,6 +18,8 @@ __all__ = [
     "PrivatePublicDataModule",
     "SyntheticClassificationDataModule",
     "TextDataModule",
+    "TextGenerationDataModule",
+    "TokenSequences",
     "TokenizedTexts",
     "VaderEmbeddingDataModule",
     "VaderSentimentDataModule",

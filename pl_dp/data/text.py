@@ -31,6 +31,16 @@ TextSource = Union[str, Path, Mapping[str, Sequence[Any]], tuple[Sequence[str], 
 def read_texts(source: TextSource, text_column: str = "text", label_column: str = "label") -> tuple[list[str], list]:
     """``(texts, labels)`` from a path (``.csv``, ``.tsv``, ``.jsonl``: one JSON object per line), a mapping of
     columns, a pair ``(texts, labels)`` or a Hugging Face ``datasets.Dataset`` (any object with ``column_names``)."""
+    if isinstance(source, (tuple, list)) and len(source) == 2:
+        texts, labels = source
+        return list(texts), list(labels)
+    texts, labels = read_columns(source, [text_column, label_column])
+    return texts, labels
+
+
+def read_columns(source: Any, columns: Sequence[str]) -> list[list]:
+    """The named ``columns`` (one list each, in order) of a path (``.csv``, ``.tsv``, ``.jsonl``: one JSON object per
+    line), a mapping of columns or a Hugging Face ``datasets.Dataset`` (any object with ``column_names``)."""
     if isinstance(source, (str, Path)):
         path = Path(source)
         if path.suffix in (".csv", ".tsv"):
@@ -41,19 +51,16 @@ def read_texts(source: TextSource, text_column: str = "text", label_column: str 
                 rows = [json.loads(line) for line in file if line.strip()]
         else:
             raise ValueError(f"cannot read {path}: use a .csv, .tsv or .jsonl file.")
-        missing = {text_column, label_column} - set(rows[0] if rows else ())
+        missing = set(columns) - set(rows[0] if rows else ())
         if rows and missing:
             raise KeyError(f"{path} has no column {sorted(missing)}; its columns are {sorted(rows[0])}.")
-        return [row[text_column] for row in rows], [row[label_column] for row in rows]
+        return [[row[column] for row in rows] for column in columns]
     if isinstance(source, Mapping) or hasattr(source, "column_names"):
-        columns = source.keys() if isinstance(source, Mapping) else source.column_names
-        missing = {text_column, label_column} - set(columns)
+        names = source.keys() if isinstance(source, Mapping) else source.column_names
+        missing = set(columns) - set(names)
         if missing:
-            raise KeyError(f"the data has no column {sorted(missing)}; its columns are {sorted(columns)}.")
-        return list(source[text_column]), list(source[label_column])
-    if isinstance(source, (tuple, list)) and len(source) == 2:
-        texts, labels = source
-        return list(texts), list(labels)
+            raise KeyError(f"the data has no column {sorted(missing)}; its columns are {sorted(names)}.")
+        return [list(source[column]) for column in columns]
     raise TypeError(
         f"cannot read texts from a {type(source).__name__}: give a .csv/.tsv/.jsonl path, a mapping of columns, "
         "a pair (texts, labels) or a datasets.Dataset."
@@ -159,6 +166,37 @@ def split_indices(n: int, fractions: Mapping[str, float], seed: int) -> dict[str
     return out
 
 
+def carve_splits(
+    columns: tuple[list, list],
+    given: Mapping[str, tuple[list, list] | None],
+    test_fraction: float | None,
+    val_fraction: float | None,
+    public_fraction: float,
+    split_seed: int,
+) -> dict[str, tuple[list, list]]:
+    """The ``"private"``, ``"public"``, ``"val"`` and ``"test"`` splits of a pool of two parallel ``columns``: each
+    named fraction drawn out by :func:`split_indices` (``None``: 0.1, or 0 when that split is ``given``), the rest
+    private; a split's ``given`` columns are appended to what is drawn for it."""
+    fractions = {
+        "test": (0.0 if given.get("test") is not None else 0.1) if test_fraction is None else test_fraction,
+        "val": (0.0 if given.get("val") is not None else 0.1) if val_fraction is None else val_fraction,
+        "public": public_fraction,
+    }
+    pool = split_indices(len(columns[0]), fractions, split_seed)
+    first, second = columns
+    out = {"private": ([first[i] for i in pool["rest"]], [second[i] for i in pool["rest"]])}
+    for name in ("public", "val", "test"):
+        extra = given.get(name) or ([], [])
+        out[name] = ([first[i] for i in pool[name]] + list(extra[0]), [second[i] for i in pool[name]] + list(extra[1]))
+    return out
+
+
+def in_memory(**values: Any) -> list[str]:
+    """The names of ``values`` that are objects rather than paths or ``None``: data given in memory, which a data
+    module leaves out of its hyperparameters (checkpoints and loggers save those)."""
+    return [name for name, value in values.items() if not isinstance(value, (str, Path, type(None)))]
+
+
 class TextDataModule(PrivatePublicDataModule):
     """Texts and labels → tokenized prompts → a Poisson-sampled private loader, public and evaluation loaders.
 
@@ -229,18 +267,11 @@ class TextDataModule(PrivatePublicDataModule):
         self.max_length = max_length
         columns = dict(text_column=text_column, label_column=label_column)
         texts, labels = read_texts(data, **columns)
-        fractions = {
-            "test": (0.0 if test is not None else 0.1) if test_fraction is None else test_fraction,
-            "val": (0.0 if val is not None else 0.1) if val_fraction is None else val_fraction,
-            "public": public_fraction,
+        given = {
+            name: None if source is None else read_texts(source, **columns)
+            for name, source in {"public": public, "val": val, "test": test}.items()
         }
-        pool = split_indices(len(texts), fractions, split_seed)
-        given = {"public": public, "val": val, "test": test}
-        raw = {"private": ([texts[i] for i in pool["rest"]], [labels[i] for i in pool["rest"]])}
-        for name, source in given.items():
-            carved = ([texts[i] for i in pool[name]], [labels[i] for i in pool[name]])
-            extra = read_texts(source, **columns) if source is not None else ([], [])
-            raw[name] = (carved[0] + extra[0], carved[1] + extra[1])
+        raw = carve_splits((texts, labels), given, test_fraction, val_fraction, public_fraction, split_seed)
         num_labels = len(label_names) if label_names else getattr(prompt, "num_labels", None)
         splits = {name: self._tokenized(*pair, label_names, num_labels) for name, pair in raw.items()}
         super().__init__(
@@ -256,8 +287,7 @@ class TextDataModule(PrivatePublicDataModule):
                 pin_memory=pin_memory,
             )
         )
-        given_objects = {"data": data, "public": public, "val": val, "test": test, "tokenizer": tokenizer}
-        objects = [name for name, value in given_objects.items() if not isinstance(value, (str, Path, type(None)))]
+        objects = in_memory(data=data, public=public, val=val, test=test, tokenizer=tokenizer)
         self.save_hyperparameters(ignore=[*objects, "prompt"])
 
     def _tokenized(

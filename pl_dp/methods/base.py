@@ -115,7 +115,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
 
     Args:
         net: the model (any ``nn.Module``, including a LightningModule).
-        loss: ``"cross_entropy"``, ``"mse"`` or a callable ``(net, batch) -> Tensor[B]`` giving one
+        loss: ``"cross_entropy"``, ``"mse"``, ``"causal_lm"`` or a callable ``(net, batch) -> Tensor[B]`` giving one
             loss per example.
         lr: step size η.
         privacy: the privacy request; ``None`` runs the same method without noise or accounting.

@@ -25,11 +25,16 @@ run again on the other examples (a zero weight alone would not do: 0·NaN is NaN
 they are counted. Both passes run in fp32 with autocast disabled, whatever the trainer's precision, so that each
 weight is applied to the very gradient whose norm it was computed from; trainable parameters must be fp32.
 
+A parameter tied across modules (a language model's output projection reusing its input embedding: GPT-2, OPT,
+Llama-style models) gets the norm of the *sum* of its uses' gradients, cross term included
+(:mod:`pl_dp.per_sample.tied`); Opacus' hooks, which cover one use only, are kept off the modules that hold it.
+
 Sharded by FSDP2 (DTensor parameters), Opacus' FSDP module records the norms on each layer (FSDP swaps a layer's
 parameters between shards and gathered copies), both passes are ``backward`` calls — the first reduce-scatters
 nothing (its gradient is unclipped), the second's reduce-scatter leaves each rank its shard of the clipped sum
-*over all ranks*: every rank runs the same passes
-(collectives), and a micro-batch with a non-finite norm on any rank is run again, without those examples, by all.
+*over all ranks*: every rank runs the same passes (collectives) — a micro-batch with a non-finite norm on any rank is
+run again by all, without those examples, and a loss that raises on any rank makes all abandon the pass
+(:class:`~pl_dp.privacy.seal.PassFailed`). Tied parameters are refused when sharded.
 """
 
 from __future__ import annotations
@@ -50,13 +55,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin, DefaultReduceScatter
 
 from pl_dp.per_sample.gradients import (
-    OPACUS_RNNS,
     BroadcastLookups,
     RecordsInEvalMode,
     clear_hook_state,
     refuse_rows_not_examples,
     unsupported_layers,
 )
+from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
 from pl_dp.privacy.seal import PassFailed
@@ -71,6 +76,14 @@ class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
     """
 
     layer_names: dict[nn.Module, str]
+
+    def __init__(self, module: nn.Module, *, skipped: frozenset[nn.Module], **kwargs: Any) -> None:
+        # modules holding a tied parameter get no Opacus hook: their norms come from TiedNorms
+        object.__setattr__(self, "skipped", skipped)  # read by iterate_submodules, inside Opacus' __init__
+        super().__init__(module, **kwargs)
+
+    def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
+        yield from (m for m in super().iterate_submodules(module) if m not in self.skipped)
 
     def capture_activations_hook(self, module: nn.Module, forward_input: Any, forward_output: Any) -> None:
         if (
@@ -113,29 +126,13 @@ def _gradients_stay_local(net: nn.Module) -> Iterator[None]:
             m.set_custom_reduce_scatter(DefaultReduceScatter())
 
 
-def shared_parameters(net: nn.Module) -> list[str]:
-    """One line per trainable parameter held by more than one hooked module of ``net`` (tied weights).
-
-    Opacus' recurrent layers alias their cells' parameters and are not hooked themselves: they do not count.
-    """
-    owners: dict[int, list[str]] = {}
-    modules: dict[int, set[int]] = {}
-    for name, module in net.named_modules(remove_duplicate=False):
-        if isinstance(module, OPACUS_RNNS):
-            continue
-        for pname, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
-                owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
-                modules.setdefault(id(p), set()).add(id(module))
-    return [" = ".join(names) for key, names in owners.items() if len(modules[key]) > 1]
-
-
 class GhostClipping:
     """The clipped sum Σ_i c(‖g_i‖)·g_i of a batch for the trainable parameters of ``net``, by ghost clipping.
 
     Refused at construction, each with the parameter or layer named: trainable parameters in a precision below
-    fp32, and trainable parameters tied across modules (a language-model head sharing the input embeddings: each
-    layer's ghost norm would cover only its own part). Refused at the first batch: a layer called twice in one
+    fp32, and trainable parameters tied across modules other than the weight of ``nn.Linear`` and ``nn.Embedding``
+    modules (a language-model head sharing the input embeddings is computed exactly, see
+    :mod:`pl_dp.per_sample.tied`). Refused at the first batch: a layer called twice in one
     forward, a parameter whose norm the hooks cannot compute (used outside its module, or an ``nn.Linear`` whose
     input is neither ``[B, d]`` nor ``[B, T, d]``), and a layer that sees the batch merged with another dimension.
     """
@@ -163,17 +160,27 @@ class GhostClipping:
                 + "\n  - ".join(unsupported)
                 + "\n(opacus.validators.ModuleValidator.fix(net) swaps them), or freeze them (requires_grad=False)."
             )
-        shared = shared_parameters(net)
+        shared = unsupported_ties(net)
         if shared:
             raise ValueError(
-                f"per_sample='ghost' cannot clip parameters tied across modules: {shared}. Ghost clipping computes "
-                "each layer's norm alone, so a shared parameter's per-example norm would miss the other layers' "
-                "part. Freeze or untie them, or use per_sample='hooks'."
+                f"per_sample='ghost' cannot clip these parameters tied across modules: {'; '.join(shared)}. A shared "
+                "parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie them, or use "
+                "per_sample='hooks'."
             )
         self.sharded = is_sharded(self.params)
         self.group = layout_of(self.names[0], self.params[0]).group if self.sharded else None
-        module = _ShardedGhostNormModule if self.sharded else _GhostNormModule
-        self._gsm = module(net, batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
+        if self.sharded and tied_parameters(net):
+            names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
+            raise ValueError(
+                f"per_sample='ghost' cannot clip parameters tied across modules on a sharded net: {names}. Train "
+                "them in one process, freeze or untie them."
+            )
+        self._tied = TiedNorms(net)  # no tie when sharded: nothing to do
+        options = dict(batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
+        if self.sharded:
+            self._gsm = _ShardedGhostNormModule(net, **options)
+        else:
+            self._gsm = _GhostNormModule(net, skipped=frozenset(self._tied.modules), **options)
         self._gsm.layer_names = {m: name or "<the net itself>" for name, m in net.named_modules()}
         self._gsm.disable_hooks()
         self._lookups = BroadcastLookups(net)
@@ -209,10 +216,12 @@ class GhostClipping:
     def close(self) -> None:
         """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
         self._gsm.remove_hooks()
+        self._tied.close()
 
     def reset(self) -> None:
         """Clear what a pass that raised left in the hooks (:func:`~pl_dp.per_sample.gradients.clear_hook_state`)."""
         clear_hook_state(self.net, self.params)
+        self._tied.clear()
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
@@ -220,14 +229,19 @@ class GhostClipping:
             p._norm_sample = None
         gsm = self._gsm
         gsm.enable_hooks()
+        self._tied.start()
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
                 losses = check_per_sample(self.loss_fn(gsm, batch), size)
                 grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=True, allow_unused=True)
+        except BaseException:
+            self._tied.clear()
+            raise
         finally:
             gsm.disable_hooks()
             clear_hook_state(self.net, self.params)
-        missed, not_per_example = [], []
+        not_per_example = self._tied.finish(size)  # the tied parameters' norms, cross terms included
+        missed = []
         for name, p, g in zip(self.names, self.params, grads):
             norm = p._norm_sample
             if norm is None:

@@ -1,7 +1,7 @@
 """The per-sample loss contract: one loss value per example, checked on every call.
 
 A private method needs one loss value per example. ``loss`` is either a name
-(``"cross_entropy"``) or a callable ``(net, batch) -> Tensor[B]``; :func:`check_per_sample`
+(``"cross_entropy"``, ``"mse"``, ``"causal_lm"``) or a callable ``(net, batch) -> Tensor[B]``; :func:`check_per_sample`
 enforces the contract on every call: a scalar (batch mean), a wrong length or an integer
 dtype raises, because clipping a batch mean silently breaks the sensitivity bound.
 """
@@ -128,7 +128,60 @@ def mse(net: nn.Module, batch: Any) -> torch.Tensor:
     return err.reshape(err.shape[0], -1).mean(dim=1)
 
 
-_LOSSES: dict[str, PerSampleLoss] = {"cross_entropy": cross_entropy, "mse": mse}
+#: the target value Hugging Face ignores in token-level labels (and :class:`~pl_dp.data.collate.PaddingCollate` pads
+#: labels with)
+IGNORE_INDEX = -100
+
+
+def next_token_targets(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The target of each position's next-token prediction, ``[B, T-1]``: ``labels`` (or ``input_ids`` where no
+    labels are given) shifted left by one, with :data:`IGNORE_INDEX` wherever the target is not to be predicted —
+    a −100 label, or a padded position (``attention_mask`` 0) when the labels are the input ids."""
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        raise TypeError(f"loss='causal_lm' needs dict batches with 'input_ids' (and 'attention_mask'). {_OWN_LOSS}")
+    ids = batch["input_ids"]
+    if "labels" in batch:
+        labels = batch["labels"]
+        if labels.shape != ids.shape:
+            raise ValueError(
+                f"loss='causal_lm' needs token-level labels of the input ids' shape {tuple(ids.shape)}, got "
+                f"{tuple(labels.shape)} (class labels belong to loss='cross_entropy')."
+            )
+    else:
+        labels = ids
+        if "attention_mask" in batch:
+            labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+    return labels[:, 1:]
+
+
+def causal_lm_token_losses(net: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per example: the summed next-token negative log-likelihood (fp32) and the number of tokens it sums, ``[B]``
+    each. The net sees every key of the batch but ``labels`` (Hugging Face models would reduce them to a batch
+    mean); position t predicts the target at t + 1 (:func:`next_token_targets`)."""
+    targets = next_token_targets(batch)
+    logits = forward(net, prediction_inputs(batch))[:, :-1].float()
+    if logits.shape[:2] != targets.shape:
+        shape = tuple(batch["input_ids"].shape)
+        raise ValueError(f"the net returned logits of shape {tuple(logits.shape)} for input ids of shape {shape}.")
+    nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return nll.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)
+
+
+def causal_lm(net: nn.Module, batch: Any) -> torch.Tensor:
+    """Per-sequence causal language-modelling loss: the mean next-token cross-entropy over the sequence's targets.
+
+    For dict batches ``{"input_ids", "attention_mask"[, "labels"]}`` of right-padded sequences and a net returning
+    ``[B, T, V]`` logits (a Hugging Face causal LM, e.g. :class:`~pl_dp.nets.CausalLM`). The targets are the input
+    ids shifted by one, padding ignored; token-level ``labels`` (−100 ignored, as in Hugging Face) choose them
+    instead — e.g. the completion only, after a prompt. One example is one sequence: DP protects a sequence, not a
+    token, and the mean over its own tokens keeps every sequence's weight in the batch sum the same (its gradient is
+    clipped as one). A sequence without targets has loss 0 (and gradient 0). Computed in fp32 from the logits.
+    """
+    total, count = causal_lm_token_losses(net, batch)
+    return total / count.clamp_min(1)
+
+
+_LOSSES: dict[str, PerSampleLoss] = {"cross_entropy": cross_entropy, "mse": mse, "causal_lm": causal_lm}
 
 
 def resolve_loss(loss: LossSpec) -> PerSampleLoss:

@@ -1,0 +1,190 @@
+"""Exact per-example gradient norms of parameters tied across modules, for ghost clipping.
+
+A language model whose output projection reuses the input embedding matrix (GPT-2, OPT, Llama-style models with
+``tie_word_embeddings``) has one parameter W used twice, so an example's gradient of W is the *sum* of the two
+uses' gradients, and its norm is not the two layers' ghost norms combined:
+
+    ‖G_emb + G_head‖² = ‖G_emb‖² + ‖G_head‖² + 2⟨G_emb, G_head⟩.
+
+Every use k of W by an ``nn.Linear`` or ``nn.Embedding`` gives an example's gradient as a sum of outer products
+over its positions, G_k = Σ_t u_{k,t} v_{k,t}ᵀ: for a linear layer (W ∈ R^{out×in}) u is the output gradient and v
+the input; for an embedding (W ∈ R^{num×dim}) u is the one-hot of the looked-up index and v the output gradient.
+Then, for any two uses (k = l included),
+
+    ⟨G_k, G_l⟩ = Σ_{t,s} (u_{k,t}·u_{l,s}) (v_{k,t}·v_{l,s}),
+
+two T×T Gram matrices per example, as in ghost clipping (Li, Tramèr, Liang & Hashimoto, 2022), where a one-hot
+factor turns a dot product into a lookup: ``u·onehot(j) = u[j]`` and ``onehot(i)·onehot(j) = [i = j]``. Summing all
+pairs gives ‖Σ_k G_k‖² exactly, with no per-example gradient formed; the memory is B·T² per pair. The other
+parameters of the modules that hold a tied one (a linear layer's bias) get their norms here too, since Opacus'
+hooks are kept off those modules.
+
+Privacy: this is what makes clipping bound the *whole* per-example gradient of a tied parameter by C; a norm per
+use would undercount it (by up to a factor √2 for two uses of equal size) and the released sum could move by more
+than C when one example is added or removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_dp.per_sample.gradients import OPACUS_RNNS
+
+
+def tied_parameters(net: nn.Module) -> list[tuple[nn.Parameter, list[tuple[str, nn.Module]]]]:
+    """Each trainable parameter held by more than one module of ``net``, with its owners as ``(qualified parameter
+    name, module)``. Opacus' recurrent layers alias their cells' parameters and are not hooked themselves: they do
+    not count."""
+    owners: dict[int, tuple[nn.Parameter, list[tuple[str, nn.Module]]]] = {}
+    for name, module in net.named_modules(remove_duplicate=False):
+        if isinstance(module, OPACUS_RNNS):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if p.requires_grad:
+                entry = owners.setdefault(id(p), (p, []))[1]
+                if all(m is not module for _, m in entry):
+                    entry.append((f"{name}.{pname}" if name else pname, module))
+    return [(p, found) for p, found in owners.values() if len(found) > 1]
+
+
+def unsupported_ties(net: nn.Module) -> list[str]:
+    """One line per tied trainable parameter whose owners :class:`TiedNorms` cannot handle: it must be the
+    ``weight`` of ``nn.Linear`` and ``nn.Embedding`` modules, embeddings without ``scale_grad_by_freq`` (a gradient
+    scaled by the batch's token counts) or ``max_norm`` (a forward that writes the weight), and no owner may hold
+    a second tied parameter."""
+    lines = []
+    ties = tied_parameters(net)
+    counts: dict[nn.Module, int] = {}
+    for _, found in ties:
+        for _, m in found:
+            counts[m] = counts.get(m, 0) + 1
+    for p, found in ties:
+        names = " = ".join(name for name, _ in found)
+        if any(type(m) not in (nn.Linear, nn.Embedding) or m.weight is not p for _, m in found):
+            kinds = sorted({type(m).__name__ for _, m in found})
+            lines.append(f"{names} (in {', '.join(kinds)}): exact norms cover tied weights of Linear and Embedding")
+        elif any(isinstance(m, nn.Embedding) and (m.scale_grad_by_freq or m.max_norm is not None) for _, m in found):
+            lines.append(f"{names}: an nn.Embedding with scale_grad_by_freq or max_norm (batch-dependent gradients)")
+        elif any(counts[m] > 1 for _, m in found):
+            lines.append(f"{names}: a module holding it holds another tied parameter")
+    return lines
+
+
+class TiedNorms:
+    """Records, during one forward and backward, what the per-example norms of the tied parameters need, then sets
+    ``_norm_sample`` (Opacus' per-example norm attribute) on them and on the other parameters of their modules.
+
+    Its hooks are active only between :meth:`start` and :meth:`finish`, and each owning module must run once per
+    forward (a layer reused in one forward is refused, as for Opacus' ghost norms).
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        self.groups = [(p, [m for _, m in found]) for p, found in tied_parameters(net)]
+        self.modules: dict[nn.Module, str] = {}
+        names = {m: n or "<the net itself>" for n, m in net.named_modules()}
+        for _, group in self.groups:
+            for m in group:
+                self.modules[m] = names.get(m, "?")
+        self._records: dict[nn.Module, list[Any]] = {}
+        self._active = False
+        self._handles = [m.register_forward_hook(self._record) for m in self.modules]
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def start(self) -> None:
+        self._records = {m: [] for m in self.modules}
+        self._active = True
+
+    def stop(self) -> None:
+        self._active = False
+
+    def clear(self) -> None:
+        self._active = False
+        self._records = {}
+
+    def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if not (self._active and torch.is_grad_enabled() and output.requires_grad):
+            return
+        records = self._records[module]
+        if records:
+            raise NotImplementedError(
+                f"ghost clipping cannot handle {self.modules[module]!r} ({type(module).__name__}): it holds a tied "
+                "weight and is called more than once in one forward. Use per_sample='hooks'."
+            )
+        entry = [args[0].detach(), None]
+        records.append(entry)
+
+        def keep(grad: torch.Tensor) -> None:
+            entry[1] = grad.detach()
+
+        output.register_hook(keep)
+
+    def finish(self, size: int) -> list[str]:
+        """Set ``_norm_sample`` ([size], fp32) on every parameter of the owning modules; return the names of owners
+        whose output gradient has no per-example leading dimension (their norms are then left unset)."""
+        self._active = False
+        not_per_example = []
+        factors: dict[nn.Module, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        for module, records in self._records.items():
+            if not records or records[0][1] is None:
+                continue  # not used by the loss: its parameters get no gradient from it
+            inputs, grad = records[0]
+            if inputs.shape[0] != size or grad.shape[0] != size:
+                not_per_example.append(self.modules[module])
+                continue
+            factors[module] = _factors(module, inputs, grad)
+        self._records = {}
+        if not_per_example:
+            return not_per_example
+        done: set[int] = set()
+        for weight, group in self.groups:
+            used = [m for m in group if m in factors]
+            total = torch.zeros(size, device=weight.device)
+            for a in used:
+                for b in used:
+                    total = total + _inner(factors[a], factors[b])
+            weight._norm_sample = total.clamp_min(0).sqrt()
+            done.add(id(weight))
+        for module in self.modules:
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, nn.Parameter) and bias.requires_grad and id(bias) not in done:
+                out = factors[module][0] if module in factors else None
+                bias._norm_sample = torch.zeros(size, device=bias.device) if out is None else out.sum(dim=1).norm(dim=1)
+        return []
+
+
+def _factors(module: nn.Module, inputs: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(u, v, one_hot)`` of a use, flattened to ``[B, T, ·]`` (fp32): for ``one_hot`` u holds indices ``[B, T]``."""
+    size = inputs.shape[0]
+    if isinstance(module, nn.Embedding):
+        indices = inputs.reshape(size, -1)
+        values = grad.reshape(size, indices.shape[1], -1).float()
+        if module.padding_idx is not None:  # the padding row gets no gradient
+            values = values.masked_fill((indices == module.padding_idx).unsqueeze(-1), 0.0)
+        return indices, values, True
+    out = grad.reshape(size, -1, grad.shape[-1]).float()
+    return out, inputs.reshape(size, -1, inputs.shape[-1]).float(), False
+
+
+def _inner(a: tuple[torch.Tensor, torch.Tensor, bool], b: tuple[torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:
+    """⟨G_a, G_b⟩ per example ([B], fp32) from the factors of two uses of one weight (see the module docstring)."""
+    (ua, va, a_hot), (ub, vb, b_hot) = a, b
+    values = torch.einsum("btd,bsd->bts", va, vb)
+    if a_hot and b_hot:
+        rows = (ua.unsqueeze(2) == ub.unsqueeze(1)).to(values.dtype)
+    elif a_hot:  # u_a·u_b = u_b[index_a]
+        rows = ub.gather(2, ua.unsqueeze(1).expand(-1, ub.shape[1], -1)).transpose(1, 2)
+    elif b_hot:
+        rows = ua.gather(2, ub.unsqueeze(1).expand(-1, ua.shape[1], -1))
+    else:
+        rows = torch.einsum("btd,bsd->bts", ua, ub)
+    return (rows * values).sum(dim=(1, 2))

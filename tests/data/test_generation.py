@@ -1,0 +1,81 @@
+"""TextGenerationDataModule: texts and prompt/completion pairs to right-padded, masked, Poisson-sampled batches."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from pl_dp.data import TextGenerationDataModule
+from pl_dp.data.collate import PaddingCollate
+from pl_dp.nets import CausalLM
+from pl_dp.privacy.independence import IndependenceError, probe_examples, probe_independence
+from pl_dp.privacy.losses import causal_lm
+from tests.tiny_hf import CORPUS, tiny_model
+
+TEXTS = [f"{text} number {i}" for i, text in enumerate(CORPUS)]
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("gpt2"), "gpt2")
+
+
+def test_texts_from_a_list_become_right_padded_masked_batches(gpt2_dir):
+    data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, batch_size=8, max_length=20)
+    assert len(data.private) + len(data.val) + len(data.test) == len(TEXTS)
+    eos = data.tokenizer.eos_token_id
+    item = data.private[0]
+    assert torch.equal(item["labels"], item["input_ids"]) and item["attention_mask"].all()
+    lengths = {len(data.private[i]["input_ids"]) for i in range(len(data.private))}
+    assert max(lengths) == 20 and len(lengths) > 1  # cut to max_length; texts of several lengths
+    short = next(i for i in range(len(data.private)) if len(data.private[i]["input_ids"]) < 20)
+    assert data.private[short]["input_ids"][-1] == eos  # ended, when not cut
+    batch = data.collate_fn([data.private[i] for i in range(6)])
+    mask, labels = batch["attention_mask"], batch["labels"]
+    assert batch["input_ids"].shape == mask.shape == labels.shape
+    assert torch.equal(labels == -100, mask == 0)  # padding: no loss, masked
+    assert (mask.cummin(dim=1).values == mask).all()  # right padding: each row's tokens first
+    assert "data" not in data.hparams and data.hparams["max_length"] == 20  # texts in memory are never saved
+
+
+def test_prompt_completion_columns_from_files_put_the_loss_on_the_completion(gpt2_dir, tmp_path):
+    rows = [
+        {"question": f"Q{i}: how was it?", "answer": f" it was {'great' if i % 2 else 'terrible'}"} for i in range(20)
+    ]
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = tmp_path / "pairs.csv"
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=["question", "answer"])
+        writer.writeheader()
+        writer.writerows(rows)
+    columns = dict(prompt_column="question", completion_column="answer", tokenizer=gpt2_dir, batch_size=4)
+    from_csv = TextGenerationDataModule(data=path, **columns)
+    from_jsonl = TextGenerationDataModule(data=jsonl, **columns)
+    tokenizer = from_csv.tokenizer
+    for data in (from_csv, from_jsonl):
+        assert data.hparams["data"] in (path, jsonl)  # a path is kept
+        item = data.private[0]
+        ids, labels = item["input_ids"], item["labels"]
+        prompt = len(tokenizer(tokenizer.decode(ids[labels == -100]))["input_ids"])
+        assert prompt > 0 and (labels[:prompt] == -100).all() and torch.equal(labels[prompt:], ids[prompt:])
+        assert tokenizer.decode(ids[prompt:-1]).startswith(" it was")
+    with pytest.raises(ValueError, match="both prompt_column and completion_column"):
+        TextGenerationDataModule(data=path, prompt_column="question", tokenizer=gpt2_dir)
+
+
+def test_the_fit_start_probe_passes_through_its_collate_and_refuses_left_padding(gpt2_dir):
+    data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, batch_size=8, max_length=32)
+    net = CausalLM(model_path=gpt2_dir)  # in training mode: dropout on
+    examples, source = probe_examples(data, data.train_dataloader(), size=8)
+    assert source == "validation" and len({len(e["input_ids"]) for e in examples}) > 1  # the probe batch is padded
+    probe_independence(net, causal_lm, examples, ("train", "eval"), source, collate=data.collate_fn)
+
+    def left_padded(items):  # padding the model is not told about: it attends to the pad tokens before the text
+        batch = PaddingCollate()([{k: v.flip(0) for k, v in item.items()} for item in items])
+        batch = {k: v.flip(1) for k, v in batch.items()}
+        return batch | {"attention_mask": torch.ones_like(batch["attention_mask"])}
+
+    with pytest.raises(IndependenceError, match="collate"):
+        probe_independence(net, causal_lm, examples, ("eval",), source, collate=left_padded)
