@@ -1,6 +1,6 @@
 """Data modules: Poisson-sampled private data, public data, bundled real datasets."""
 
-from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.datamodule import PrivatePublicDataModule, SplitsDataModule
 from pl_dp.data.digits import DigitsDataModule, digits_splits
 from pl_dp.data.synthetic import SyntheticClassificationDataModule, synthetic_splits
 from pl_dp.data.text import TextDataModule, TokenizedTexts, read_texts, tokenize_prompts
@@ -15,6 +15,7 @@ from pl_dp.data.vader import (
 __all__ = [
     "DigitsDataModule",
     "PrivatePublicDataModule",
+    "SplitsDataModule",
     "SyntheticClassificationDataModule",
     "TextDataModule",
     "TokenizedTexts",

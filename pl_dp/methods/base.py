@@ -171,6 +171,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     def __init__(
         self,
         net: nn.Module,
+        *,
         loss: LossSpec = "cross_entropy",
         lr: float = 1e-3,
         privacy: PrivacySpec | None = None,

@@ -17,10 +17,8 @@ from torch import nn
 
 from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
 from pl_dp.privacy.clipping import clip_per_example
-from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
 from pl_dp.privacy.seeding import derive_seed
-from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.tree import TreeAggregatedGaussian, TreeLeaf, tree_multiplicity
 from pl_dp.zo.engine import Direction, PerturbationEngine
 
@@ -91,8 +89,7 @@ class O2NC(PrivateModule):
     def __init__(
         self,
         net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 1.0,
+        *,
         clip: float = 1.0,
         smoothing: float = 0.1,
         inner_steps: int = 8,
@@ -102,25 +99,11 @@ class O2NC(PrivateModule):
         batch_size: int = 1,
         step_rule: str = "adagrad",
         output: str = "random_average",
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
         master_weights: bool = True,
+        lr: float = 1.0,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-        )
+        super().__init__(net, lr=lr, **kwargs)
         self.masters.enabled = bool(master_weights)
         _positive("clip", clip)
         _positive("smoothing", smoothing)

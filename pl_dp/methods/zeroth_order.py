@@ -12,9 +12,7 @@ import torch
 from torch import nn
 
 from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
-from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import PrivateTwoPointEstimator
 from pl_dp.zo.mask import DirectionMask
@@ -60,36 +58,20 @@ class ZerothOrderModule(PrivateModule):
     def __init__(
         self,
         net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 1e-3,
+        *,
         clip: float | None = 1.0,
         smoothing: float = 1e-3,
         queries: int = 1,
         direction: str = "gaussian",
         radius: float | None = None,
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
         joint_clip: bool = False,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
         cache_directions: bool | None = None,
         one_sided: bool = False,
         master_weights: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-        )
-        _positive("clip", clip, allow_none=privacy is None)
+        super().__init__(net, **kwargs)
+        _positive("clip", clip, allow_none=self.privacy is None)
         _positive("smoothing", smoothing)
         self.clip = None if clip is None else float(clip)
         self.queries = _positive_integer("queries", queries)
