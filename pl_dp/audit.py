@@ -44,6 +44,7 @@ from torch.utils.data import default_collate
 from pl_dp.methods.base import PrivateModule, _positive_integer
 from pl_dp.privacy.accountants import create_accountant
 from pl_dp.privacy.losses import batch_size_of, forward, split_inputs_targets
+from pl_dp.privacy.mechanisms import SubsampledGaussian
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,8 @@ class _StepTrials:
         alpha = 1 - self.confidence
         lower, fpr, fnr = epsilon_lower_bound(null[half:], alternative[half:], threshold, delta, alpha)
         with np.errstate(divide="ignore"):  # Opacus' PRV takes log(1 − q) = −inf at q = 1 harmlessly
-            claimed = create_accountant(module.accountant_name).epsilon_after(delta, 1, sigma, 1.0)
+            accountant = create_accountant(module.accountant_name)
+            claimed = accountant.epsilon_after(delta, 1, noise_multiplier=sigma, sample_rate=1.0)
         spread = float(torch.cat([null, alternative - alternative.mean() + null.mean()]).std())
         return AuditResult(
             method=type(module).__name__,
@@ -296,7 +298,7 @@ def audit(
     """
     if getattr(model, "privacy", None) is None:
         raise ValueError("the audit needs a private model (privacy=PrivacySpec(...)).")
-    if model.accountant_name == "tree":
+    if not issubclass(model.release, SubsampledGaussian):
         raise ValueError("the audit covers Poisson-sampled Gaussian steps; O2NC's tree mechanism is not supported.")
     trials = _positive_integer("trials", trials)
     if trials < 20:

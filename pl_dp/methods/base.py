@@ -32,7 +32,7 @@ from torch import nn
 
 from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin, check_strategy
-from pl_dp.privacy.accountants import Accountant
+from pl_dp.privacy.accountants import Accountant, accountant_class, accountant_names
 from pl_dp.privacy.independence import (
     PROBE_MAX,
     PROBE_SIZE,
@@ -162,6 +162,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     applies_proximal_term: bool = False
     #: the accountant of ``PrivacySpec(accountant=None)``: the one this method's sampling calls for
     default_accountant: str = "prv"
+    #: the mechanism of each private step (:meth:`mechanism`); a spec's accountant must support it
+    #: (:meth:`~pl_dp.privacy.accountants.Accountant.supports`)
+    release: type = SubsampledGaussian
     #: the modes in which the method evaluates private losses, probed at fit start for per-example independence: "train"
     #: (training mode, autograd: first-order) and/or "eval" (eval mode, inference mode: zeroth-order)
     private_loss_modes: tuple[str, ...] = ("train", "eval")
@@ -203,10 +206,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         # data-independent randomness (ZO directions, exploration noise): reproducible under
         # seed_everything, never shared with the DP noise
         self.direction_seed = derive_seed(torch.initial_seed(), _DIRECTION_TAG)
-        if self.accountant_name == "tree" and self.default_accountant != "tree":
+        if privacy is not None and not accountant_class(self.accountant_name).supports(self.release):
+            fitting = [name for name in accountant_names() if accountant_class(name).supports(self.release)]
             raise ValueError(
-                f"the tree accountant analyses O2NC's tree-aggregated releases over a data partition; "
-                f"{type(self).__name__} Poisson-samples: leave PrivacySpec(accountant=None) for its own ('prv')."
+                f"the {self.accountant_name!r} accountant does not account {type(self).__name__}'s releases "
+                f"({self.release.__name__}): use PrivacySpec(accountant=None) (its own, {self.default_accountant!r}) "
+                f"or one of {fitting}."
             )
         self.ledger = PrivacyLedger(privacy, self.accountant_name)
         self.log_private_metrics = log_private_metrics

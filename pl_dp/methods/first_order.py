@@ -301,7 +301,6 @@ class Coupling(PublicDataMixin, FirstOrderModule):
     Coupling + :class:`~pl_dp.callbacks.AlphaSchedule`.
     """
 
-
     def __init__(
         self,
         net: nn.Module,

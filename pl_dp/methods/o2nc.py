@@ -82,6 +82,7 @@ class O2NC(PrivateModule):
 
     supports_data_parallel = False
     default_accountant = "tree"
+    release = TreeAggregatedGaussian
     secure_rng_default = True  # node noises of a few thousand coordinates at most
     applies_own_update = True
     private_loss_modes = ("eval",)  # private_losses
@@ -115,12 +116,6 @@ class O2NC(PrivateModule):
             raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}.")
         if directions_per_sample != "d":
             _positive_integer("directions_per_sample", directions_per_sample)
-        if self.privacy is not None and self.accountant_name != "tree":
-            raise ValueError(
-                "O2NC's releases are tree-aggregated over a data partition: use PrivacySpec(accountant=None) (its "
-                "own, 'tree') "
-                f"(got {self.privacy.accountant!r}, whose Poisson-sampling analysis does not apply)."
-            )
         self.clip = float(clip)
         self.smoothing = float(smoothing)
         self.inner_steps = _positive_integer("inner_steps", inner_steps)

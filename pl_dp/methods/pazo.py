@@ -49,7 +49,6 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
     public gradient + one parameter tensor.
     """
 
-
     def __init__(self, net: nn.Module, *, alpha: float = 0.5, smoothing: float = 1e-2, **kwargs: Any) -> None:
         super().__init__(net, smoothing=smoothing, **kwargs)
         if not 0.0 <= alpha <= 1.0:
@@ -101,7 +100,6 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
     on another scale than DPZero's (‖v‖ ≈ √k, not √d; hence the paper's larger η grids for PAZO-P,
     Tables 12–13).
     """
-
 
     def __init__(
         self,

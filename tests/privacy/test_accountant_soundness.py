@@ -77,7 +77,10 @@ def test_accountant_never_reports_less_than_the_optimistic_pld(name):
     accountant = create_accountant(name)
     shortfalls, margins = [], []
     for sigma, rate, steps in GRID:
-        reported, floor = accountant.epsilon_after(DELTA, steps, sigma, rate), lower_bound(sigma, rate, steps)
+        reported, floor = (
+            accountant.epsilon_after(DELTA, steps, noise_multiplier=sigma, sample_rate=rate),
+            lower_bound(sigma, rate, steps),
+        )
         margins.append(reported - floor)
         if reported < floor:
             shortfalls.append(f"sigma={sigma} q={rate} T={steps}: {reported:.4f} < {floor:.4f}")
