@@ -263,7 +263,9 @@ class _AuditCallback(Callback):
         self.trials = trials
         self.result: AuditResult | None = None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.result is None:
             self.result = self.trials.run(pl_module, trainer.datamodule)
             trainer.should_stop = True

@@ -37,7 +37,8 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -94,7 +95,7 @@ class AuditCLI(PlDpCLI):
         parser.add_function_arguments(audit, "audit", skip={"model", "datamodule", "trainer", "canary"})
 
 
-def report(model, test_metrics: dict) -> str:
+def report(model: Any, test_metrics: Mapping[str, float]) -> str:
     """One line: test accuracy and the privacy spent."""
     parts = []
     if "test/acc" in test_metrics:

@@ -20,7 +20,7 @@ def digits_splits(
     val_fraction: float = 0.1,
     test_fraction: float = 0.2,
     public_shift: str = "strong",
-):
+) -> tuple[TensorDataset, TensorDataset, TensorDataset, TensorDataset]:
     """Fixed (private, public, val, test) TensorDatasets of the UCI digits.
 
     Features are pixel intensities scaled to [0, 1]. The public split is drawn from the
@@ -64,6 +64,6 @@ class DigitsDataModule(SplitsDataModule):
     def __init__(
         self, *, public_fraction: float = 0.04, public_shift: str = "strong", public_batch_size: int = 16, **kwargs: Any
     ) -> None:
-        splits = digits_splits(public_fraction, public_shift=public_shift)
-        splits = dict(zip(("private", "public", "val", "test"), splits))
+        datasets = digits_splits(public_fraction, public_shift=public_shift)
+        splits = dict(zip(("private", "public", "val", "test"), datasets))
         super().__init__(splits, public_batch_size=public_batch_size, **kwargs)

@@ -14,7 +14,7 @@ from torch import nn
 from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.zo.engine import Direction, PerturbationEngine
-from pl_dp.zo.estimator import PrivateTwoPointEstimator
+from pl_dp.zo.estimator import PrivateTwoPointEstimator, ZerothOrderEstimate
 from pl_dp.zo.mask import DirectionMask
 
 
@@ -146,7 +146,7 @@ class ZerothOrderModule(PrivateModule):
         with ``joint_clip``, one q-vector release with per-example L2 sensitivity C."""
         return self._gaussian(batch_size, self.clip, releases=1 if self.joint_clip else self.queries)
 
-    def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian):
+    def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> ZerothOrderEstimate:
         """Privatized q-query two-point estimate at the current parameters (θ left at θ − λu_q)."""
         evaluate = self.private_losses(batch, batch_size)
         return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise, self.sum_reducer)

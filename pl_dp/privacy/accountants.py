@@ -235,7 +235,7 @@ def cached_rdp_curves() -> Iterator[None]:
 
 def rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> float:
     """The Rényi-DP upper bound on ε of a history of (σ, q, steps) subsampled-Gaussian entries (microseconds)."""
-    rdp = sum(n * _unit_rdp(q, s) for s, q, n in history)
+    rdp: np.ndarray = sum((n * _unit_rdp(q, s) for s, q, n in history), np.zeros(len(RDPAccountant.DEFAULT_ALPHAS)))
     with opacus_rdp_conversion():
         eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
     return float(eps)

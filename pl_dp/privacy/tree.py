@@ -230,7 +230,7 @@ class TreeAggregatedGaussian:
             if self.noise_multiplier > 0 and accountant is not None:
                 if leaf is None:
                     raise RuntimeError("TreeAggregatedGaussian.account() without a release: nothing to record.")
-                if not accountant.supports(self):
+                if not isinstance(accountant, TreeAccountant):
                     raise ValueError(
                         f"tree-aggregated releases need the tree accountant, got {type(accountant).__name__}."
                     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ _SCORE_TAG = 0x5C0E
 
 
 def _path_norm(
-    net: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], inputs
+    net: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], inputs: Any
 ) -> torch.Tensor:
     state = {**buffers, **params}
     if isinstance(inputs, Mapping):

@@ -9,7 +9,7 @@ engine's ``cache_directions``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -106,7 +106,7 @@ class SubspaceEngine(PerturbationEngine):
         self._coeff_cache.clear()
         self.forget_directions()
 
-    def _chunks(self, size: int = 1 << 16):
+    def _chunks(self, size: int = 1 << 16) -> Iterator[torch.Tensor]:
         """Column blocks [k, ≤size] of every basis tensor: float64 work stays O(k·size), not O(k·d)."""
         for b in self.basis:
             flat = b.reshape(self.k, -1)
