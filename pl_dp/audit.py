@@ -41,10 +41,11 @@ from lightning.pytorch.callbacks import Callback
 from scipy.stats import beta
 from torch.utils.data import default_collate
 
-from pl_dp.methods.base import PrivateModule, _positive_integer
+from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.accountants import create_accountant
 from pl_dp.privacy.losses import batch_size_of, forward, split_inputs_targets
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.validation import positive_integer
 
 
 @dataclass(frozen=True)
@@ -302,12 +303,12 @@ def audit(
         raise ValueError("the audit needs a private model (privacy=PrivacySpec(...)).")
     if not issubclass(model.release, SubsampledGaussian):
         raise ValueError("the audit covers Poisson-sampled Gaussian steps; O2NC's tree mechanism is not supported.")
-    trials = _positive_integer("trials", trials)
+    trials = positive_integer("trials", trials)
     if trials < 20:
         raise ValueError(f"trials must be >= 20 for a meaningful bound, got {trials}.")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}.")
-    reference_size = _positive_integer("reference_size", reference_size)
+    reference_size = positive_integer("reference_size", reference_size)
     callback = _AuditCallback(_StepTrials(trials, reference_size, canary, float(input_scale), confidence))
     if trainer is None:
         trainer = L.Trainer(

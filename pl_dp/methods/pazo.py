@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
+from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import privatize_sum
 from pl_dp.zo.subspace import SubspaceEngine
@@ -119,7 +120,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
                 f"PAZO-P draws the coefficients of its public-gradient basis: direction must be 'gaussian' or "
                 f"'sphere', got {direction!r}."
             )
-        self.k = _positive_integer("k", k)
+        self.k = positive_integer("k", k)
         self.orthonormalize = bool(orthonormalize)
 
     @property
@@ -194,11 +195,11 @@ class PAZOS(PublicDataMixin, PrivateModule):
     ) -> None:
         super().__init__(net, lr=lr, **kwargs)
         self.masters.enabled = bool(master_weights)
-        _positive("clip", clip, allow_none=self.privacy is None)
+        check_positive("clip", clip, allow_none=self.privacy is None)
         if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
             raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")
         self.clip = None if clip is None else float(clip)
-        self.k = _positive_integer("k", k)
+        self.k = positive_integer("k", k)
         self.perturb_scale = float(perturb_scale)
         self._explorer: PerturbationEngine | None = None
 

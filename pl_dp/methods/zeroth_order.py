@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
+from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import PrivateTwoPointEstimator, ZerothOrderEstimate
 from pl_dp.zo.mask import DirectionMask
@@ -71,10 +72,10 @@ class ZerothOrderModule(PrivateModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(net, **kwargs)
-        _positive("clip", clip, allow_none=self.privacy is None)
-        _positive("smoothing", smoothing)
+        check_positive("clip", clip, allow_none=self.privacy is None)
+        check_positive("smoothing", smoothing)
         self.clip = None if clip is None else float(clip)
-        self.queries = _positive_integer("queries", queries)
+        self.queries = positive_integer("queries", queries)
         self.joint_clip = bool(joint_clip)
         self.cache_directions = cache_directions
         self.one_sided = bool(one_sided)
@@ -91,7 +92,7 @@ class ZerothOrderModule(PrivateModule):
 
     @smoothing.setter
     def smoothing(self, value: float) -> None:
-        _positive("smoothing", value)
+        check_positive("smoothing", value)
         self._smoothing = float(value)
         if self._estimator is not None:
             self._estimator.smoothing = float(value)

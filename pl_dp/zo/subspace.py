@@ -14,11 +14,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.zo.engine import Chunk, Direction, Key, PerturbationEngine
 from pl_dp.zo.master import MasterWeights
-
-_COEFF_TAG = 0xC0EF
 
 
 class SubspaceEngine(PerturbationEngine):
@@ -118,7 +116,7 @@ class SubspaceEngine(PerturbationEngine):
         """u ∈ ℝ^rank for direction ``key`` (float64, CPU)."""
         u = self._coeff_cache.get(key)
         if u is None:
-            g = torch.Generator().manual_seed(derive_seed(self.seed, *key, _COEFF_TAG))
+            g = torch.Generator().manual_seed(derive_seed(self.seed, *key, SeedDomain.SUBSPACE_COEFFICIENTS))
             u = torch.randn(self.rank, generator=g, dtype=torch.float64)
             if self.coefficients_kind == "sphere" and self.rank > 0:
                 u = u * (math.sqrt(self.rank) / u.norm())

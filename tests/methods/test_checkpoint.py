@@ -280,6 +280,21 @@ def test_checkpoint_from_another_method_is_refused(tmp_path):
         make_trainer(max_steps=4).fit(other, _dm(), ckpt_path=str(tmp_path / "a.ckpt"))
 
 
+def test_a_privacy_state_of_an_unknown_version_is_refused():
+    """The version written with every checkpoint is read: a newer pl_dp's state is refused, never guessed at."""
+    model = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+    make_trainer(max_steps=2).fit(model, _dm())
+    state = model.privacy_state_dict()
+    assert state["version"] == model.PRIVACY_STATE_VERSION
+    for version in (model.PRIVACY_STATE_VERSION + 1, 0, "2"):
+        with pytest.raises(ValueError, match=f"version {version!r}; this pl_dp reads versions 1 to"):
+            _model(PrivacySpec(epsilon=2.0, accountant="rdp")).load_privacy_state_dict({**state, "version": version})
+    for version in (1, model.PRIVACY_STATE_VERSION):  # older states load (version 1's noise state is ignored)
+        resumed = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+        resumed.load_privacy_state_dict({**state, "version": version})
+        assert resumed.private_steps == model.private_steps
+
+
 def test_resume_with_another_sample_rate_is_refused(tmp_path):
     spec = PrivacySpec(epsilon=2.0, accountant="rdp")
     trainer = make_trainer(max_steps=2)
