@@ -1,4 +1,5 @@
-# pl_dp — two commands: `make demo` and `make test` (each sets up .venv first); `make docs` builds the site.
+# pl_dp — two commands: `make demo` and `make test` (each sets up .venv first); `make docs` builds the site,
+# `make typecheck` checks pl_dp's annotations (mypy; settings in pyproject.toml).
 VENV ?= .venv
 PYTHON ?= python3
 # CPU build from the local wheel cache; override for CUDA, e.g. TORCH_SPEC="torch==2.13.0" with your index.
@@ -6,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test docs lint bench reproduce
+.PHONY: install demo test docs lint typecheck bench reproduce
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,9 @@ docs: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pl_dp tests benchmarks examples docs
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_cost.py

@@ -41,9 +41,11 @@ from lightning.pytorch.callbacks import Callback
 from scipy.stats import beta
 from torch.utils.data import default_collate
 
-from pl_dp.methods.base import PrivateModule, _positive_integer
+from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.accountants import create_accountant
 from pl_dp.privacy.losses import batch_size_of, forward, split_inputs_targets
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.validation import positive_integer
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,8 @@ class _StepTrials:
         alpha = 1 - self.confidence
         lower, fpr, fnr = epsilon_lower_bound(null[half:], alternative[half:], threshold, delta, alpha)
         with np.errstate(divide="ignore"):  # Opacus' PRV takes log(1 − q) = −inf at q = 1 harmlessly
-            claimed = create_accountant(module.accountant_name).epsilon_after(delta, 1, sigma, 1.0)
+            accountant = create_accountant(module.accountant_name)
+            claimed = accountant.epsilon_after(delta, 1, noise_multiplier=sigma, sample_rate=1.0)
         spread = float(torch.cat([null, alternative - alternative.mean() + null.mean()]).std())
         return AuditResult(
             method=type(module).__name__,
@@ -261,7 +264,9 @@ class _AuditCallback(Callback):
         self.trials = trials
         self.result: AuditResult | None = None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.result is None:
             self.result = self.trials.run(pl_module, trainer.datamodule)
             trainer.should_stop = True
@@ -296,14 +301,14 @@ def audit(
     """
     if getattr(model, "privacy", None) is None:
         raise ValueError("the audit needs a private model (privacy=PrivacySpec(...)).")
-    if model.accountant_name == "tree":
+    if not issubclass(model.release, SubsampledGaussian):
         raise ValueError("the audit covers Poisson-sampled Gaussian steps; O2NC's tree mechanism is not supported.")
-    trials = _positive_integer("trials", trials)
+    trials = positive_integer("trials", trials)
     if trials < 20:
         raise ValueError(f"trials must be >= 20 for a meaningful bound, got {trials}.")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}.")
-    reference_size = _positive_integer("reference_size", reference_size)
+    reference_size = positive_integer("reference_size", reference_size)
     callback = _AuditCallback(_StepTrials(trials, reference_size, canary, float(input_scale), confidence))
     if trainer is None:
         trainer = L.Trainer(

@@ -42,7 +42,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -145,7 +145,7 @@ def take_repeated(argv: list[str], option: str) -> tuple[list[str], list[str]]:
     return rest, values
 
 
-def report(model, test_metrics: dict) -> str:
+def report(model: Any, test_metrics: Mapping[str, float]) -> str:
     """One line: test accuracy and the privacy spent."""
     parts = []
     if "test/acc" in test_metrics:

@@ -107,5 +107,7 @@ def test_too_small_private_set_raises():
 def test_claimed_epsilon_is_one_full_batch_step_of_the_accountant():
     torch.manual_seed(0)
     result = audit(_model(), _data(), trials=40)
-    assert result.claimed_epsilon == pytest.approx(create_accountant("rdp").epsilon_after(1 / 40, 1, SIGMA, 1.0))
+    assert result.claimed_epsilon == pytest.approx(
+        create_accountant("rdp").epsilon_after(1 / 40, 1, noise_multiplier=SIGMA, sample_rate=1.0)
+    )
     assert math.isfinite(result.epsilon_lower_bound)

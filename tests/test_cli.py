@@ -1,11 +1,15 @@
 """The pl-dp CLI: a real subprocess on a tiny config; every shipped config parses."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
+from tests.methods.test_constructors import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -42,15 +46,19 @@ def test_fit_tiny_config_prints_accuracy_epsilon_and_the_privacy_report(tmp_path
 
 
 _PARSE_ALL = """
-import contextlib, io, sys
+import contextlib, io, sys, yaml
 from pl_dp.cli import main
+MODEL = {"loss", "lr", "privacy", "noise_seed", "secure_rng", "max_physical_batch_size", "preflight"}
+DATA = {"batch_size", "seed", "sampling_seed", "merge_public", "num_workers", "pin_memory", "collate_fn"}
 for path in sys.argv[1:]:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
             main(["fit", "--config", path, "--print_config"])
     except SystemExit as exit:
-        ok = exit.code in (0, None) and "class_path: pl_dp.methods" in out.getvalue()
+        config = yaml.safe_load(out.getvalue()) if exit.code in (0, None) else None
+        ok = config is not None and config["model"]["class_path"].startswith("pl_dp.methods")
+        ok = ok and MODEL <= set(config["model"]["init_args"]) and DATA <= set(config["data"]["init_args"])
     else:
         ok = False
     print(("PARSED " if ok else "FAILED ") + path)
@@ -58,7 +66,8 @@ for path in sys.argv[1:]:
 
 
 def test_shipped_configs_parse():
-    """Every shipped config resolves (one interpreter for all of them: imports dominate the cost)."""
+    """Every shipped config resolves, with every argument a method or data module inherits by keyword (``**kwargs``
+    forwarded to ``super().__init__``) resolved to its default (one interpreter for all configs: imports dominate)."""
     env = dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore")
     out = subprocess.run(
         [sys.executable, "-c", _PARSE_ALL, *map(str, CONFIGS)],
@@ -80,6 +89,39 @@ def test_help_lists_the_methods_arguments():
     assert "--model" in out.stdout and "--data" in out.stdout
 
 
+@pytest.mark.parametrize("method", [method.__name__ for method in METHODS])
+def test_method_help_lists_inherited_arguments(method, capsys):
+    """Each method states only the arguments it adds; ``--model.help`` still lists those of every class above it."""
+    from pl_dp.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.help", f"pl_dp.methods.{method}"])
+    listed = set(re.findall(r"--model\.(\w+)", capsys.readouterr().out))
+    inherited = {"net", "loss", "lr", "privacy", "noise_seed", "secure_rng", "max_physical_batch_size", "preflight"}
+    assert inherited <= listed
+    assert {"clip"} <= listed and ("radius" in listed) == (method in ("DPZero", "PAZOM"))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        "DigitsDataModule",
+        "SyntheticClassificationDataModule",
+        "TextDataModule",
+        "VaderSentimentDataModule",
+        "VaderEmbeddingDataModule",
+    ],
+)
+def test_data_help_lists_the_loader_options_of_every_data_module(data, capsys):
+    """docs/lightning.md: ``num_workers`` and ``pin_memory`` apply to every loader of every data module."""
+    from pl_dp.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--data.help", f"pl_dp.data.{data}"])
+    listed = set(re.findall(r"--data\.(\w+)", capsys.readouterr().out))
+    assert {"batch_size", "public_batch_size", "seed", "sampling_seed", "num_workers", "pin_memory"} <= listed
+
+
 def test_audit_subcommand_prints_the_bound_next_to_the_claim():
     out = _run("audit", "--config", "configs/digits/dpsgd.yaml", "--audit.trials", "60")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -88,8 +130,6 @@ def test_audit_subcommand_prints_the_bound_next_to_the_claim():
 
 
 def test_the_wandb_sweep_example_resolves_for_every_value(capsys):
-    import pytest
-
     from pl_dp.cli import main
 
     sweep = yaml.safe_load((ROOT / "examples/wandb_sweep.yaml").read_text())

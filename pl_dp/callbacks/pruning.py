@@ -23,7 +23,7 @@ import torch
 from pl_dp.callbacks.protocol import PrivacyCallback
 from pl_dp.callbacks.stagewise import StagewiseSchedule
 from pl_dp.privacy.losses import split_inputs_targets
-from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.pruning import importance_matrix, path_norm_scores
 
@@ -136,7 +136,7 @@ class PruningSchedule(PrivacyCallback):
             estimator=self.score,
             queries=self.score_queries,
             smoothing=self.score_smoothing,
-            seed=derive_seed(pl_module.direction_seed, 0x9A0E, stage),
+            seed=derive_seed(pl_module.direction_seed, SeedDomain.PRUNING_STAGE, stage),
         )
         previous = self.mask if self.strategy == "incremental" else None
         if previous is not None and round(self.rate(stage) * sum(previous.numels)) <= previous.trained:

@@ -47,7 +47,7 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{run_dir} holds no W&B run log.")
     out: dict[str, Any] = {"config": {}, "summary": {}, "history": [], "group": ""}
 
-    def items(entries) -> dict[str, Any]:
+    def items(entries: Any) -> dict[str, Any]:
         return {e.key or "/".join(e.nested_key): json.loads(e.value_json) for e in entries}
 
     pos, pending = 7, b""

@@ -1,6 +1,6 @@
 """Data modules: Poisson-sampled private data, public data, bundled real datasets."""
 
-from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.datamodule import PrivatePublicDataModule, SplitsDataModule
 from pl_dp.data.digits import DigitsDataModule, digits_splits
 from pl_dp.data.generation import TextGenerationDataModule, TokenSequences
 from pl_dp.data.synthetic import SyntheticClassificationDataModule, synthetic_splits
@@ -16,6 +16,7 @@ from pl_dp.data.vader import (
 __all__ = [
     "DigitsDataModule",
     "PrivatePublicDataModule",
+    "SplitsDataModule",
     "SyntheticClassificationDataModule",
     "TextDataModule",
     "TextGenerationDataModule",

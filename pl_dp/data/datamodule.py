@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.parsing import collect_init_args
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.privacy.sampling import poisson_loader
+
+_SCALARS = (str, Path, int, float, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a hyperparameter a checkpoint may hold: a scalar, or a flat list or tuple of them."""
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(item, _SCALARS) for item in value)
+    return isinstance(value, _SCALARS)
 
 
 class PrivatePublicDataModule(L.LightningDataModule):
@@ -57,6 +69,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
     def __init__(
         self,
         private: Dataset,
+        *,
         public: Dataset | None = None,
         val: Dataset | None = None,
         test: Dataset | None = None,
@@ -86,6 +99,18 @@ class PrivatePublicDataModule(L.LightningDataModule):
         self._public_generator = torch.Generator().manual_seed(seed + 1)
         if private is not None:
             self._validate()
+        self._save_plain_hyperparameters()
+
+    def _save_plain_hyperparameters(self) -> None:
+        """Save the constructor arguments of this class and its subclasses that are plain values (numbers, strings,
+        paths, flat lists of them) as hyperparameters, as given or defaulted. Datasets, texts, tokenizers, prompts
+        and callables are left out: checkpoints and loggers save the hyperparameters, and private examples must
+        never be among them."""
+        frame = inspect.currentframe()
+        arguments: dict[str, Any] = {}
+        for level in collect_init_args(frame.f_back, []) if frame is not None and frame.f_back else []:
+            arguments.update(level)
+        self.save_hyperparameters(ignore=[name for name, value in arguments.items() if not _plain(value)])
 
     @classmethod
     def from_datamodule(
@@ -123,23 +148,6 @@ class PrivatePublicDataModule(L.LightningDataModule):
         )
         return cls(
             train.dataset, public=public, batch_size=batch_size or train.batch_size, **found, **(options | kwargs)
-        )
-
-    @classmethod
-    def from_splits(cls, splits: dict[str, Dataset], public_batch_size: int, **kwargs: Any) -> dict[str, Any]:
-        """Constructor arguments for fixed named splits (``private``, ``public``, ``val``, ``test``).
-
-        A bundled dataset's subclass passes them on to ``__init__``: an empty public split means no
-        public data, and b′ is capped at the public split's size.
-        """
-        public = splits["public"]
-        return dict(
-            private=splits["private"],
-            public=public if len(public) else None,
-            val=splits.get("val"),
-            test=splits.get("test"),
-            public_batch_size=min(public_batch_size, max(len(public), 1)),
-            **kwargs,
         )
 
     def _validate(self) -> None:
@@ -229,3 +237,24 @@ class PrivatePublicDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "public_generator" in state_dict:
             self._public_generator.set_state(state_dict["public_generator"])
+
+
+class SplitsDataModule(PrivatePublicDataModule):
+    """A :class:`PrivatePublicDataModule` over fixed named splits that a subclass builds from its own arguments
+    (the bundled datasets, :class:`~pl_dp.data.TextDataModule`).
+
+    ``splits`` maps ``"private"``, ``"public"`` and optionally ``"val"`` and ``"test"`` to datasets: an empty
+    public split means no public data, and b′ (``public_batch_size``) is capped at the public split's size.
+    Every other argument is :class:`PrivatePublicDataModule`'s, by keyword.
+    """
+
+    def __init__(self, splits: Mapping[str, Dataset], *, public_batch_size: int = 64, **kwargs: Any) -> None:
+        public = splits["public"]
+        super().__init__(
+            splits["private"],
+            public=public if len(public) else None,
+            val=splits.get("val"),
+            test=splits.get("test"),
+            public_batch_size=min(public_batch_size, max(len(public), 1)),
+            **kwargs,
+        )

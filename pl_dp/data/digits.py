@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from torch.utils.data import TensorDataset
 
-from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.data.shift import public_shift_weights
 
 _SPLIT_SEED = 20240229  # fixed: the splits never move with the training seed
@@ -18,7 +20,7 @@ def digits_splits(
     val_fraction: float = 0.1,
     test_fraction: float = 0.2,
     public_shift: str = "strong",
-):
+) -> tuple[TensorDataset, TensorDataset, TensorDataset, TensorDataset]:
     """Fixed (private, public, val, test) TensorDatasets of the UCI digits.
 
     Features are pixel intensities scaled to [0, 1]. The public split is drawn from the
@@ -49,7 +51,7 @@ def digits_splits(
     return subset(private_idx), subset(public_idx), subset(val_idx), subset(test_idx)
 
 
-class DigitsDataModule(PrivatePublicDataModule):
+class DigitsDataModule(SplitsDataModule):
     """Digits as private/public/val/test splits (see :func:`digits_splits`).
 
     With the defaults: 1,208 private, 50 public, 180 validation and 359 test examples; public batches
@@ -60,25 +62,8 @@ class DigitsDataModule(PrivatePublicDataModule):
     """
 
     def __init__(
-        self,
-        batch_size: int = 64,
-        public_fraction: float = 0.04,
-        public_batch_size: int = 16,
-        seed: int = 0,
-        merge_public: bool = False,
-        sampling_seed: int | None = None,
-        public_shift: str = "strong",
+        self, *, public_fraction: float = 0.04, public_shift: str = "strong", public_batch_size: int = 16, **kwargs: Any
     ) -> None:
-        names = ("private", "public", "val", "test")
-        splits = dict(zip(names, digits_splits(public_fraction, public_shift=public_shift)))
-        super().__init__(
-            **self.from_splits(
-                splits,
-                public_batch_size,
-                batch_size=batch_size,
-                seed=seed,
-                merge_public=merge_public,
-                sampling_seed=sampling_seed,
-            )
-        )
-        self.save_hyperparameters()
+        datasets = digits_splits(public_fraction, public_shift=public_shift)
+        splits = dict(zip(("private", "public", "val", "test"), datasets))
+        super().__init__(splits, public_batch_size=public_batch_size, **kwargs)

@@ -26,12 +26,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from sklearn.datasets import make_classification
 from torch.utils.data import TensorDataset
 
-from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.datamodule import SplitsDataModule
 
 _DATA_SEED = 0  # fixed: the problem itself (clusters, rows, label noise)
 _SPLIT_SEED = 20240229  # fixed: the splits never move with the training seed
@@ -91,7 +93,7 @@ def synthetic_splits(
     return subset(private_idx), subset(public_idx), subset(val_idx), subset(test_idx)
 
 
-class SyntheticClassificationDataModule(PrivatePublicDataModule):
+class SyntheticClassificationDataModule(SplitsDataModule):
     """The synthetic problem as private/val/test splits (see :func:`synthetic_splits` and the module's card).
 
     With the defaults: 400,000 private, 50,000 validation and 50,000 test rows of 10 float32 features,
@@ -103,7 +105,7 @@ class SyntheticClassificationDataModule(PrivatePublicDataModule):
 
     def __init__(
         self,
-        batch_size: int = 256,
+        *,
         n_samples: int = 500_000,
         n_features: int = 10,
         n_informative: int = 5,
@@ -112,24 +114,16 @@ class SyntheticClassificationDataModule(PrivatePublicDataModule):
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
         public_fraction: float = 0.0,
-        public_batch_size: int = 64,
-        seed: int = 0,
-        sampling_seed: int | None = None,
+        batch_size: int = 256,
         eval_batch_size: int = 4096,
-        merge_public: bool = False,
+        **kwargs: Any,
     ) -> None:
         splits = synthetic_splits(
             n_samples, n_features, n_informative, class_sep, flip_y, val_fraction, test_fraction, public_fraction
         )
         super().__init__(
-            **self.from_splits(
-                dict(zip(("private", "public", "val", "test"), splits)),
-                public_batch_size,
-                batch_size=batch_size,
-                seed=seed,
-                sampling_seed=sampling_seed,
-                eval_batch_size=eval_batch_size,
-                merge_public=merge_public,
-            )
+            dict(zip(("private", "public", "val", "test"), splits)),
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            **kwargs,
         )
-        self.save_hyperparameters()

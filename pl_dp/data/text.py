@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.nets.prompt import MASK, TEXT, split_template
 
 #: texts and labels: a CSV/TSV/JSONL path, a mapping of columns, a pair (texts, labels), or a ``datasets.Dataset``
@@ -197,7 +197,7 @@ def in_memory(**values: Any) -> list[str]:
     return [name for name, value in values.items() if not isinstance(value, (str, Path, type(None)))]
 
 
-class TextDataModule(PrivatePublicDataModule):
+class TextDataModule(SplitsDataModule):
     """Texts and labels → tokenized prompts → a Poisson-sampled private loader, public and evaluation loaders.
 
     Splits. ``data`` is the pool: ``test_fraction``, ``val_fraction`` and ``public_fraction`` of it are drawn
@@ -219,10 +219,9 @@ class TextDataModule(PrivatePublicDataModule):
         val_fraction, test_fraction: shares of the pool (``None``: 0.1, or 0 when the split is given).
         public_fraction: share of the pool that is public data (for PAZO, Coupling).
         split_seed: seed of the split permutation.
-        batch_size, public_batch_size, seed, eval_batch_size, merge_public: as in
-            :class:`~pl_dp.data.PrivatePublicDataModule`.
-        sampling_seed, num_workers, pin_memory: as in :class:`~pl_dp.data.PrivatePublicDataModule`
-            (``sampling_seed=None``: the Poisson sampling is a secret from OS entropy).
+        batch_size, public_batch_size, eval_batch_size: as in :class:`~pl_dp.data.PrivatePublicDataModule`, with
+            defaults for text; its other arguments (``seed``, ``sampling_seed``, ``num_workers``, …) are taken by
+            keyword (``sampling_seed=None``: the Poisson sampling is a secret from OS entropy).
 
     Texts given as lists or datasets are never written to the hyperparameters (which checkpoints and loggers
     save): only paths are.
@@ -231,6 +230,7 @@ class TextDataModule(PrivatePublicDataModule):
     def __init__(
         self,
         data: TextSource,
+        *,
         public: TextSource | None = None,
         val: TextSource | None = None,
         test: TextSource | None = None,
@@ -247,12 +247,8 @@ class TextDataModule(PrivatePublicDataModule):
         split_seed: int = 0,
         batch_size: int = 32,
         public_batch_size: int = 32,
-        seed: int = 0,
         eval_batch_size: int = 256,
-        merge_public: bool = False,
-        sampling_seed: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
+        **kwargs: Any,
     ) -> None:
         if prompt is not None and (tokenizer is not None or template is not None):
             raise ValueError("give either prompt (its tokenizer and template are used) or tokenizer and template.")
@@ -275,20 +271,12 @@ class TextDataModule(PrivatePublicDataModule):
         num_labels = len(label_names) if label_names else getattr(prompt, "num_labels", None)
         splits = {name: self._tokenized(*pair, label_names, num_labels) for name, pair in raw.items()}
         super().__init__(
-            **self.from_splits(
-                splits,
-                public_batch_size,
-                batch_size=batch_size,
-                seed=seed,
-                eval_batch_size=eval_batch_size,
-                merge_public=merge_public,
-                sampling_seed=sampling_seed,
-                num_workers=num_workers,
-                pin_memory=pin_memory,
-            )
+            splits,
+            batch_size=batch_size,
+            public_batch_size=public_batch_size,
+            eval_batch_size=eval_batch_size,
+            **kwargs,
         )
-        objects = in_memory(data=data, public=public, val=val, test=test, tokenizer=tokenizer)
-        self.save_hyperparameters(ignore=[*objects, "prompt"])
 
     def _tokenized(
         self, texts: list[str], labels: list, label_names: list[str] | None, num_labels: int | None

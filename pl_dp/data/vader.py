@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from pl_dp.data.datamodule import PrivatePublicDataModule
+from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.data.shift import public_shift_weights
 from pl_dp.data.text import TextDataModule
 
@@ -104,37 +104,26 @@ class VaderSentimentDataModule(TextDataModule):
 
     def __init__(
         self,
-        batch_size: int = 32,
+        *,
         public_fraction: float = 0.04,
-        public_batch_size: int = 32,
-        seed: int = 0,
-        max_length: int = 8,
-        tokenizer_path: str | None = None,
-        eval_batch_size: int = 256,
-        merge_public: bool = False,
-        sampling_seed: int | None = None,
-        template: str | None = None,
-        prompt: Any | None = None,
         public_shift: str = "strong",
+        tokenizer_path: str | None = None,
+        prompt: Any | None = None,
+        max_length: int = 8,
+        **kwargs: Any,
     ) -> None:
         from pl_dp.nets.hf import minilm_path
 
         splits = vader_splits(public_fraction, public_shift)
         super().__init__(
-            data=splits["private"],
+            splits["private"],
             public=splits["public"],
             val=splits["val"],
             test=splits["test"],
             tokenizer=None if prompt is not None else tokenizer_path or minilm_path(),
-            template=template,
             prompt=prompt,
             max_length=max_length,
-            batch_size=batch_size,
-            public_batch_size=public_batch_size,
-            seed=seed,
-            eval_batch_size=eval_batch_size,
-            merge_public=merge_public,
-            sampling_seed=sampling_seed,
+            **kwargs,
         )
 
 
@@ -173,7 +162,7 @@ def _embedded_splits(
     return {name: TensorDataset(v.clone(), splits[name][1]) for name, v in zip(names, vectors)}
 
 
-class VaderEmbeddingDataModule(PrivatePublicDataModule):
+class VaderEmbeddingDataModule(SplitsDataModule):
     """VADER sentiment (same fixed splits as :class:`VaderSentimentDataModule`) as frozen sentence embeddings.
 
     Each entry is encoded once by the pretrained MiniLM — mean of the last hidden states over its
@@ -190,27 +179,14 @@ class VaderEmbeddingDataModule(PrivatePublicDataModule):
 
     def __init__(
         self,
-        batch_size: int = 64,
+        *,
         public_fraction: float = 0.04,
-        public_batch_size: int = 32,
-        seed: int = 0,
+        public_shift: str = "strong",
         max_length: int = 8,
         model_path: str | None = None,
+        public_batch_size: int = 32,
         eval_batch_size: int = 1024,
-        merge_public: bool = False,
-        sampling_seed: int | None = None,
-        public_shift: str = "strong",
+        **kwargs: Any,
     ) -> None:
         splits = _embedded_splits(public_fraction, max_length, model_path, public_shift)
-        super().__init__(
-            **self.from_splits(
-                splits,
-                public_batch_size,
-                batch_size=batch_size,
-                seed=seed,
-                eval_batch_size=eval_batch_size,
-                merge_public=merge_public,
-                sampling_seed=sampling_seed,
-            )
-        )
-        self.save_hyperparameters()
+        super().__init__(splits, public_batch_size=public_batch_size, eval_batch_size=eval_batch_size, **kwargs)

@@ -32,7 +32,7 @@ from torch import nn
 
 from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin
-from pl_dp.privacy.accountants import Accountant
+from pl_dp.privacy.accountants import Accountant, accountant_class, accountant_names
 from pl_dp.privacy.independence import (
     PROBE_MAX,
     PROBE_SIZE,
@@ -48,29 +48,16 @@ from pl_dp.privacy.preflight import PreflightReport, check_private_set
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
 from pl_dp.privacy.seal import PlainAttributes, sealed
-from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.estimator import per_sample_evaluator
 from pl_dp.zo.master import MasterWeights
 
-_DIRECTION_TAG = 0xD1EC
 #: where a lineage's privacy journal goes, inside the checkpoint directory (or the Trainer's root)
 JOURNAL_DIRECTORY = "pl_dp_journal"
 #: the checkpoint entry holding the fp32 master weights of half-precision parameters, by parameter name
 MASTER_WEIGHTS_KEY = "pl_dp_master_weights"
-
-
-def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}.")
-
-
-def _positive_integer(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    return int(value)
 
 
 def refuse_unless_plain_sgd(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -162,6 +149,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     applies_proximal_term: bool = False
     #: the accountant of ``PrivacySpec(accountant=None)``: the one this method's sampling calls for
     default_accountant: str = "prv"
+    #: the mechanism of each private step (:meth:`mechanism`); a spec's accountant must support it
+    #: (:meth:`~pl_dp.privacy.accountants.Accountant.supports`)
+    release: type = SubsampledGaussian
     #: the modes in which the method evaluates private losses, probed at fit start for per-example independence: "train"
     #: (training mode, autograd: first-order) and/or "eval" (eval mode, inference mode: zeroth-order)
     private_loss_modes: tuple[str, ...] = ("train", "eval")
@@ -171,6 +161,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     def __init__(
         self,
         net: nn.Module,
+        *,
         loss: LossSpec = "cross_entropy",
         lr: float = 1e-3,
         privacy: PrivacySpec | None = None,
@@ -181,9 +172,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         preflight: bool = True,
     ) -> None:
         super().__init__()
-        _positive("lr", lr)
+        check_positive("lr", lr)
         if max_physical_batch_size is not None:
-            max_physical_batch_size = _positive_integer("max_physical_batch_size", max_physical_batch_size)
+            max_physical_batch_size = positive_integer("max_physical_batch_size", max_physical_batch_size)
         self.max_physical_batch_size = max_physical_batch_size
         self.preflight = bool(preflight)
         if isinstance(privacy, Mapping):  # as stored in hparams and checkpoints
@@ -201,11 +192,13 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self.noise = NoiseSource(noise_seed, secure=self.secure_rng_default if secure_rng is None else secure_rng)
         # data-independent randomness (ZO directions, exploration noise): reproducible under
         # seed_everything, never shared with the DP noise
-        self.direction_seed = derive_seed(torch.initial_seed(), _DIRECTION_TAG)
-        if self.accountant_name == "tree" and self.default_accountant != "tree":
+        self.direction_seed = derive_seed(torch.initial_seed(), SeedDomain.DIRECTIONS)
+        if privacy is not None and not accountant_class(self.accountant_name).supports(self.release):
+            fitting = [name for name in accountant_names() if accountant_class(name).supports(self.release)]
             raise ValueError(
-                f"the tree accountant analyses O2NC's tree-aggregated releases over a data partition; "
-                f"{type(self).__name__} Poisson-samples: leave PrivacySpec(accountant=None) for its own ('prv')."
+                f"the {self.accountant_name!r} accountant does not account {type(self).__name__}'s releases "
+                f"({self.release.__name__}): use PrivacySpec(accountant=None) (its own, {self.default_accountant!r}) "
+                f"or one of {fitting}."
             )
         self.ledger = PrivacyLedger(privacy, self.accountant_name)
         self.log_private_metrics = log_private_metrics
@@ -375,7 +368,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
 
     @lr.setter
     def lr(self, value: float) -> None:
-        _positive("lr", value)
+        check_positive("lr", value)
         self._lr = float(value)
         opt = self._optimizer_or_none()
         if opt is not None:
@@ -738,8 +731,15 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         """Restore the privacy state of a checkpoint; the secrets stay this process's own (fresh).
 
         A checkpoint written before version 2 also holds the noise generator's state: it is ignored,
-        so a resume never replays the noise of the original continuation.
+        so a resume never replays the noise of the original continuation. A version this pl_dp does not know (a
+        newer one's) is refused: what its entries mean may have changed, and ε must not be read from a guess.
         """
+        version = state.get("version", 1)
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= self.PRIVACY_STATE_VERSION:
+            raise ValueError(
+                f"this checkpoint's privacy state has version {version!r}; this pl_dp reads versions 1 to "
+                f"{self.PRIVACY_STATE_VERSION}. It was written by another (newer) pl_dp: resume it with that version."
+            )
         if state.get("method") != type(self).__name__:
             raise ValueError(
                 f"this checkpoint was written by {state.get('method')!r}, not {type(self).__name__!r}: "

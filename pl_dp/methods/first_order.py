@@ -17,11 +17,10 @@ from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import LossSpec, batch_size_of, check_per_sample, select_examples, split_batch
+from pl_dp.privacy.losses import batch_size_of, check_per_sample, select_examples, split_batch
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.seal import PassFailed, PlainAttributes, isolate_failures, sealed
 from pl_dp.privacy.shards import as_gradient_of, block, local
-from pl_dp.privacy.spec import PrivacySpec
 
 T = TypeVar("T")
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -67,8 +66,7 @@ class FirstOrderModule(PrivateModule):
     def __init__(
         self,
         net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 0.1,
+        *,
         clip: float | None = 1.0,
         clip_fn: str = "constant",
         r: float = 0.1,
@@ -76,27 +74,13 @@ class FirstOrderModule(PrivateModule):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         per_sample: str = "hooks",
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
         clip_quantile: float | None = None,
         quantile_noise: float | None = None,
         quantile_lr: float = 0.2,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
+        lr: float = 0.1,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-        )
+        super().__init__(net, lr=lr, **kwargs)
         if clip_quantile is not None:
             if not 0.0 < clip_quantile < 1.0:
                 raise ValueError(f"clip_quantile must lie in (0, 1), got {clip_quantile!r}.")
@@ -107,7 +91,7 @@ class FirstOrderModule(PrivateModule):
         self.clip_quantile = clip_quantile
         self.quantile_noise = quantile_noise
         self.quantile_lr = float(quantile_lr)
-        if clip is None and privacy is not None:
+        if clip is None and self.privacy is not None:
             raise ValueError("clip must be a number > 0 for a private run, got None.")
         if optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}.")
@@ -383,52 +367,17 @@ class Coupling(PublicDataMixin, FirstOrderModule):
     Coupling + :class:`~pl_dp.callbacks.AlphaSchedule`.
     """
 
-
     def __init__(
         self,
         net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 0.1,
-        clip: float | None = 1.0,
+        *,
         alpha: float | str = 0.5,
         kappa: float | None = None,
         clip_fn: str = "automatic",
         r: float = 1.0,
-        optimizer: str = "sgd",
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        per_sample: str = "hooks",
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
-        clip_quantile: float | None = None,
-        quantile_noise: float | None = None,
-        quantile_lr: float = 0.2,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            clip,
-            clip_fn,
-            r,
-            optimizer,
-            momentum,
-            weight_decay,
-            per_sample,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            clip_quantile,
-            quantile_noise,
-            quantile_lr,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-        )
+        super().__init__(net, clip_fn=clip_fn, r=r, **kwargs)
         if alpha == "auto":
             if kappa is None or not kappa > 0:
                 raise ValueError("alpha='auto' needs kappa = L·L0 > 0 (see Coupling.kappa_from_alpha).")

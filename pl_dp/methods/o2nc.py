@@ -15,16 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
+from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.clipping import clip_per_example
-from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
-from pl_dp.privacy.seeding import derive_seed
-from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.tree import TreeAggregatedGaussian, TreeLeaf, tree_multiplicity
+from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
 
-_ROUND_TAG = 0x0A2C
 _OUTPUTS = ("random_average", "last_average", "last_iterate")
 
 
@@ -84,6 +82,7 @@ class O2NC(PrivateModule):
 
     supports_data_parallel = False
     default_accountant = "tree"
+    release = TreeAggregatedGaussian
     secure_rng_default = True  # node noises of a few thousand coordinates at most
     applies_own_update = True
     private_loss_modes = ("eval",)  # private_losses
@@ -91,8 +90,7 @@ class O2NC(PrivateModule):
     def __init__(
         self,
         net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 1.0,
+        *,
         clip: float = 1.0,
         smoothing: float = 0.1,
         inner_steps: int = 8,
@@ -102,28 +100,14 @@ class O2NC(PrivateModule):
         batch_size: int = 1,
         step_rule: str = "adagrad",
         output: str = "random_average",
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
         master_weights: bool = True,
+        lr: float = 1.0,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-        )
+        super().__init__(net, lr=lr, **kwargs)
         self.masters.enabled = bool(master_weights)
-        _positive("clip", clip)
-        _positive("smoothing", smoothing)
+        check_positive("clip", clip)
+        check_positive("smoothing", smoothing)
         if variant not in ("tree", "naive"):
             raise ValueError(f"variant must be 'tree' or 'naive', got {variant!r}.")
         if step_rule not in ("adagrad", "constant"):
@@ -131,24 +115,18 @@ class O2NC(PrivateModule):
         if output not in _OUTPUTS:
             raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}.")
         if directions_per_sample != "d":
-            _positive_integer("directions_per_sample", directions_per_sample)
-        if self.privacy is not None and self.accountant_name != "tree":
-            raise ValueError(
-                "O2NC's releases are tree-aggregated over a data partition: use PrivacySpec(accountant=None) (its "
-                "own, 'tree') "
-                f"(got {self.privacy.accountant!r}, whose Poisson-sampling analysis does not apply)."
-            )
+            positive_integer("directions_per_sample", directions_per_sample)
         self.clip = float(clip)
         self.smoothing = float(smoothing)
-        self.inner_steps = _positive_integer("inner_steps", inner_steps)
+        self.inner_steps = positive_integer("inner_steps", inner_steps)
         self.directions_per_sample = directions_per_sample
         self.variant = variant
-        self.batch_size = _positive_integer("batch_size", batch_size)
+        self.batch_size = positive_integer("batch_size", batch_size)
         default_first = math.ceil(self.inner_steps * self.batch_size / 2)
         self.first_batch_size = (
             self.batch_size
             if variant == "naive"
-            else _positive_integer("first_batch_size", default_first if first_batch_size is None else first_batch_size)
+            else positive_integer("first_batch_size", default_first if first_batch_size is None else first_batch_size)
         )
         self.step_rule = step_rule
         self.output = output
@@ -320,7 +298,7 @@ class O2NC(PrivateModule):
             st.update(
                 delta=[torch.zeros_like(p) for p in params], grad_sq=0.0, w_sum=[torch.zeros_like(p) for p in params]
             )
-        g = torch.Generator().manual_seed(derive_seed(self.direction_seed, _ROUND_TAG, passes, block, t))
+        g = torch.Generator().manual_seed(derive_seed(self.direction_seed, SeedDomain.O2NC_ROUNDS, passes, block, t))
         s = float(torch.rand((), generator=g))
         w = [xi + s * di for xi, di in zip(x, st["delta"])]
         expected = self.first_batch_size if t == 0 else self.batch_size
@@ -357,7 +335,7 @@ class O2NC(PrivateModule):
         average = [a / self.inner_steps for a in st["w_sum"]]
         st["averages"] = st.get("averages", 0) + 1
         st["last_average"] = average
-        g = torch.Generator().manual_seed(derive_seed(self.direction_seed, _ROUND_TAG, passes, block, -1))
+        g = torch.Generator().manual_seed(derive_seed(self.direction_seed, SeedDomain.O2NC_ROUNDS, passes, block, -1))
         if float(torch.rand((), generator=g)) * st["averages"] < 1.0:
             st["output_average"] = average
 

@@ -23,13 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
+from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.methods.zeroth_order import ZerothOrderModule
-from pl_dp.privacy.losses import LossSpec
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.shards import local
-from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import privatize_sum
 from pl_dp.zo.subspace import SubspaceEngine
@@ -52,49 +51,8 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
     public gradient + one parameter tensor.
     """
 
-
-    def __init__(
-        self,
-        net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 1e-3,
-        clip: float | None = 1.0,
-        smoothing: float = 1e-2,
-        alpha: float = 0.5,
-        queries: int = 1,
-        direction: str = "gaussian",
-        radius: float | None = None,
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
-        joint_clip: bool = False,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
-        cache_directions: bool | None = None,
-        one_sided: bool = False,
-        master_weights: bool = True,
-    ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            clip,
-            smoothing,
-            queries,
-            direction,
-            radius,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            joint_clip,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-            cache_directions=cache_directions,
-            one_sided=one_sided,
-            master_weights=master_weights,
-        )
+    def __init__(self, net: nn.Module, *, alpha: float = 0.5, smoothing: float = 1e-2, **kwargs: Any) -> None:
+        super().__init__(net, smoothing=smoothing, **kwargs)
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
         self.alpha = float(alpha)
@@ -145,55 +103,25 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
     Tables 12–13).
     """
 
-
     def __init__(
         self,
         net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 0.5,
-        clip: float | None = 1.0,
-        smoothing: float = 1e-2,
+        *,
         k: int = 3,
-        queries: int = 1,
         orthonormalize: bool = True,
         direction: str = "gaussian",
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
-        joint_clip: bool = False,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
-        cache_directions: bool | None = None,
-        one_sided: bool = False,
-        master_weights: bool = True,
+        lr: float = 0.5,
+        smoothing: float = 1e-2,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            clip,
-            smoothing,
-            queries,
-            direction,
-            None,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            joint_clip,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-            cache_directions=cache_directions,
-            one_sided=one_sided,
-            master_weights=master_weights,
-        )
+        # the directions' radius is the basis' (k coefficients): no ``radius`` to give
+        super().__init__(net, direction=direction, radius=None, lr=lr, smoothing=smoothing, **kwargs)
         if direction not in ("gaussian", "sphere"):
             raise ValueError(
                 f"PAZO-P draws the coefficients of its public-gradient basis: direction must be 'gaussian' or "
                 f"'sphere', got {direction!r}."
             )
-        self.k = _positive_integer("k", k)
+        self.k = positive_integer("k", k)
         self.orthonormalize = bool(orthonormalize)
 
     @property
@@ -258,36 +186,21 @@ class PAZOS(PublicDataMixin, PrivateModule):
     def __init__(
         self,
         net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 0.1,
+        *,
         clip: float | None = 2.0,
         k: int = 3,
         perturb_scale: float = 1e-3,
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
         master_weights: bool = True,
+        lr: float = 0.1,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-        )
+        super().__init__(net, lr=lr, **kwargs)
         self.masters.enabled = bool(master_weights)
-        _positive("clip", clip, allow_none=privacy is None)
+        check_positive("clip", clip, allow_none=self.privacy is None)
         if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
             raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")
         self.clip = None if clip is None else float(clip)
-        self.k = _positive_integer("k", k)
+        self.k = positive_integer("k", k)
         self.perturb_scale = float(perturb_scale)
         self._explorer: PerturbationEngine | None = None
 

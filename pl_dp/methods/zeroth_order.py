@@ -11,12 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule, _positive, _positive_integer
-from pl_dp.privacy.losses import LossSpec
+from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
-from pl_dp.zo.estimator import PrivateTwoPointEstimator
+from pl_dp.zo.estimator import PrivateTwoPointEstimator, ZerothOrderEstimate
 from pl_dp.zo.mask import DirectionMask
 
 
@@ -61,39 +60,23 @@ class ZerothOrderModule(PrivateModule):
     def __init__(
         self,
         net: nn.Module,
-        loss: LossSpec = "cross_entropy",
-        lr: float = 1e-3,
+        *,
         clip: float | None = 1.0,
         smoothing: float = 1e-3,
         queries: int = 1,
         direction: str = "gaussian",
         radius: float | None = None,
-        privacy: PrivacySpec | None = None,
-        noise_seed: int | None = None,
-        log_private_metrics: bool = False,
         joint_clip: bool = False,
-        secure_rng: bool | None = None,
-        max_physical_batch_size: int | None = None,
-        preflight: bool = True,
         cache_directions: bool | None = None,
         one_sided: bool = False,
         master_weights: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            net,
-            loss,
-            lr,
-            privacy,
-            noise_seed,
-            log_private_metrics,
-            secure_rng=secure_rng,
-            max_physical_batch_size=max_physical_batch_size,
-            preflight=preflight,
-        )
-        _positive("clip", clip, allow_none=privacy is None)
-        _positive("smoothing", smoothing)
+        super().__init__(net, **kwargs)
+        check_positive("clip", clip, allow_none=self.privacy is None)
+        check_positive("smoothing", smoothing)
         self.clip = None if clip is None else float(clip)
-        self.queries = _positive_integer("queries", queries)
+        self.queries = positive_integer("queries", queries)
         self.joint_clip = bool(joint_clip)
         self.cache_directions = cache_directions
         self.one_sided = bool(one_sided)
@@ -110,7 +93,7 @@ class ZerothOrderModule(PrivateModule):
 
     @smoothing.setter
     def smoothing(self, value: float) -> None:
-        _positive("smoothing", value)
+        check_positive("smoothing", value)
         self._smoothing = float(value)
         if self._estimator is not None:
             self._estimator.smoothing = float(value)
@@ -165,7 +148,7 @@ class ZerothOrderModule(PrivateModule):
         with ``joint_clip``, one q-vector release with per-example L2 sensitivity C."""
         return self._gaussian(batch_size, self.clip, releases=1 if self.joint_clip else self.queries)
 
-    def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian):
+    def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> ZerothOrderEstimate:
         """Privatized q-query two-point estimate at the current parameters (θ left at θ − λu_q)."""
         evaluate = self.private_losses(batch, batch_size)
         return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise, self.sum_reducer)

@@ -14,6 +14,7 @@ import contextlib
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -174,7 +175,9 @@ class HFClassifier(nn.Module):
         """Freeze every parameter outside the ``trainable`` subset (see the class docstring)."""
         select_trainable(self.model, trainable, _is_head)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
 
 

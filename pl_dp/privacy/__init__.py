@@ -9,8 +9,10 @@ from pl_dp.privacy.accountants import (
     PRV,
     RDP,
     Accountant,
+    accountant_class,
     accountant_names,
     create_accountant,
+    load_accountant,
     register_accountant,
 )
 from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
@@ -52,6 +54,7 @@ __all__ = [
     "TreeAggregatedGaussian",
     "TreeLeaf",
     "SubsampledGaussian",
+    "accountant_class",
     "accountant_names",
     "batch_mixing_modules",
     "batch_size_of",
@@ -60,6 +63,7 @@ __all__ = [
     "check_private_set",
     "clip_per_example",
     "create_accountant",
+    "load_accountant",
     "isolate_failures",
     "poisson_loader",
     "poisson_sampler_of",

@@ -4,6 +4,10 @@ The maths is Opacus' and dp-accounting's; this module adds what a training loop 
 
 * one interface (`step`, `get_epsilon`, `epsilon_after`, `state_dict`) for every backend,
   so callbacks never special-case an accountant;
+* each accountant declares what it is, as dp-accounting's ``PrivacyAccountant`` does (``supports(event)``,
+  ``neighboring_relation``): its ``name``, its ``adjacency``, the releases it ``accepts`` (:meth:`Accountant.supports`)
+  and whether an ε evaluation ``is_cheap``; code elsewhere asks these, never the name;
+* a guarded registry (:func:`register_accountant`): a name is taken once;
 * memoization: ``get_epsilon`` is cached on the history, the RDP backend caches the per-step
   RDP curve of each (σ, q), which makes an exact RDP ε cost microseconds instead of Opacus'
   ~30 ms (measured with Opacus 1.6 on CPU), and the PLD backend caches ε per (history, δ);
@@ -16,19 +20,25 @@ approximation that under-reports ε, so it is not one of them (see :data:`REMOVE
 
 from __future__ import annotations
 
+import abc
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import dp_accounting
 import numpy as np
+from dp_accounting import NeighboringRelation
 from dp_accounting.pld import PLDAccountant
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+
 History = list[tuple[float, float, int]]
+#: the key of an accountant's name in its ``state_dict`` (and so in every checkpoint and privacy journal)
+STATE_NAME_KEY = "mechanism"
 
 #: accountants that pl_dp no longer offers, and why (a spec or checkpoint naming one gets this message)
 REMOVED_ACCOUNTANTS: dict[str, str] = {
@@ -65,21 +75,58 @@ def opacus_rdp_conversion() -> Iterator[None]:
         warnings.showwarning = show
 
 
-class Accountant:
+_BACKENDS: dict[str, type[Accountant]] = {}
+_A = TypeVar("_A", bound="type[Accountant]")
+
+
+def register_accountant(cls: _A) -> _A:
+    """Offer ``cls`` under its declared ``name`` to :func:`create_accountant` and :class:`~pl_dp.privacy.PrivacySpec`
+    (usable as a class decorator). Refuses a class that is not a concrete :class:`Accountant`, a name already taken
+    by another class (a registry entry is never overwritten: a checkpoint's history means what it meant) and a
+    removed accountant's name."""
+    if not (isinstance(cls, type) and issubclass(cls, Accountant)) or getattr(cls, "__abstractmethods__", None):
+        raise TypeError(f"register_accountant takes a concrete subclass of Accountant, got {cls!r}.")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__name__} declares no name (a class attribute naming it in specs and checkpoints).")
+    if name in REMOVED_ACCOUNTANTS:
+        raise ValueError(f"{REMOVED_ACCOUNTANTS[name]}.")
+    if _BACKENDS.get(name, cls) is not cls:
+        raise ValueError(f"the accountant name {name!r} is taken by {_BACKENDS[name].__qualname__}; choose another.")
+    _BACKENDS[name] = cls
+    return cls
+
+
+class Accountant(abc.ABC):
     """Base class: a history of subsampled-Gaussian steps ``(noise_multiplier, sample_rate, steps)``.
 
-    Subclasses implement :meth:`_epsilon` for a given history. Consecutive steps with the same
+    Subclasses implement :meth:`_epsilon` for a given history and declare what they are (the class attributes
+    below); :func:`register_accountant` makes one available by its ``name``. Consecutive steps with the same
     (σ, q) are merged, as in Opacus.
     """
 
-    mechanism: str = ""
+    #: the name a :class:`~pl_dp.privacy.spec.PrivacySpec` and a checkpoint call this accountant by
+    name: ClassVar[str]
+    #: the neighbouring relation the guarantee holds under (dp-accounting's ``neighboring_relation``)
+    adjacency: ClassVar[NeighboringRelation] = NeighboringRelation.ADD_OR_REMOVE_ONE
+    #: the per-step mechanisms whose releases it accounts (see :meth:`supports`)
+    accepts: ClassVar[tuple[type, ...]] = (SubsampledGaussian,)
+    #: whether one ε evaluation is cheap enough (well under a millisecond or so) for every step
+    is_cheap: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.history: list = []
         self._cache: tuple[tuple, float] | None = None
 
+    @classmethod
+    def supports(cls, mechanism: type | object) -> bool:
+        """Whether this accountant accounts the releases of ``mechanism`` (a mechanism or its class), as
+        dp-accounting's ``PrivacyAccountant.supports(event)``."""
+        kind = mechanism if isinstance(mechanism, type) else type(mechanism)
+        return issubclass(kind, cls.accepts)
+
     # ---- recording -------------------------------------------------------------------------
-    def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+    def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
         """Record ``num_steps`` Poisson-subsampled Gaussian steps with multiplier σ and rate q."""
         if num_steps < 1:
             return
@@ -96,8 +143,8 @@ class Accountant:
 
     def compose(self, other: Accountant) -> None:
         """Append ``other``'s history to this one: the releases of both, composed (adaptive composition)."""
-        if other.mechanism != self.mechanism:
-            raise ValueError(f"cannot compose a {other.mechanism!r} history with a {self.mechanism!r} accountant.")
+        if other.name != self.name:
+            raise ValueError(f"cannot compose a {other.name!r} history with a {self.name!r} accountant.")
         self.history.extend(other.history)
         self._cache = None
 
@@ -111,29 +158,26 @@ class Accountant:
         self._cache = (key, eps)
         return eps
 
-    def epsilon_after(self, delta: float, num_steps: int, noise_multiplier: float, sample_rate: float) -> float:
+    def epsilon_after(self, delta: float, num_steps: int, *, noise_multiplier: float, sample_rate: float) -> float:
         """ε that would be spent after ``num_steps`` more steps with (σ, q); the history is unchanged."""
         history = _append(list(self.history), float(noise_multiplier), float(sample_rate), int(num_steps))
         return self._epsilon(history, delta) if history else 0.0
 
+    @abc.abstractmethod
     def _epsilon(self, history: list, delta: float) -> float:
-        raise NotImplementedError
-
-    @property
-    def is_cheap(self) -> bool:
-        """Whether one ε evaluation is cheap enough (well under a millisecond or so) for every step."""
-        return False
+        """ε of ``history`` at ``delta`` (``history`` non-empty)."""
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"mechanism": self.mechanism, "history": [list(h) for h in self.history]}
+        """The history, under the accountant's name (saved as ``"mechanism"``, the key checkpoints have always used)."""
+        return {STATE_NAME_KEY: self.name, "history": [list(h) for h in self.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("mechanism")
+        saved = state.get(STATE_NAME_KEY)
         if saved in REMOVED_ACCOUNTANTS:
             raise ValueError(f"cannot resume this checkpoint: {REMOVED_ACCOUNTANTS[saved]}.")
-        if saved != self.mechanism:
-            raise ValueError(f"cannot load a {saved!r} accountant state into a {self.mechanism!r} accountant.")
+        if saved != self.name:
+            raise ValueError(f"cannot load a {saved!r} accountant state into a {self.name!r} accountant.")
         self.history = [self._entry(row) for row in state["history"]]
         self._cache = None
 
@@ -191,31 +235,30 @@ def cached_rdp_curves() -> Iterator[None]:
 
 def rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> float:
     """The Rényi-DP upper bound on ε of a history of (σ, q, steps) subsampled-Gaussian entries (microseconds)."""
-    rdp = sum(n * _unit_rdp(q, s) for s, q, n in history)
+    rdp: np.ndarray = sum((n * _unit_rdp(q, s) for s, q, n in history), np.zeros(len(RDPAccountant.DEFAULT_ALPHAS)))
     with opacus_rdp_conversion():
         eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
     return float(eps)
 
 
+@register_accountant
 class RDP(Accountant):
     """Rényi-DP accountant (Opacus ``compute_rdp``/``get_privacy_spent``), with a cached per-step curve."""
 
-    mechanism = "rdp"
+    name = "rdp"
+    is_cheap = True
 
     def _epsilon(self, history: History, delta: float) -> float:
         return rdp_epsilon(history, delta)
 
-    @property
-    def is_cheap(self) -> bool:
-        return True
 
-
+@register_accountant
 class PRV(Accountant):
     """Privacy-random-variable accountant (Opacus ``PRVAccountant``): tight; a query takes ~0.02 s once the
     per-step RDP curve of its (σ, q) — which Opacus sizes the domain with — is cached (:func:`cached_rdp_curves`),
     ~0.1 s for a new (σ, q)."""
 
-    mechanism = "prv"
+    name = "prv"
 
     def __init__(self, eps_error: float = 0.01) -> None:
         super().__init__()
@@ -228,6 +271,7 @@ class PRV(Accountant):
             return float(acc.get_epsilon(delta, eps_error=self.eps_error))
 
 
+@register_accountant
 class PLD(Accountant):
     """Privacy-loss-distribution accountant (Google's dp-accounting ``PLDAccountant``): tight and sound.
 
@@ -257,7 +301,7 @@ class PLD(Accountant):
     so evaluate the same history with ``PLD(1e-4)`` for a final report there.
     """
 
-    mechanism = "pld"
+    name = "pld"
 
     def __init__(self, value_discretization_interval: float = 5e-4) -> None:
         super().__init__()
@@ -278,24 +322,26 @@ def _pld_epsilon(history: tuple[tuple[float, float, int], ...], delta: float, in
     return float(accountant.get_epsilon(delta))
 
 
-_BACKENDS: dict[str, type[Accountant]] = {"rdp": RDP, "prv": PRV, "pld": PLD}
-
-
-def create_accountant(name: str) -> Accountant:
-    """The accountant called ``name`` (one of :func:`accountant_names`)."""
+def accountant_class(name: str) -> type[Accountant]:
+    """The accountant class registered as ``name`` (one of :func:`accountant_names`), for its declared facts."""
     if name in REMOVED_ACCOUNTANTS:
         raise ValueError(f"{REMOVED_ACCOUNTANTS[name]}.")
     try:
-        return _BACKENDS[name]()
+        return _BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown accountant {name!r}; choose one of {sorted(_BACKENDS)}.") from None
 
 
-def register_accountant(name: str, cls: type[Accountant]) -> None:
-    """Make a new backend available to :func:`create_accountant` (e.g. the O2NC tree accountant)."""
-    if name in REMOVED_ACCOUNTANTS:
-        raise ValueError(f"{REMOVED_ACCOUNTANTS[name]}.")
-    _BACKENDS[name] = cls
+def create_accountant(name: str) -> Accountant:
+    """A fresh accountant called ``name`` (one of :func:`accountant_names`)."""
+    return accountant_class(name)()
+
+
+def load_accountant(state: dict[str, Any]) -> Accountant:
+    """The accountant an accountant ``state_dict`` (a checkpoint's, a journal's) was written by, with its history."""
+    accountant = create_accountant(state[STATE_NAME_KEY])
+    accountant.load_state_dict(state)
+    return accountant
 
 
 def accountant_names() -> Sequence[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from pl_dp.privacy.accountants import Accountant, rdp_epsilon
+from pl_dp.privacy.mechanisms import SubsampledGaussian
 
 
 def calibrate_noise_multiplier(
@@ -30,7 +31,7 @@ def calibrate_noise_multiplier(
         raise ValueError(f"cannot calibrate noise for {steps} planned private steps.")
 
     def eps(sigma: float) -> float:
-        return accountant.epsilon_after(delta, steps, sigma, sample_rate)
+        return accountant.epsilon_after(delta, steps, noise_multiplier=sigma, sample_rate=sample_rate)
 
     sigma_low, sigma_high = 0.0, 10.0
     eps_high = eps(sigma_high)
@@ -85,7 +86,8 @@ class StepBudget:
 
     def _fits(self, total: int, sigma: float, rate: float) -> bool:
         extra = total - self.accountant.steps
-        return self.accountant.epsilon_after(self.delta, extra, sigma, rate) <= self.target_epsilon
+        eps = self.accountant.epsilon_after(self.delta, extra, noise_multiplier=sigma, sample_rate=rate)
+        return eps <= self.target_epsilon
 
     def allows(self, noise_multiplier: float, sample_rate: float) -> bool:
         """Whether the next step with (σ, q) keeps ε ≤ target."""
@@ -139,7 +141,7 @@ class EpsilonTracker:
         self.delta = float(delta)
         self.horizon = max(int(planned_steps), 1)
         self.stride = max(1, math.ceil(self.horizon / evaluations))
-        self._rdp_bound = accountant.mechanism in ("prv", "pld")  # histories of subsampled-Gaussian steps
+        self._rdp_bound = accountant.supports(SubsampledGaussian)  # a history of subsampled-Gaussian steps
         self._upto: tuple[tuple, int, float] | None = None
 
     def epsilon(self) -> float:
@@ -153,7 +155,8 @@ class EpsilonTracker:
             target = math.ceil(steps / self.stride) * self.stride
             if steps <= self.horizon:
                 target = min(target, self.horizon)
-            self._upto = ((sigma, rate, prefix), target, acc.epsilon_after(self.delta, target - steps, sigma, rate))
+            eps = acc.epsilon_after(self.delta, target - steps, noise_multiplier=sigma, sample_rate=rate)
+            self._upto = ((sigma, rate, prefix), target, eps)
         if not self._rdp_bound:
             return self._upto[2]
         return min(self._upto[2], rdp_epsilon(acc.history, self.delta))

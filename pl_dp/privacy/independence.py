@@ -448,7 +448,7 @@ def _changed_rows(
             return []
         common = tuple(slice(0, min(a, b)) for a, b in zip(reference.shape[1:], other.shape[1:]))
         index = torch.tensor(watched)
-        a, b = reference[index][(slice(None), *common)], other[index][(slice(None), *common)]
+        a, b = reference[index][(slice(None),) + common], other[index][(slice(None),) + common]
         same = a.shape == b.shape and bool(
             ((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all()
         )

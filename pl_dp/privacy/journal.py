@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pl_dp.privacy.accountants import Accountant, create_accountant
+from pl_dp.privacy.accountants import Accountant, create_accountant, load_accountant
 
 
 class PrivacyJournal:
@@ -63,11 +63,9 @@ class PrivacyJournal:
             latest[record["segment"]] = record["accountant"]
         return latest
 
-    def composed(self, mechanism: str) -> Accountant:
-        """One accountant holding every segment's steps, composed (in the order segments first appear)."""
-        total = create_accountant(mechanism)
+    def composed(self, accountant: str) -> Accountant:
+        """One ``accountant`` (a name) holding every segment's steps, composed (in the order segments first appear)."""
+        total = create_accountant(accountant)
         for state in self.segments().values():
-            part = create_accountant(mechanism)
-            part.load_state_dict(state)
-            total.compose(part)
+            total.compose(load_accountant(state))
         return total

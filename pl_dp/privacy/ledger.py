@@ -98,7 +98,7 @@ class PrivacyLedger:
             self.lineage = restored.get("lineage") or self.lineage
             path = restored.get("journal")
             journal = PrivacyJournal(path) if path else None
-            composed = broadcast(journal.composed(self.accountant.mechanism).state_dict() if journal else None)
+            composed = broadcast(journal.composed(self.accountant.name).state_dict() if journal else None)
             released = create_accountant(self.accountant_name)
             if composed is not None:
                 released.load_state_dict(composed)
@@ -118,9 +118,7 @@ class PrivacyLedger:
         if self.journal is None and directory is not None:
             self.journal = PrivacyJournal.of(directory, self.lineage)
 
-    def plan(
-        self, steps_left: int, restored: dict[str, Any] | None, allow_change: bool, planned_steps: int
-    ) -> None:
+    def plan(self, steps_left: int, restored: dict[str, Any] | None, allow_change: bool, planned_steps: int) -> None:
         """σ for the ``steps_left`` steps of this fit, and the budget guard (after :meth:`open_journal`).
 
         A new plan calibrates σ on top of the history already spent (or checks the spec's fixed σ)
@@ -143,12 +141,13 @@ class PrivacyLedger:
             )
         elif spec.noise_multiplier is not None:
             self.noise_multiplier = spec.noise_multiplier
-            eps = self.accountant.epsilon_after(self.delta, steps_left, self.noise_multiplier, self.sample_rate)
+            eps = self._epsilon_after(self.delta, steps_left)
             if eps > spec.epsilon:
                 raise ValueError(
                     f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} "
                     f"(delta={self.delta:.3g}) for the {steps_left} planned private steps at sample "
-                    f"rate {self.sample_rate:.4g}" + (f" on top of the {spent:.3f} already spent" if spent else "")
+                    f"rate {self.sample_rate:.4g}"
+                    + (f" on top of the {spent:.3f} already spent" if spent else "")
                     + f": it would spend epsilon={eps:.3f}. Raise the noise multiplier, plan fewer steps, or "
                     "leave noise_multiplier=None to calibrate."
                 )
@@ -162,7 +161,7 @@ class PrivacyLedger:
         self._tracker = EpsilonTracker(self.accountant, self.delta, horizon)
         if restored is None:  # a new plan meets the target by construction (calibrated, or checked above)
             return
-        planned_epsilon = self.accountant.epsilon_after(self.delta, steps_left, self.noise_multiplier, self.sample_rate)
+        planned_epsilon = self._epsilon_after(self.delta, steps_left)
         if planned_epsilon > spec.epsilon:
             warnings.warn(
                 f"this fit plans {steps_left} more private steps, which at the checkpoint's noise multiplier "
@@ -172,6 +171,12 @@ class PrivacyLedger:
                 "re-plans sigma for the steps left).",
                 stacklevel=3,
             )
+
+    def _epsilon_after(self, delta: float, steps: int) -> float:
+        """ε after ``steps`` more steps of the current plan (σ, q) at ``delta``."""
+        return self.accountant.epsilon_after(
+            delta, steps, noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate
+        )
 
     def _resume_plan(self, saved: dict[str, Any], steps_left: int, allow_change: bool) -> None:
         changes = []
@@ -207,7 +212,7 @@ class PrivacyLedger:
             )
         if spec.noise_multiplier is not None:
             self.noise_multiplier = spec.noise_multiplier
-            total = self.accountant.epsilon_after(self.delta, remaining, self.noise_multiplier, self.sample_rate)
+            total = self._epsilon_after(self.delta, remaining)
             if total > spec.epsilon:
                 raise ValueError(
                     f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} for the "
@@ -235,7 +240,7 @@ class PrivacyLedger:
         delta = self.delta if delta is None else delta
         steps_left = max(self._budgets[0].horizon - self.accountant.steps, 0) if self._budgets else 0
         self._budgets.append(StepBudget(self.accountant, epsilon, delta, horizon=self.accountant.steps + steps_left))
-        planned = self.accountant.epsilon_after(delta, steps_left, self.noise_multiplier, self.sample_rate)
+        planned = self._epsilon_after(delta, steps_left)
         if planned > epsilon and self.spec.noise_multiplier is not None:
             raise ValueError(
                 f"the {steps_left} planned private steps with noise_multiplier={self.noise_multiplier:g} would "

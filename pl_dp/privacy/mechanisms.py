@@ -12,11 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pl_dp.privacy.accountants import Accountant
 from pl_dp.privacy.noise import NoiseSource
+
+if TYPE_CHECKING:  # the accountants declare which mechanisms they account: they import this module
+    from pl_dp.privacy.accountants import Accountant
 
 
 @dataclass(frozen=True)
@@ -119,4 +122,4 @@ class SubsampledGaussian:
         """Record one step of this mechanism with each accountant given (nothing for a non-private run)."""
         for accountant in accountants:
             if self.is_private and accountant is not None:
-                accountant.step(self.noise_multiplier, self.sample_rate)
+                accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)

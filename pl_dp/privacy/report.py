@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dp_accounting import NeighboringRelation
 
-from pl_dp.privacy.accountants import create_accountant
+from pl_dp.privacy.accountants import STATE_NAME_KEY, accountant_class, load_accountant
+from pl_dp.privacy.mechanisms import SubsampledGaussian
 
-#: neighbouring relation of each accountant's guarantee (O2NC's tree analysis is replace-one)
-ADJACENCY = {"tree": "replace-one"}
-DEFAULT_ADJACENCY = "add/remove-one"
+#: how the report words each neighbouring relation an accountant declares (``Accountant.adjacency``)
+ADJACENCY = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove-one", NeighboringRelation.REPLACE_ONE: "replace-one"}
+DEFAULT_ADJACENCY = ADJACENCY[NeighboringRelation.ADD_OR_REMOVE_ONE]
 
 PROTECTED = (
     "every model and checkpoint released during training and at its end, and the logged privacy/* "
@@ -59,10 +61,9 @@ class PrivacyReport:
         accountant_state = state.get("accountant")
         epsilon, charged = 0.0, 0
         if spec is not None and accountant_state is not None and state.get("delta") is not None:
-            accountant = create_accountant(accountant_state["mechanism"])
-            accountant.load_state_dict(accountant_state)
+            accountant = load_accountant(accountant_state)
             epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
-        name = accountant_state["mechanism"] if accountant_state else None
+        name = accountant_state[STATE_NAME_KEY] if accountant_state else None
         return cls(
             method=state["method"],
             private=spec is not None,
@@ -70,7 +71,7 @@ class PrivacyReport:
             target_epsilon=spec["epsilon"] if spec else None,
             delta=state.get("delta"),
             accountant=name,
-            adjacency=ADJACENCY.get(name, DEFAULT_ADJACENCY),
+            adjacency=ADJACENCY[accountant_class(name).adjacency] if name else DEFAULT_ADJACENCY,
             noise_multiplier=float(state.get("noise_multiplier") or 0.0),
             sample_rate=state.get("sample_rate"),
             expected_batch_size=state.get("expected_batch_size"),
@@ -120,7 +121,7 @@ class PrivacyReport:
                 "elsewhere — after the checkpoint it resumed from, or in other resumes of one — as the privacy "
                 "journal records: every released step counts, also the ones a resume discards"
             )
-        if self.accountant == "tree":
+        if self.accountant is not None and not accountant_class(self.accountant).supports(SubsampledGaussian):
             lines.append("  sampling      a fixed partition of the private set (each example in one round per pass)")
         elif self.sample_rate is not None:
             expected = "" if self.expected_batch_size is None else f" (expected batch {self.expected_batch_size:.4g})"

@@ -7,6 +7,7 @@ on any rank, after a resume, without storing it.
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import secrets
@@ -23,6 +24,25 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+@enum.unique
+class SeedDomain(enum.IntEnum):
+    """The tags that keep pl_dp's streams of data-independent randomness apart: each stream derives its seeds as
+    ``derive_seed(base, SeedDomain.X, ...)``, so no two streams ever draw from the same seed. One place, so a new
+    stream takes a new tag instead of reusing one (the values are those the streams have always used: a run seeded
+    the same way draws the same directions)."""
+
+    #: a module's direction seed, from ``torch.initial_seed()`` (``PrivateModule.direction_seed``)
+    DIRECTIONS = 0xD1EC
+    #: PAZO-P's coefficients in the public-gradient basis (:class:`~pl_dp.zo.subspace.SubspaceEngine`)
+    SUBSPACE_COEFFICIENTS = 0xC0EF
+    #: the random inputs of data-free pruning scores (:func:`~pl_dp.zo.pruning.path_norm_scores`)
+    PRUNING_SCORES = 0x5C0E
+    #: a pruning stage's scoring seed (:class:`~pl_dp.callbacks.PruningSchedule`)
+    PRUNING_STAGE = 0x9A0E
+    #: O2NC's directions and query points per round
+    O2NC_ROUNDS = 0x0A2C
 
 
 def derive_seed(base_seed: int, *counters: int) -> int:

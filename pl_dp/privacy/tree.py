@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from dp_accounting import NeighboringRelation
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
@@ -171,143 +172,6 @@ def tree_rho_squared(history: Sequence[TreeRun]) -> float:
     return total + worst
 
 
-class TreeAccountant(Accountant):
-    """(ε, δ) of tree-aggregated releases over a partition of the data, from a ledger of what was released.
-
-    The history is a ledger of :class:`TreeRun`: for each pass over the partition and each tree in
-    it, the tree length and the number of leaves released (the shape of dp-accounting's
-    ``SingleEpochTreeAggregationDpEvent``, one per pass). ε is a function of the ledger alone:
-
-    **Claim.** After the recorded releases, every example lies in at most
-    N = Σ_passes max_{trees of the pass} (⌊log₂ n_tree⌋ + 1) released nodes, n_tree being the
-    leaves released in that tree; with noise multiplier z the run is (α, αN/(2z²))-RDP for every
-    α > 1 (ρ² = N/z²) under replace-one adjacency.
-
-    **Proof.** (1) In one tree, TREE(t) sums the nodes of NODE(t), each of the form (b − lowbit(b) + 1, b)
-    with b ≤ t, and NODE(b) ends with the node whose right end is b; so after leaves 1..n the
-    released nodes are exactly {(b − lowbit(b) + 1, b) : 1 ≤ b ≤ n}. Leaf i lies in the node ending
-    at b iff b is on the chain b₀ = i, b_{j+1} = b_j + lowbit(b_j); lowbit at least doubles along
-    the chain, so b_j ≥ 2^j and at most ⌊log₂ n⌋ + 1 of them are ≤ n (all of them for i = 1).
-    (2) The partition puts each example in exactly one block per pass and a block's rounds use
-    disjoint examples, so an example enters one leaf of one tree per pass (in O2NC's naive variant
-    each round is its own tree of length 1). A leaf whose rounds were never run — O2NC resumes a
-    mid-tree checkpoint at the next tree of the same pass, because the noise-free running sum is
-    not saved — adds nothing, and the cut tree stays in the ledger with the leaves it released,
-    so its pass's maximum still counts it. Runs are grouped into one pass only while they name the
-    same partition and pass and move forward in tree index; splitting a pass in two can only add
-    terms, so the grouping never under-counts. (3) Each node adds N(0, (z·s)²I) to a sum in which
-    one example changes only its own leaf, by at most s (Zhang et al. 2024, Lemmas 3.1–3.2 with
-    clipping), whatever the earlier releases were: a Gaussian mechanism with RDP α/(2z²) (Mironov
-    2017); adaptive composition (Mironov 2017, Prop. 1; Zhang et al. 2024, Thm. 4.3) over
-    the at most N nodes that contain the example gives αN/(2z²); nodes with different z add
-    1/z² each, which the per-run z keeps. The released sums are post-processing of the nodes. ∎
-
-    The (ε, δ) conversion is Opacus' (Balle et al. 2020), as for the RDP accountant.
-
-    Prospective queries (:meth:`epsilon_after`, for calibration and the budget guard) extend a copy
-    of the ledger with the leaves planned from where the next one comes from, set once per fit
-    with :meth:`plan` and advanced by every recorded leaf.
-    """
-
-    mechanism = "tree"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._plan: tuple[str, int, int] | None = None  # (partition, steps per pass, tree length)
-        self._next_position = 0
-
-    # ---- recording -------------------------------------------------------------------------
-    def record(self, noise_multiplier: float, leaf: TreeLeaf) -> None:
-        """Record one released leaf (:meth:`TreeAggregatedGaussian.account`)."""
-        _add_leaves(self.history, float(noise_multiplier), leaf, leaf.leaf)
-        if self._plan is not None and (leaf.partition, leaf.tree_length) == (self._plan[0], self._plan[2]):
-            steps_per_pass, length = self._plan[1], self._plan[2]
-            self._next_position = leaf.pass_index * steps_per_pass + leaf.tree * length + leaf.leaf
-
-    def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
-        raise ValueError(
-            "the tree accountant records released tree leaves (TreeAccountant.record), not Poisson-subsampled "
-            "steps: use it only with O2NC."
-        )
-
-    def plan(self, partition: str, steps_per_pass: int, tree_length: int, next_position: int) -> None:
-        """Where future leaves come from: position ``next_position`` of a partition sampler whose position
-        x is leaf x mod T + 1 of tree ⌊(x mod S)/T⌋ in pass ⌊x/S⌋ (S = ``steps_per_pass``, T = ``tree_length``)."""
-        if tree_length < 1 or steps_per_pass < tree_length or steps_per_pass % tree_length or next_position < 0:
-            raise ValueError(
-                "need 1 <= tree_length <= steps_per_pass, steps_per_pass a multiple of tree_length and "
-                f"next_position >= 0; got {tree_length}, {steps_per_pass}, {next_position}."
-            )
-        self._plan = (str(partition), int(steps_per_pass), int(tree_length))
-        self._next_position = int(next_position)
-
-    @property
-    def steps(self) -> int:
-        """Total number of released leaves."""
-        return sum(run.trees * run.leaves for run in self.history)
-
-    # ---- queries ---------------------------------------------------------------------------
-    def epsilon_after(self, delta: float, num_steps: int, noise_multiplier: float, sample_rate: float) -> float:
-        """ε after the next ``num_steps`` leaves of the plan, released with multiplier z; the ledger is unchanged."""
-        if sample_rate != 1.0:
-            raise ValueError(
-                f"tree-aggregated releases are not subsampled (sample rate 1), got sample rate {sample_rate}: "
-                "the tree accountant is for O2NC."
-            )
-        history = list(self.history)
-        if num_steps > 0:
-            if self._plan is None:
-                raise ValueError("the tree accountant has no plan for future leaves: call plan(...) first.")
-            self._extend(history, num_steps, float(noise_multiplier))
-        return self._epsilon(history, delta) if history else 0.0
-
-    def _extend(self, history: list[TreeRun], num_steps: int, noise_multiplier: float) -> None:
-        partition, steps_per_pass, length = self._plan
-        position, left = self._next_position, num_steps
-        while left > 0:
-            pass_index, within = divmod(position, steps_per_pass)
-            tree, done = divmod(within, length)
-            if done or left < length:  # the rest of a started tree, or a last partial one
-                last = min(length, done + left)
-                _add_leaves(history, noise_multiplier, TreeLeaf(partition, pass_index, tree, length, done + 1), last)
-                taken = last - done
-            else:
-                trees = min(left, steps_per_pass - within) // length
-                _add_trees(history, noise_multiplier, partition, pass_index, tree, trees, length)
-                taken = trees * length
-            position, left = position + taken, left - taken
-
-    def _epsilon(self, history: list[TreeRun], delta: float) -> float:
-        orders = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
-        with opacus_rdp_conversion():
-            eps, _ = rdp_analysis.get_privacy_spent(
-                orders=orders, rdp=orders * tree_rho_squared(history) / 2, delta=delta
-            )
-        return float(eps)
-
-    @property
-    def is_cheap(self) -> bool:
-        return True
-
-    # ---- checkpointing ---------------------------------------------------------------------
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._plan, self._next_position = None, 0
-
-    def _entry(self, row: Sequence[Any]) -> TreeRun:
-        if len(row) != len(TreeRun._fields):
-            raise ValueError(
-                f"this tree-accountant state holds {list(row)!r}, not a release ledger {TreeRun._fields}: it was "
-                "written before pl_dp recorded each tree, and the released trees cannot be recovered from a step "
-                "count, so it cannot be resumed soundly."
-            )
-        z, partition, pass_index, first_tree, trees, length, leaves = row
-        return TreeRun(float(z), str(partition), int(pass_index), int(first_tree), int(trees), int(length), int(leaves))
-
-
-register_accountant("tree", TreeAccountant)
-
-
 class TreeAggregatedGaussian:
     """Releases g_t + TREE(t) for the leaves t = 1..T of one tree after another; records each leaf.
 
@@ -371,6 +235,140 @@ class TreeAggregatedGaussian:
                         f"tree-aggregated releases need the tree accountant, got {type(accountant).__name__}."
                     )
                 accountant.record(self.noise_multiplier, leaf)
+
+
+@register_accountant
+class TreeAccountant(Accountant):
+    """(ε, δ) of tree-aggregated releases over a partition of the data, from a ledger of what was released.
+
+    The history is a ledger of :class:`TreeRun`: for each pass over the partition and each tree in
+    it, the tree length and the number of leaves released (the shape of dp-accounting's
+    ``SingleEpochTreeAggregationDpEvent``, one per pass). ε is a function of the ledger alone:
+
+    **Claim.** After the recorded releases, every example lies in at most
+    N = Σ_passes max_{trees of the pass} (⌊log₂ n_tree⌋ + 1) released nodes, n_tree being the
+    leaves released in that tree; with noise multiplier z the run is (α, αN/(2z²))-RDP for every
+    α > 1 (ρ² = N/z²) under replace-one adjacency.
+
+    **Proof.** (1) In one tree, TREE(t) sums the nodes of NODE(t), each of the form (b − lowbit(b) + 1, b)
+    with b ≤ t, and NODE(b) ends with the node whose right end is b; so after leaves 1..n the
+    released nodes are exactly {(b − lowbit(b) + 1, b) : 1 ≤ b ≤ n}. Leaf i lies in the node ending
+    at b iff b is on the chain b₀ = i, b_{j+1} = b_j + lowbit(b_j); lowbit at least doubles along
+    the chain, so b_j ≥ 2^j and at most ⌊log₂ n⌋ + 1 of them are ≤ n (all of them for i = 1).
+    (2) The partition puts each example in exactly one block per pass and a block's rounds use
+    disjoint examples, so an example enters one leaf of one tree per pass (in O2NC's naive variant
+    each round is its own tree of length 1). A leaf whose rounds were never run — O2NC resumes a
+    mid-tree checkpoint at the next tree of the same pass, because the noise-free running sum is
+    not saved — adds nothing, and the cut tree stays in the ledger with the leaves it released,
+    so its pass's maximum still counts it. Runs are grouped into one pass only while they name the
+    same partition and pass and move forward in tree index; splitting a pass in two can only add
+    terms, so the grouping never under-counts. (3) Each node adds N(0, (z·s)²I) to a sum in which
+    one example changes only its own leaf, by at most s (Zhang et al. 2024, Lemmas 3.1–3.2 with
+    clipping), whatever the earlier releases were: a Gaussian mechanism with RDP α/(2z²) (Mironov
+    2017); adaptive composition (Mironov 2017, Prop. 1; Zhang et al. 2024, Thm. 4.3) over
+    the at most N nodes that contain the example gives αN/(2z²); nodes with different z add
+    1/z² each, which the per-run z keeps. The released sums are post-processing of the nodes. ∎
+
+    The (ε, δ) conversion is Opacus' (Balle et al. 2020), as for the RDP accountant.
+
+    Prospective queries (:meth:`epsilon_after`, for calibration and the budget guard) extend a copy
+    of the ledger with the leaves planned from where the next one comes from, set once per fit
+    with :meth:`plan` and advanced by every recorded leaf.
+    """
+
+    name = "tree"
+    adjacency = NeighboringRelation.REPLACE_ONE
+    accepts = (TreeAggregatedGaussian,)
+    is_cheap = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plan: tuple[str, int, int] | None = None  # (partition, steps per pass, tree length)
+        self._next_position = 0
+
+    # ---- recording -------------------------------------------------------------------------
+    def record(self, noise_multiplier: float, leaf: TreeLeaf) -> None:
+        """Record one released leaf (:meth:`TreeAggregatedGaussian.account`)."""
+        _add_leaves(self.history, float(noise_multiplier), leaf, leaf.leaf)
+        if self._plan is not None and (leaf.partition, leaf.tree_length) == (self._plan[0], self._plan[2]):
+            steps_per_pass, length = self._plan[1], self._plan[2]
+            self._next_position = leaf.pass_index * steps_per_pass + leaf.tree * length + leaf.leaf
+
+    def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+        raise ValueError(
+            "the tree accountant records released tree leaves (TreeAccountant.record), not Poisson-subsampled "
+            "steps: use it only with O2NC."
+        )
+
+    def plan(self, partition: str, steps_per_pass: int, tree_length: int, next_position: int) -> None:
+        """Where future leaves come from: position ``next_position`` of a partition sampler whose position
+        x is leaf x mod T + 1 of tree ⌊(x mod S)/T⌋ in pass ⌊x/S⌋ (S = ``steps_per_pass``, T = ``tree_length``)."""
+        if tree_length < 1 or steps_per_pass < tree_length or steps_per_pass % tree_length or next_position < 0:
+            raise ValueError(
+                "need 1 <= tree_length <= steps_per_pass, steps_per_pass a multiple of tree_length and "
+                f"next_position >= 0; got {tree_length}, {steps_per_pass}, {next_position}."
+            )
+        self._plan = (str(partition), int(steps_per_pass), int(tree_length))
+        self._next_position = int(next_position)
+
+    @property
+    def steps(self) -> int:
+        """Total number of released leaves."""
+        return sum(run.trees * run.leaves for run in self.history)
+
+    # ---- queries ---------------------------------------------------------------------------
+    def epsilon_after(self, delta: float, num_steps: int, *, noise_multiplier: float, sample_rate: float) -> float:
+        """ε after the next ``num_steps`` leaves of the plan, released with multiplier z; the ledger is unchanged."""
+        if sample_rate != 1.0:
+            raise ValueError(
+                f"tree-aggregated releases are not subsampled (sample rate 1), got sample rate {sample_rate}: "
+                "the tree accountant is for O2NC."
+            )
+        history = list(self.history)
+        if num_steps > 0:
+            if self._plan is None:
+                raise ValueError("the tree accountant has no plan for future leaves: call plan(...) first.")
+            self._extend(history, num_steps, float(noise_multiplier))
+        return self._epsilon(history, delta) if history else 0.0
+
+    def _extend(self, history: list[TreeRun], num_steps: int, noise_multiplier: float) -> None:
+        partition, steps_per_pass, length = self._plan
+        position, left = self._next_position, num_steps
+        while left > 0:
+            pass_index, within = divmod(position, steps_per_pass)
+            tree, done = divmod(within, length)
+            if done or left < length:  # the rest of a started tree, or a last partial one
+                last = min(length, done + left)
+                _add_leaves(history, noise_multiplier, TreeLeaf(partition, pass_index, tree, length, done + 1), last)
+                taken = last - done
+            else:
+                trees = min(left, steps_per_pass - within) // length
+                _add_trees(history, noise_multiplier, partition, pass_index, tree, trees, length)
+                taken = trees * length
+            position, left = position + taken, left - taken
+
+    def _epsilon(self, history: list[TreeRun], delta: float) -> float:
+        orders = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
+        with opacus_rdp_conversion():
+            eps, _ = rdp_analysis.get_privacy_spent(
+                orders=orders, rdp=orders * tree_rho_squared(history) / 2, delta=delta
+            )
+        return float(eps)
+
+    # ---- checkpointing ---------------------------------------------------------------------
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._plan, self._next_position = None, 0
+
+    def _entry(self, row: Sequence[Any]) -> TreeRun:
+        if len(row) != len(TreeRun._fields):
+            raise ValueError(
+                f"this tree-accountant state holds {list(row)!r}, not a release ledger {TreeRun._fields}: it was "
+                "written before pl_dp recorded each tree, and the released trees cannot be recovered from a step "
+                "count, so it cannot be resumed soundly."
+            )
+        z, partition, pass_index, first_tree, trees, length, leaves = row
+        return TreeRun(float(z), str(partition), int(pass_index), int(first_tree), int(trees), int(length), int(leaves))
 
 
 __all__ = [

@@ -18,7 +18,7 @@ caller (a :class:`~pl_dp.privacy.SubsampledGaussian` with ``releases=q``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +44,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @contextmanager
-def eval_mode(net: nn.Module):
+def eval_mode(net: nn.Module) -> Iterator[None]:
     """Dropout off for the ± passes (the MeZO convention): both passes must see the same function."""
     was_training = net.training
     net.eval()

@@ -21,20 +21,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.zo.estimator import eval_mode
 from pl_dp.zo.mask import DirectionMask
 
-_SCORE_TAG = 0x5C0E
-
 
 def _path_norm(
-    net: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], inputs
+    net: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], inputs: Any
 ) -> torch.Tensor:
     state = {**buffers, **params}
     if isinstance(inputs, Mapping):
@@ -99,7 +98,7 @@ def path_norm_scores(
         grad = {n: torch.zeros_like(params[n]) for n in names}
         with torch.no_grad():
             for j in range(int(queries)):
-                gen = torch.Generator().manual_seed(derive_seed(seed, _SCORE_TAG, j))
+                gen = torch.Generator().manual_seed(derive_seed(seed, SeedDomain.PRUNING_SCORES, j))
                 v = {
                     n: torch.randn(params[n].shape, generator=gen, dtype=torch.float64).to(params[n].device)
                     for n in names

@@ -9,17 +9,15 @@ engine's ``cache_directions``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pl_dp.privacy.seeding import derive_seed
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.zo.engine import Chunk, Direction, Key, PerturbationEngine
 from pl_dp.zo.master import MasterWeights
-
-_COEFF_TAG = 0xC0EF
 
 
 class SubspaceEngine(PerturbationEngine):
@@ -109,7 +107,7 @@ class SubspaceEngine(PerturbationEngine):
         self._coeff_cache.clear()
         self.forget_directions()
 
-    def _chunks(self, size: int = 1 << 16):
+    def _chunks(self, size: int = 1 << 16) -> Iterator[torch.Tensor]:
         """Column blocks [k, ≤size] of every basis tensor: float64 work stays O(k·size), not O(k·d)."""
         for b in self.basis:
             flat = b.reshape(self.k, -1)
@@ -121,7 +119,7 @@ class SubspaceEngine(PerturbationEngine):
         """u ∈ ℝ^rank for direction ``key`` (float64, CPU)."""
         u = self._coeff_cache.get(key)
         if u is None:
-            g = torch.Generator().manual_seed(derive_seed(self.seed, *key, _COEFF_TAG))
+            g = torch.Generator().manual_seed(derive_seed(self.seed, *key, SeedDomain.SUBSPACE_COEFFICIENTS))
             u = torch.randn(self.rank, generator=g, dtype=torch.float64)
             if self.coefficients_kind == "sphere" and self.rank > 0:
                 u = u * (math.sqrt(self.rank) / u.norm())

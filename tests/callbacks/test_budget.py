@@ -28,7 +28,10 @@ def test_stops_before_the_step_that_would_overshoot():
     eps = model.accountant.get_epsilon(model.delta)
     assert eps <= 1.0
     assert (
-        model.accountant.epsilon_after(model.delta, 1, model.noise_multiplier, dm.sample_rate) > 1.0
+        model.accountant.epsilon_after(
+            model.delta, 1, noise_multiplier=model.noise_multiplier, sample_rate=dm.sample_rate
+        )
+        > 1.0
     )  # one more would overshoot
     assert model.private_steps == budget.stopped_at < 500
     assert model.privacy_exhausted

@@ -244,7 +244,9 @@ def test_an_explicit_override_keeps_the_spent_history_and_replans_sigma(tmp_path
     assert spent < resumed.epsilon <= 2.0
     assert resumed.noise_multiplier < first.noise_multiplier  # the 12 steps left share the new budget
     # a fresh accountant with only the new σ would under-report what this run spent
-    fresh = create_accountant("rdp").epsilon_after(resumed.delta, 12, resumed.noise_multiplier, _dm().sample_rate)
+    fresh = create_accountant("rdp").epsilon_after(
+        resumed.delta, 12, noise_multiplier=resumed.noise_multiplier, sample_rate=_dm().sample_rate
+    )
     assert fresh < resumed.epsilon
 
 
@@ -276,6 +278,21 @@ def test_checkpoint_from_another_method_is_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="written by 'DPZero'"):
         make_trainer(max_steps=4).fit(other, _dm(), ckpt_path=str(tmp_path / "a.ckpt"))
+
+
+def test_a_privacy_state_of_an_unknown_version_is_refused():
+    """The version written with every checkpoint is read: a newer pl_dp's state is refused, never guessed at."""
+    model = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+    make_trainer(max_steps=2).fit(model, _dm())
+    state = model.privacy_state_dict()
+    assert state["version"] == model.PRIVACY_STATE_VERSION
+    for version in (model.PRIVACY_STATE_VERSION + 1, 0, "2"):
+        with pytest.raises(ValueError, match=f"version {version!r}; this pl_dp reads versions 1 to"):
+            _model(PrivacySpec(epsilon=2.0, accountant="rdp")).load_privacy_state_dict({**state, "version": version})
+    for version in (1, model.PRIVACY_STATE_VERSION):  # older states load (version 1's noise state is ignored)
+        resumed = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+        resumed.load_privacy_state_dict({**state, "version": version})
+        assert resumed.private_steps == model.private_steps
 
 
 def test_resume_with_another_sample_rate_is_refused(tmp_path):
@@ -339,10 +356,12 @@ def test_every_fit_rereads_its_loader_replans_and_composes_epsilon():
     make_trainer(max_steps=5).fit(model, PrivatePublicDataModule(blobs(200), batch_size=100))  # q = 0.5
     assert model.accountant.history == [(1.0, 0.01, 5), (1.0, 0.5, 5)]
     both = create_accountant("rdp")
-    both.step(1.0, 0.01, 5)
-    both.step(1.0, 0.5, 5)
-    assert model.epsilon == both.get_epsilon(model.delta) > create_accountant("rdp").epsilon_after(
-        model.delta, 10, 1.0, 0.01
+    both.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=5)
+    both.step(noise_multiplier=1.0, sample_rate=0.5, num_steps=5)
+    assert (
+        model.epsilon
+        == both.get_epsilon(model.delta)
+        > create_accountant("rdp").epsilon_after(model.delta, 10, noise_multiplier=1.0, sample_rate=0.01)
     )
     shuffled = DataLoader(blobs(200), batch_size=20, shuffle=True)
     with pytest.raises(ValueError, match="Poisson"):
@@ -357,7 +376,7 @@ def test_later_fits_are_calibrated_on_what_earlier_fits_spent():
     make_trainer(max_steps=12).fit(model, _dm())  # the same target for the total: much noisier
     assert model.private_steps == 24 and first < model.epsilon <= 2.0
     assert model.noise_multiplier > first_sigma
-    one_step = create_accountant("rdp").epsilon_after(model.delta, 12, 1.0, 1 / 6)
+    one_step = create_accountant("rdp").epsilon_after(model.delta, 12, noise_multiplier=1.0, sample_rate=1 / 6)
     target = one_step * 1.2  # a fixed sigma = 1 meets the target for 12 steps, not for 24
     fixed = _model(PrivacySpec(epsilon=target, accountant="rdp", noise_multiplier=1.0))
     make_trainer(max_steps=12).fit(fixed, _dm())
@@ -394,7 +413,7 @@ def test_steps_a_crashed_run_logged_after_its_checkpoint_are_accounted_on_resume
     resumed = _journal_run(tmp_path, ckpt_path=checkpoint)
     assert resumed.private_steps == 16 and resumed.accountant.steps == 18
     expected = create_accountant("rdp")
-    expected.step(1.0, 1 / 6, 18)
+    expected.step(noise_multiplier=1.0, sample_rate=1 / 6, num_steps=18)
     assert resumed.epsilon == pytest.approx(expected.get_epsilon(resumed.delta))
 
     again = _journal_run(tmp_path, ckpt_path=checkpoint)  # a second continuation of the same checkpoint

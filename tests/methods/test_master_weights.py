@@ -182,7 +182,7 @@ def test_dpzero_fine_tunes_a_bf16_causal_lm_through_fp32_masters(tmp_path, monke
     """Prompt-based fine-tuning of a (tiny, random) OPT loaded in bf16: every weight gets a master."""
     from pl_dp.data import TextDataModule
     from pl_dp.nets import PromptClassifier
-    from tests.test_prompt import LABELS, TEXTS
+    from tests.nets.test_prompt import LABELS, TEXTS
     from tests.tiny_hf import tiny_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -6,17 +6,35 @@ import warnings
 
 import numpy as np
 import pytest
+from dp_accounting import NeighboringRelation
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
+from torch import nn
 
-from pl_dp.privacy import PLD, PRV, RDP, StepBudget, calibrate_noise_multiplier, create_accountant
+from pl_dp import PrivacySpec
+from pl_dp.methods import O2NC, DPZero
+from pl_dp.privacy import (
+    PLD,
+    PRV,
+    RDP,
+    Accountant,
+    PrivacyReport,
+    StepBudget,
+    SubsampledGaussian,
+    TreeAggregatedGaussian,
+    accountant_class,
+    accountants,
+    calibrate_noise_multiplier,
+    create_accountant,
+    register_accountant,
+)
 from pl_dp.privacy.accountants import opacus_rdp_conversion, rdp_epsilon
 from pl_dp.privacy.budget import EpsilonTracker
 from pl_dp.privacy.tree import TreeAccountant
 
 
 def _eps(acc, sigma, q, steps, delta=1e-5):
-    acc.step(sigma, q, steps)
+    acc.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
     return acc.get_epsilon(delta)
 
 
@@ -43,19 +61,19 @@ def test_tf_privacy_value():
 def test_step_by_step_equals_bulk():
     a, b = RDP(), RDP()
     for _ in range(50):
-        a.step(1.2, 0.01)
-    b.step(1.2, 0.01, 50)
+        a.step(noise_multiplier=1.2, sample_rate=0.01)
+    b.step(noise_multiplier=1.2, sample_rate=0.01, num_steps=50)
     assert a.history == b.history == [(1.2, 0.01, 50)]
     assert a.get_epsilon(1e-5) == b.get_epsilon(1e-5)
 
 
 def test_heterogeneous_history_composes():
     acc = RDP()
-    acc.step(1.0, 0.02, 100)
-    acc.step(2.0, 0.02, 100)
+    acc.step(noise_multiplier=1.0, sample_rate=0.02, num_steps=100)
+    acc.step(noise_multiplier=2.0, sample_rate=0.02, num_steps=100)
     assert len(acc.history) == 2
     one = RDP()
-    one.step(1.0, 0.02, 100)
+    one.step(noise_multiplier=1.0, sample_rate=0.02, num_steps=100)
     assert acc.get_epsilon(1e-5) > one.get_epsilon(1e-5)
 
 
@@ -65,7 +83,7 @@ def test_calibration_matches_opacus_and_round_trips(name, expected):
     acc = create_accountant(name)
     sigma = calibrate_noise_multiplier(8.0, 1e-5, 0.04, steps, acc)
     assert sigma == pytest.approx(expected, rel=0.01)
-    eps = acc.epsilon_after(1e-5, steps, sigma, 0.04)
+    eps = acc.epsilon_after(1e-5, steps, noise_multiplier=sigma, sample_rate=0.04)
     assert eps <= 8.0
     assert eps == pytest.approx(8.0, rel=0.01)
 
@@ -73,12 +91,12 @@ def test_calibration_matches_opacus_and_round_trips(name, expected):
 @pytest.mark.parametrize("cls", [RDP, PLD])
 def test_state_dict_round_trip_and_mechanism_check(cls):
     acc = cls()
-    acc.step(1.1, 0.05, 7)
+    acc.step(noise_multiplier=1.1, sample_rate=0.05, num_steps=7)
     clone = cls()
     clone.load_state_dict(acc.state_dict())
     assert clone.history == acc.history
     assert clone.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
-    with pytest.raises(ValueError, match=acc.mechanism):
+    with pytest.raises(ValueError, match=acc.name):
         PRV().load_state_dict(acc.state_dict())
 
 
@@ -87,10 +105,11 @@ def test_step_budget_stops_exactly_at_the_limit():
     budget = StepBudget(acc, target_epsilon=1.0, delta=1e-5, horizon=10)
     steps = 0
     while budget.allows(3.0, 0.05):
-        acc.step(3.0, 0.05)
+        acc.step(noise_multiplier=3.0, sample_rate=0.05)
         steps += 1
     assert acc.get_epsilon(1e-5) <= 1.0
-    assert acc.epsilon_after(1e-5, 1, 3.0, 0.05) > 1.0  # the refused step would have overshot
+    # the refused step would have overshot
+    assert acc.epsilon_after(1e-5, 1, noise_multiplier=3.0, sample_rate=0.05) > 1.0
     assert steps > 10
 
 
@@ -98,7 +117,7 @@ def test_epsilon_tracker_is_an_upper_bound_exact_on_the_grid():
     acc = PRV()
     tracker = EpsilonTracker(acc, 1e-5, planned_steps=40, evaluations=4)
     for t in range(1, 41):
-        acc.step(1.0, 0.05)
+        acc.step(noise_multiplier=1.0, sample_rate=0.05)
         logged = tracker.epsilon()
         exact = acc.get_epsilon(1e-5) if t % 10 == 0 else None
         if exact is not None:
@@ -110,7 +129,7 @@ def test_epsilon_tracker_never_below_exact():
     acc = PRV()
     tracker = EpsilonTracker(acc, 1e-5, planned_steps=30, evaluations=3)
     for t in range(1, 16):
-        acc.step(1.0, 0.05)
+        acc.step(noise_multiplier=1.0, sample_rate=0.05)
         if t in (3, 11, 15):
             assert tracker.epsilon() >= acc.get_epsilon(1e-5) - 1e-12
 
@@ -124,7 +143,7 @@ def test_epsilon_tracker_takes_the_rdp_bound_between_few_exact_evaluations(cls, 
     tracker = EpsilonTracker(acc, 1e-5, planned_steps=400, evaluations=4)
     checks = {1: None, 101: None, 150: None, 399: None, 400: None}
     for t in range(1, 401):
-        acc.step(1.0, 0.05)
+        acc.step(noise_multiplier=1.0, sample_rate=0.05)
         logged = tracker.epsilon()
         if t in checks:
             checks[t] = logged
@@ -142,13 +161,17 @@ def test_epsilon_tracker_takes_the_rdp_bound_between_few_exact_evaluations(cls, 
 
 def test_pld_composes_a_constant_stretch_in_one_evaluation_and_memoizes_it():
     acc = PLD()
-    acc.step(1.1, 256 / 60000, 14062)  # 30 MNIST epochs as one history entry: one FFT self-composition
+    acc.step(
+        noise_multiplier=1.1, sample_rate=256 / 60000, num_steps=14062
+    )  # 30 MNIST epochs as one history entry: one FFT self-composition
     start = time.perf_counter()
     eps = acc.get_epsilon(1e-5)
     assert time.perf_counter() - start < 1.0
     assert eps == pytest.approx(2.3838, abs=2e-3)  # 2.3817 at dp-accounting's default interval 1e-4
     start = time.perf_counter()
-    again = PLD().epsilon_after(1e-5, 14062, 1.1, 256 / 60000)  # a fresh accountant, the same history
+    again = PLD().epsilon_after(
+        1e-5, 14062, noise_multiplier=1.1, sample_rate=256 / 60000
+    )  # a fresh accountant, the same history
     assert again == eps and time.perf_counter() - start < 0.01
 
 
@@ -165,8 +188,71 @@ def test_opacus_largest_alpha_warning_is_filtered_only_around_pl_dps_conversions
         rdp_analysis.get_privacy_spent(orders=orders, rdp=orders / 2 / 30.0**2, delta=1e-5)  # one tree leaf, z = 30
         assert sum("Optimal order is the largest alpha" in str(w.message) for w in caught) == 2
         caught.clear()
-        assert RDP().epsilon_after(1e-5, 1, 10.0, 0.001) > 0
-        assert tree.epsilon_after(1e-5, 1, 30.0, 1.0) > 0
+        assert RDP().epsilon_after(1e-5, 1, noise_multiplier=10.0, sample_rate=0.001) > 0
+        assert tree.epsilon_after(1e-5, 1, noise_multiplier=30.0, sample_rate=1.0) > 0
         with opacus_rdp_conversion():
             warnings.warn("a privacy warning of pl_dp's own", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["a privacy warning of pl_dp's own"]
+
+
+def test_an_accountant_declares_what_it_is():
+    """Adjacency, the mechanisms accounted and the cost are the accountant's own facts, asked — never its name."""
+    for name in ("rdp", "prv", "pld"):
+        cls = accountant_class(name)
+        assert cls.name == name and cls.adjacency == NeighboringRelation.ADD_OR_REMOVE_ONE
+        assert cls.supports(SubsampledGaussian) and not cls.supports(TreeAggregatedGaussian)
+    tree = accountant_class("tree")
+    assert tree.adjacency == NeighboringRelation.REPLACE_ONE and tree.is_cheap
+    assert tree.supports(TreeAggregatedGaussian(1.0, 1.0)) and not tree.supports(SubsampledGaussian)
+    assert RDP.is_cheap and not PRV.is_cheap and not PLD.is_cheap
+
+
+def test_the_interface_is_abstract_and_steps_are_named():
+    with pytest.raises(TypeError):
+        Accountant()
+    with pytest.raises(TypeError):
+        RDP().step(0.01, 1.0)  # a sample rate and a noise multiplier swapped: refused, not accounted
+    with pytest.raises(TypeError):
+        RDP().epsilon_after(1e-5, 1, 0.01, 1.0)
+
+
+def test_the_registry_never_overwrites_a_name(monkeypatch):
+    monkeypatch.setattr(accountants, "_BACKENDS", dict(accountants._BACKENDS))
+
+    class Impostor(RDP):
+        name = "prv"
+
+    with pytest.raises(ValueError, match="'prv' is taken by PRV"):
+        register_accountant(Impostor)
+    assert create_accountant("prv").__class__ is PRV
+    register_accountant(RDP)  # the same class again: nothing changes
+
+    class Nameless(RDP):
+        name = ""
+
+    with pytest.raises(TypeError, match="declares no name"):
+        register_accountant(Nameless)
+    with pytest.raises(TypeError, match="concrete subclass"):
+        register_accountant(Accountant)
+
+    class Removed(RDP):
+        name = "gdp"
+
+    with pytest.raises(ValueError, match="removed"):
+        register_accountant(Removed)
+
+
+def test_a_registered_accountant_works_everywhere_without_another_file(monkeypatch):
+    """One class and its registration: specs accept it, methods whose releases it supports use it, others refuse it."""
+    monkeypatch.setattr(accountants, "_BACKENDS", dict(accountants._BACKENDS))
+
+    @register_accountant
+    class Conservative(RDP):
+        name = "conservative-rdp"
+
+    spec = PrivacySpec(epsilon=1.0, accountant="conservative-rdp")
+    assert isinstance(DPZero(nn.Linear(2, 2), privacy=spec).accountant, Conservative)
+    with pytest.raises(ValueError, match="does not account O2NC's releases"):
+        O2NC(nn.Linear(2, 2), privacy=spec)
+    state = {"method": "DPZero", "privacy": spec.to_dict(), "delta": 1e-5, "accountant": Conservative().state_dict()}
+    assert PrivacyReport.from_state(state).adjacency == "add/remove-one"

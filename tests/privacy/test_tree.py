@@ -77,10 +77,14 @@ def test_rdp_conversion_and_calibration_match_the_worked_example():
     accountant.plan("p", steps_per_pass=500_000, tree_length=1000, next_position=0)
     z = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1000, accountant)
     assert z * 40 == pytest.approx(math.sqrt(10) * 40 / 0.247, rel=0.01)
-    assert accountant.epsilon_after(1e-5, 1000, z, 1.0) <= 1.0
+    assert accountant.epsilon_after(1e-5, 1000, noise_multiplier=z, sample_rate=1.0) <= 1.0
     # within a tree, epsilon grows with the node count, not the leaf count
-    assert accountant.epsilon_after(1e-5, 7, z, 1.0) == accountant.epsilon_after(1e-5, 4, z, 1.0)
-    assert accountant.epsilon_after(1e-5, 4, z, 1.0) < accountant.epsilon_after(1e-5, 8, z, 1.0)
+    assert accountant.epsilon_after(1e-5, 7, noise_multiplier=z, sample_rate=1.0) == accountant.epsilon_after(
+        1e-5, 4, noise_multiplier=z, sample_rate=1.0
+    )
+    assert accountant.epsilon_after(1e-5, 4, noise_multiplier=z, sample_rate=1.0) < accountant.epsilon_after(
+        1e-5, 8, noise_multiplier=z, sample_rate=1.0
+    )
     # a second pass over the data composes: its first leaf adds one node
     history = list(accountant.history)
     accountant._extend(history, 500_001, z)
@@ -152,7 +156,7 @@ def test_the_audit_case_a_resume_that_spills_into_a_new_pass_counts_its_nodes():
     resumed = TreeAccountant()
     resumed.load_state_dict(accountant.state_dict())
     resumed.plan(sampler.name, sampler.steps_per_epoch, 8, next_position=24)
-    planned = resumed.epsilon_after(1 / 400, 123, z, 1.0)
+    planned = resumed.epsilon_after(1 / 400, 123, noise_multiplier=z, sample_rate=1.0)
     for leaf in _partition_leaves(sampler, range(24, 147)):
         resumed.record(z, leaf)
     assert tree_rho_squared(resumed.history) * z**2 == 6  # not 4: the old step count said one pass
@@ -169,7 +173,7 @@ def test_plan_from_any_position_agrees_with_the_leaves_then_recorded(variant):
         accountant.record(z, leaf)
     accountant.plan(sampler.name, sampler.steps_per_epoch, length, next_position=6)
     for more in (1, 2, 3, 14, 15, 37):
-        planned = accountant.epsilon_after(1e-3, more, z, 1.0)
+        planned = accountant.epsilon_after(1e-3, more, noise_multiplier=z, sample_rate=1.0)
         copy = TreeAccountant()
         copy.load_state_dict(accountant.state_dict())
         for leaf in _partition_leaves(sampler, range(6, 6 + more), variant):
@@ -177,7 +181,7 @@ def test_plan_from_any_position_agrees_with_the_leaves_then_recorded(variant):
         assert planned == copy.get_epsilon(1e-3)
     # recording advances the plan: the next query starts after the recorded leaf
     accountant.record(z, _partition_leaves(sampler, [6], variant)[0])
-    assert accountant.epsilon_after(1e-3, 36, z, 1.0) == copy.get_epsilon(1e-3)
+    assert accountant.epsilon_after(1e-3, 36, noise_multiplier=z, sample_rate=1.0) == copy.get_epsilon(1e-3)
 
 
 def _dp_accounting_tree_epsilon(passes, z, delta):
@@ -223,15 +227,15 @@ def test_ledger_refuses_what_it_cannot_interpret():
     with pytest.raises(ValueError, match="1 <= leaf <= tree_length"):
         TreeLeaf("p", 0, 0, 8, 9)
     with pytest.raises(ValueError, match="not Poisson-subsampled"):
-        accountant.step(1.0, 0.01)
+        accountant.step(noise_multiplier=1.0, sample_rate=0.01)
     with pytest.raises(ValueError, match="not subsampled"):
-        accountant.epsilon_after(1e-5, 1, 1.0, 0.5)
+        accountant.epsilon_after(1e-5, 1, noise_multiplier=1.0, sample_rate=0.5)
     with pytest.raises(ValueError, match="no plan"):
-        accountant.epsilon_after(1e-5, 1, 1.0, 1.0)
+        accountant.epsilon_after(1e-5, 1, noise_multiplier=1.0, sample_rate=1.0)
     old = {"mechanism": "tree", "history": [[2.0, 1.0, 147]], "tree_length": 8, "steps_per_pass": 144}
     with pytest.raises(ValueError, match="cannot be resumed soundly"):
         TreeAccountant().load_state_dict(old)
-    assert create_accountant("tree").mechanism == "tree"
+    assert create_accountant("tree").name == "tree"
 
 
 def test_partition_is_disjoint_covers_blocks_and_repermutes_per_pass():

@@ -357,7 +357,7 @@ def test_every_shipped_config_shows_the_progress_bar():
 
     import yaml
 
-    for path in sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml")):
+    for path in sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml")):
         trainer = yaml.safe_load(path.read_text()).get("trainer", {})
         assert trainer.get("enable_progress_bar", True), f"{path.name}: epsilon shows in the progress bar"
 

@@ -177,5 +177,7 @@ def test_manual_interruption_accounts_every_released_step(tmp_path):
         trainer.fit(model, _dm())
     assert trainer.interrupted
     assert model.private_steps == _steps_accounted(model) == 3
-    three_steps = create_accountant("rdp").epsilon_after(model.delta, 3, model.noise_multiplier, model.sample_rate)
+    three_steps = create_accountant("rdp").epsilon_after(
+        model.delta, 3, noise_multiplier=model.noise_multiplier, sample_rate=model.sample_rate
+    )
     assert model.epsilon == three_steps <= SPEC.epsilon

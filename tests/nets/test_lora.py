@@ -11,7 +11,7 @@ from pl_dp.data import TextDataModule
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import HFClassifier, PromptClassifier
 from tests.conftest import make_trainer
-from tests.test_prompt import LABELS, TEXTS
+from tests.nets.test_prompt import LABELS, TEXTS
 from tests.tiny_hf import tiny_model
 
 pytest.importorskip("peft")

@@ -1,0 +1,68 @@
+"""The package's layering (ARCHITECTURE.md, "Layers"): each layer imports only the layers below it, and the
+privacy core (privacy, zo, per_sample) is plain torch — no Lightning, so it can be tested and reused alone."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pl_dp"
+#: the pl_dp layers each layer may import (besides itself)
+LAYERS = {
+    "privacy": set(),
+    "zo": {"privacy"},
+    "per_sample": {"privacy"},
+    "methods": {"privacy", "zo", "per_sample"},
+    "callbacks": {"privacy", "zo"},
+    "data": {"privacy", "nets"},
+    "nets": set(),
+}
+LIGHTNING_FREE = ("privacy", "zo", "per_sample")
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code (function-level imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_a_layer_imports_only_the_layers_below_it(layer):
+    allowed = LAYERS[layer] | {layer}
+    wrong = {
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in sorted((PACKAGE / layer).rglob("*.py"))
+        for name in _imports(path)
+        if name.startswith("pl_dp.") and name.split(".")[1] not in allowed
+    }
+    assert not wrong, sorted(wrong)
+
+
+@pytest.mark.parametrize("layer", LIGHTNING_FREE)
+def test_the_privacy_core_never_imports_lightning(layer):
+    wrong = {
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in sorted((PACKAGE / layer).rglob("*.py"))
+        for name in _imports(path)
+        if name.split(".")[0] in LIGHTNING
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_importing_the_privacy_core_loads_no_lightning():
+    """Also through third-party imports: a fresh interpreter that imports the three packages has no Lightning."""
+    code = (
+        "import sys\n"
+        f"import {', '.join('pl_dp.' + layer for layer in LIGHTNING_FREE)}\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {LIGHTNING!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
