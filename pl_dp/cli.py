@@ -114,7 +114,7 @@ class GenerateCLI(PlDpCLI):
         parser.add_argument("--generation_seed", type=int, default=0, help="seed of the sampling (no secret)")
 
 
-def generate_from_checkpoint(model, ckpt_path: str, prompts: list[str], **sampling: Any) -> list[str]:
+def generate_from_checkpoint(model: Any, ckpt_path: str, prompts: list[str], **sampling: Any) -> list[str]:
     """Load ``ckpt_path``'s weights into ``model`` (a pl_dp method built like the one that trained) and sample one
     continuation per prompt from its net (``net.generate(prompts, **sampling)``, e.g. :meth:`CausalLM.generate
     <pl_dp.nets.CausalLM.generate>`).

@@ -50,7 +50,7 @@ def read_generation_texts(
         return [""] * len(source), list(source)
     if (prompt_column is None) != (completion_column is None):
         raise ValueError("give both prompt_column and completion_column (the loss is on the completion), or neither.")
-    if prompt_column is None:
+    if prompt_column is None or completion_column is None:
         (texts,) = read_columns(source, [text_column])
         return [""] * len(texts), [str(text) for text in texts]
     prompts, completions = read_columns(source, [prompt_column, completion_column])
@@ -146,10 +146,12 @@ class TextGenerationDataModule(PrivatePublicDataModule):
         else:
             self.tokenizer = tokenizer
         self.max_length = max_length
-        columns = dict(text_column=text_column, prompt_column=prompt_column, completion_column=completion_column)
-        prompts, completions = read_generation_texts(data, **columns)
+        def read(source: GenerationSource) -> tuple[list[str], list[str]]:
+            return read_generation_texts(source, text_column, prompt_column, completion_column)
+
+        prompts, completions = read(data)
         given = {
-            name: None if source is None else read_generation_texts(source, **columns)
+            name: None if source is None else read(source)
             for name, source in {"public": public, "val": val, "test": test}.items()
         }
         raw = carve_splits((prompts, completions), given, test_fraction, val_fraction, public_fraction, split_seed)

@@ -121,9 +121,11 @@ class DataParallelMixin:
 
     #: whether the method runs under data parallelism (sum-then-noise collectives; O2NC does not yet)
     supports_data_parallel: bool = True
-    #: whether the method runs with its net sharded by FSDP2 (``ModelParallelStrategy``): the zeroth-order methods
-    #: but O2NC and PAZO-S, and ghost-clipped DP-SGD and Coupling
-    supports_sharding: bool = False
+    @property
+    def supports_sharding(self) -> bool:
+        """Whether the method runs with its net sharded by FSDP2 (``ModelParallelStrategy``): the zeroth-order methods
+        but O2NC and PAZO-S, and ghost-clipped DP-SGD and Coupling."""
+        return False
 
     @property
     def sharded(self) -> bool:

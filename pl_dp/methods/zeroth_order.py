@@ -52,7 +52,6 @@ class ZerothOrderModule(PrivateModule):
     """
 
     secure_rng_default = True
-    supports_sharding = True
     applies_own_update = True
     applies_proximal_term = True
     private_loss_modes = ("eval",)  # private_losses
@@ -85,6 +84,11 @@ class ZerothOrderModule(PrivateModule):
         self._direction = Direction(direction, radius)
         self._estimator: PrivateTwoPointEstimator | None = None
         self.direction_mask: DirectionMask | None = None
+
+    @property
+    def supports_sharding(self) -> bool:
+        """Each rank perturbs its block of every parameter (:mod:`pl_dp.privacy.shards`)."""
+        return True
 
     @property
     def smoothing(self) -> float:

@@ -70,7 +70,9 @@ class CausalLM(nn.Module):
             heads = {n for n, p in model.named_parameters() if p is head_weight}
             select_trainable(model, trainable, lambda name: name in heads or name.startswith("lm_head."))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
 
     @torch.no_grad()
@@ -104,7 +106,7 @@ class CausalLM(nn.Module):
 
 def sample_continuations(
     model: nn.Module,
-    tokenizer,
+    tokenizer: Any,
     prompts: Sequence[str],
     *,
     max_new_tokens: int,

@@ -109,7 +109,9 @@ class _NoReduceScatter(DefaultAllocMixin, ReduceScatter):
     gradients are discarded — each rank's *unclipped* gradient sum, which must not cross the wire. FSDP2's hook for a
     custom reduce-scatter (``set_custom_reduce_scatter``) is public; its base classes live in a private module."""
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op=False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> None:
         output_tensor.zero_()
 
 

@@ -110,12 +110,10 @@ class SubsampledGaussian:
         and each rank adds its block of it: one draw per logical step, whatever the layout.
         """
         for i, t in enumerate(sums):
-            if self.is_private and blocks is None:
-                t.add_(noise.normal(t.shape, self.noise_std, t.device, t.dtype))
-            elif self.is_private:
-                shape, offset = blocks[i]
-                whole = noise.normal(shape, self.noise_std, t.device, t.dtype).view(-1)
-                t.add_(whole[offset : offset + t.numel()].view_as(t))
+            if self.is_private:
+                shape, offset = (t.shape, 0) if blocks is None else blocks[i]
+                whole = noise.normal(shape, self.noise_std, t.device, t.dtype)
+                t.add_(whole if blocks is None else whole.view(-1)[offset : offset + t.numel()].view_as(t))
             t.div_(self.expected_batch_size)
 
     def account(self, *accountants: Accountant | None) -> None:

@@ -239,7 +239,8 @@ class PerturbationEngine:
 
     def _plan_windows(self) -> tuple[list[tuple[int, int]], list[torch.Tensor | None]]:
         """Per parameter, this rank's coordinates [start, stop) in the order drawn, and its kept local flat indices."""
-        windows, indices = [], []
+        windows: list[tuple[int, int]] = []
+        indices: list[torch.Tensor | None] = []
         for i, (w, layout) in enumerate(zip(self.weights, self.layouts)):
             kept = None if self.mask is None else self.mask.indices[i]
             if kept is None:

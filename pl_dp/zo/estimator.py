@@ -108,7 +108,7 @@ def per_sample_evaluator(
             select_examples(part, torch.tensor([i])) for part, loss in zip(parts, losses) if loss is None
             for i in range(batch_size_of(part))
         ]
-        rounds = agree(len(retry))
+        rounds = agree(len(retry)) if agree is not None else len(retry)
         alone = [or_nan(retry[r] if r < len(retry) else empty) for r in range(rounds)][: len(retry)]
         singles = iter(torch.full((1,), math.nan, device=device_of(batch)) if v is None else v for v in alone)
         return [

@@ -328,8 +328,8 @@ def test_unsupported_strategies_are_refused_with_what_to_use():
 
 def test_which_methods_shard_is_declared_by_the_method():
     net = nn.Linear(4, 3)
-    assert all(cls.supports_sharding for cls in (DPZero, PAZOM, PAZOP))
-    assert not any(cls.supports_sharding for cls in (PAZOS, O2NC))
+    assert all(cls(net).supports_sharding for cls in (DPZero, PAZOM, PAZOP))
+    assert not any(cls(net).supports_sharding for cls in (PAZOS, O2NC))
     assert DPSGD(net, per_sample="ghost").supports_sharding and Coupling(net, per_sample="ghost").supports_sharding
     assert not DPSGD(net).supports_sharding  # per-example gradients of gathered layers are not sharded
 
