@@ -17,7 +17,7 @@ LAYERS = {
     "methods": {"privacy", "zo", "per_sample"},
     "callbacks": {"privacy", "zo"},
     "data": {"privacy", "nets"},
-    "nets": set(),
+    "nets": {"privacy"},  # a causal LM's perplexity is its causal-LM loss per token (privacy.losses, torch only)
 }
 LIGHTNING_FREE = ("privacy", "zo", "per_sample")
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")

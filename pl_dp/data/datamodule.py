@@ -66,6 +66,9 @@ class PrivatePublicDataModule(L.LightningDataModule):
     Use :meth:`from_datamodule` to make an existing LightningDataModule private.
     """
 
+    #: constructor arguments that hold examples (or what reads them): saved as hyperparameters only as a path
+    data_arguments: tuple[str, ...] = ("private", "public", "val", "test")
+
     def __init__(
         self,
         private: Dataset,
@@ -110,7 +113,10 @@ class PrivatePublicDataModule(L.LightningDataModule):
         arguments: dict[str, Any] = {}
         for level in collect_init_args(frame.f_back, []) if frame is not None and frame.f_back else []:
             arguments.update(level)
-        self.save_hyperparameters(ignore=[name for name, value in arguments.items() if not _plain(value)])
+        # a flat list of strings is plain, but given for a data argument it is the texts themselves
+        held = {name for name in self.data_arguments if not isinstance(arguments.get(name), (str, Path, type(None)))}
+        left_out = [name for name, value in arguments.items() if name in held or not _plain(value)]
+        self.save_hyperparameters(ignore=left_out)
 
     @classmethod
     def from_datamodule(

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from pl_dp.data.datamodule import PrivatePublicDataModule
-from pl_dp.data.text import carve_splits, in_memory, read_columns
+from pl_dp.data.datamodule import SplitsDataModule
+from pl_dp.data.text import carve_splits, read_columns
 from pl_dp.privacy.losses import IGNORE_INDEX
 
 #: texts: a list of strings, a CSV/TSV/JSONL path, a mapping of columns or a ``datasets.Dataset``
@@ -78,7 +78,7 @@ def tokenize_sequences(
     return TokenSequences(ids, labels)
 
 
-class TextGenerationDataModule(PrivatePublicDataModule):
+class TextGenerationDataModule(SplitsDataModule):
     """Texts → token sequences → a Poisson-sampled private loader of right-padded batches, and evaluation loaders.
 
     Every item is one sequence ``{"input_ids", "attention_mask", "labels"}``; batches are right-padded to their
@@ -106,13 +106,15 @@ class TextGenerationDataModule(PrivatePublicDataModule):
         val_fraction, test_fraction: shares of the pool (``None``: 0.1, or 0 when the split is given).
         public_fraction: share of the pool that is public data.
         split_seed: seed of the split permutation.
-        batch_size, public_batch_size, seed, eval_batch_size, sampling_seed, num_workers, pin_memory: as in
-            :class:`~pl_dp.data.PrivatePublicDataModule` (``sampling_seed=None``: the Poisson sampling is a secret
-            from OS entropy).
+        batch_size, public_batch_size, eval_batch_size: as in :class:`~pl_dp.data.PrivatePublicDataModule`, with
+            defaults for text; its other arguments (``seed``, ``sampling_seed``, ``num_workers``, …) are taken by
+            keyword (``sampling_seed=None``: the Poisson sampling is a secret from OS entropy).
 
     Texts given in memory are never written to the hyperparameters (which checkpoints and loggers save): only paths
     are.
     """
+
+    data_arguments = ("data", "public", "val", "test", "tokenizer")
 
     def __init__(
         self,
@@ -133,11 +135,8 @@ class TextGenerationDataModule(PrivatePublicDataModule):
         split_seed: int = 0,
         batch_size: int = 32,
         public_batch_size: int = 32,
-        seed: int = 0,
         eval_batch_size: int = 64,
-        sampling_seed: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
+        **kwargs: Any,
     ) -> None:
         if isinstance(tokenizer, (str, Path)):
             from transformers import AutoTokenizer
@@ -157,15 +156,9 @@ class TextGenerationDataModule(PrivatePublicDataModule):
         raw = carve_splits((prompts, completions), given, test_fraction, val_fraction, public_fraction, split_seed)
         splits = {name: tokenize_sequences(*pair, self.tokenizer, max_length, add_eos) for name, pair in raw.items()}
         super().__init__(
-            **self.from_splits(
-                splits,
-                public_batch_size,
-                batch_size=batch_size,
-                seed=seed,
-                eval_batch_size=eval_batch_size,
-                sampling_seed=sampling_seed,
-                num_workers=num_workers,
-                pin_memory=pin_memory,
-            )
+            splits,
+            batch_size=batch_size,
+            public_batch_size=public_batch_size,
+            eval_batch_size=eval_batch_size,
+            **kwargs,
         )
-        self.save_hyperparameters(ignore=in_memory(data=data, public=public, val=val, test=test, tokenizer=tokenizer))

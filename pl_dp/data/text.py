@@ -191,12 +191,6 @@ def carve_splits(
     return out
 
 
-def in_memory(**values: Any) -> list[str]:
-    """The names of ``values`` that are objects rather than paths or ``None``: data given in memory, which a data
-    module leaves out of its hyperparameters (checkpoints and loggers save those)."""
-    return [name for name, value in values.items() if not isinstance(value, (str, Path, type(None)))]
-
-
 class TextDataModule(SplitsDataModule):
     """Texts and labels → tokenized prompts → a Poisson-sampled private loader, public and evaluation loaders.
 
@@ -226,6 +220,8 @@ class TextDataModule(SplitsDataModule):
     Texts given as lists or datasets are never written to the hyperparameters (which checkpoints and loggers
     save): only paths are.
     """
+
+    data_arguments = ("data", "public", "val", "test", "tokenizer")
 
     def __init__(
         self,

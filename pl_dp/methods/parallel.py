@@ -44,8 +44,8 @@ def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
         if not shardable:
             raise NotImplementedError(
                 f"{method} cannot be sharded yet (ModelParallelStrategy): its update needs the whole parameters on "
-                "every rank. Use strategy='ddp' (or one device); DPZero, PAZO-M, PAZO-P, and DPSGD and Coupling "
-                "with per_sample='ghost', run sharded."
+                "every rank. Use strategy='ddp' (or one device); DPZero, PAZO-M/P/S, and DPSGD and Coupling with "
+                "per_sample='ghost', run sharded."
             )
         tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
         if tensor_parallel != 1:
@@ -124,7 +124,7 @@ class DataParallelMixin:
     @property
     def supports_sharding(self) -> bool:
         """Whether the method runs with its net sharded by FSDP2 (``ModelParallelStrategy``): the zeroth-order methods
-        but O2NC and PAZO-S, and ghost-clipped DP-SGD and Coupling."""
+        but O2NC, and ghost-clipped DP-SGD and Coupling."""
         return False
 
     @property

@@ -209,6 +209,11 @@ class PAZOS(PublicDataMixin, PrivateModule):
         return self.k
 
     @property
+    def supports_sharding(self) -> bool:
+        """Every move goes through the perturbation engine, which writes each rank's block (FSDP2)."""
+        return True
+
+    @property
     def candidates(self) -> int:
         """Private loss queries per step: k, plus one for the noisy candidate."""
         return self.k + (1 if self.perturb_scale > 0 else 0)

@@ -120,7 +120,7 @@ class PreshardedDPSGD(DPSGD):
 
 #: the fits of the FSDP2 test: the same seeds as their DDP and single-process runs
 SHARDED_METHODS = {
-    **{name: METHODS[name] for name in ("dpzero", "dpzero_rank_seeded", "pazo_m")},
+    **{name: METHODS[name] for name in ("dpzero", "dpzero_rank_seeded", "pazo_m", "pazo_s")},
     "pazo_p": lambda: PAZOP(_mlp(), lr=0.05, clip=CLIP, queries=2, k=2, privacy=_spec(), noise_seed=7),
     "dpsgd_ghost_mlp": lambda: DPSGD(
         _mlp(), lr=0.5, clip=CLIP, per_sample="ghost", privacy=_spec(), noise_seed=7, max_physical_batch_size=3
@@ -305,7 +305,7 @@ def run_lora(name: str, devices: int, directory: Path) -> dict:
     """DPZero or ghost DP-SGD on LoRA adapters of a tiny BERT (peft), sharded on ``devices`` > 1 processes."""
     from pl_dp.data import TextDataModule
     from pl_dp.nets import HFClassifier
-    from tests.test_lora import LABELS, TEXTS
+    from tests.nets.test_prompt import LABELS, TEXTS
     from tests.tiny_hf import tiny_model
 
     path = directory / "bert-cls"

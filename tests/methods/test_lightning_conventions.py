@@ -321,15 +321,15 @@ def test_unsupported_strategies_are_refused_with_what_to_use():
     for strategy in (FSDPStrategy(), DeepSpeedStrategy.__new__(DeepSpeedStrategy)):
         with pytest.raises(NotImplementedError, match="strategy='ddp'"):
             check_strategy(strategy, "DPZero", shardable=True)
-    for method in ("DPSGD", "Coupling", "O2NC", "PAZOS"):  # sharding is refused by name where not implemented
+    for method in ("DPSGD", "Coupling", "O2NC"):  # sharding is refused by name where not implemented
         with pytest.raises(NotImplementedError, match=f"{method} cannot be sharded yet"):
             check_strategy(ModelParallelStrategy(), method, shardable=False)
 
 
 def test_which_methods_shard_is_declared_by_the_method():
     net = nn.Linear(4, 3)
-    assert all(cls(net).supports_sharding for cls in (DPZero, PAZOM, PAZOP))
-    assert not any(cls(net).supports_sharding for cls in (PAZOS, O2NC))
+    assert all(cls(net).supports_sharding for cls in (DPZero, PAZOM, PAZOP, PAZOS))
+    assert not O2NC(net).supports_sharding
     assert DPSGD(net, per_sample="ghost").supports_sharding and Coupling(net, per_sample="ghost").supports_sharding
     assert not DPSGD(net).supports_sharding  # per-example gradients of gathered layers are not sharded
 
