@@ -113,6 +113,11 @@ class GenerateCLI(PlDpCLI):
         parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the top-p probability mass")
         parser.add_argument("--generation_seed", type=int, default=0, help="seed of the sampling (no secret)")
 
+    def before_instantiate_classes(self) -> None:
+        """Build the model only: the config's data section names the private set, which sampling never reads (what
+        it prints and whether it succeeds must not depend on the records)."""
+        self.config["data"] = None
+
 
 def generate_from_checkpoint(model: Any, ckpt_path: str, prompts: list[str], **sampling: Any) -> list[str]:
     """Load ``ckpt_path``'s weights into ``model`` (a pl_dp method built like the one that trained) and sample one

@@ -277,3 +277,7 @@ def test_generate_samples_from_a_checkpoint_of_a_private_causal_lm(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0].startswith("the movie") and lines[1].startswith("the plot")
     assert "no further privacy cost" in out.stdout and "pl_dp privacy report — DPSGD" in out.stdout
+    texts.unlink()  # sampling reads the released weights only, never the private texts the config names
+    again = _run(*args, "--prompt", "the movie", "--generation_seed", "0")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines()[0] == lines[0]

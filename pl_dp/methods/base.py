@@ -209,6 +209,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self._batches_consumed = 0
         self._restored: dict[str, Any] | None = None
         self._reference: Any = None  # a public or validation example, set at fit start (see check_independence)
+        self._padding: Any = None  # sharded: a fixed non-private example padding the passes (see _padding_example)
         self._plan_ready = False
         self._metrics: nn.ModuleDict = nn.ModuleDict()
         self.proximal: Any = None  # a ProximalAnchor while a StagewiseSchedule holds one
@@ -244,6 +245,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             isolate=self.privacy is not None,
             forwards=forwards,
             agree=agree,
+            padding=self._padding,
         )
 
     def reference_pass(self, batch: Any) -> None:
@@ -487,9 +489,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
             self._sampler_start = sampler.position
             self._batches_consumed = 0
         if self.privacy is None:
+            self._padding = self._padding_example()
             return
         report = self.check_private_data()
         self.check_independence()
+        self._padding = self._padding_example()
         self._seal_batching(report)
         self.ledger.fix_delta(sampler.num_samples)
         self.ledger.open_journal(restored, self._journal_directory(), self._broadcast)
@@ -544,6 +548,29 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         )
         # a fixed example that is not private, to tell a net or loss that fails for every example from bad records
         self._reference = None if source == "private" else self._to_device(collate(examples[:1]))
+
+    def _padding_example(self) -> Any:
+        """Sharded: a fixed example that is not private — the reference example, else the first validation or public
+        one — that pads the passes of a rank with fewer sampled examples than another, at weight 0 (a sharded pass is
+        a collective, which every rank runs; a net may not run an empty batch). None unsharded. A non-private run
+        may pad with its first training example; a private one without validation or public data is refused."""
+        if not self.sharded:
+            return None
+        if self._reference is not None:
+            return self._reference
+        dataset, collate = private_data_of(self.trainer.train_dataloader)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        for name in ("val", "public"):
+            examples: Any = getattr(datamodule, name, None)
+            if hasattr(examples, "__len__") and len(examples):
+                return self._to_device(collate([examples[0]]))
+        if self.privacy is None and dataset is not None:
+            return self._to_device(collate([dataset[0]]))
+        raise ValueError(
+            "a sharded private run needs validation or public data: a fixed example that is not private pads the "
+            "passes of a rank that sampled fewer examples than another (every rank runs every sharded pass). Give "
+            "the datamodule a val (or public) set."
+        )
 
     def probe_batch(self) -> tuple[Any, str]:
         """The probe's examples collated by the private loader, on this module's device, and where they come from
@@ -706,7 +733,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         or batches, unless the user seeded them); the non-finite count is zeroed."""
         state = super().__getstate__()
         state["nonfinite_total"] = 0
-        state["_reference"] = None  # this process's fit's, rebuilt by the next one
+        state["_reference"] = state["_padding"] = None  # this process's fit's, rebuilt by the next one
+        state["collective_bytes"] = 0  # retries make it depend on which records were sampled
         return state
 
     def privacy_state_dict(self) -> dict[str, Any]:

@@ -141,6 +141,7 @@ class FirstOrderModule(PrivateModule):
         if self.clip_function is not None:
             if self.per_sample_mode == "ghost":
                 self._per_sample = GhostClipping(self.net, self.loss_fn)
+                self._per_sample.padding = self._padding
             else:
                 self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
             if self.privacy is not None:  # each clipped row must be one example's whole gradient
@@ -164,12 +165,12 @@ class FirstOrderModule(PrivateModule):
         blocks = [block(p) for p in params] if self.sharded else None
         if self.clip_function is None:  # non-private baseline: the plain mean gradient
 
-            def gradient(part: Any) -> list[torch.Tensor | None]:
+            def gradient(part: Any, padding: bool = False) -> list[torch.Tensor | None]:
                 with torch.enable_grad():
                     losses = check_per_sample(self.loss_fn(self.net, part), batch_size_of(part))
-                    return self._gradient_of_sum(losses.sum(), params)
+                    return self._gradient_of_sum(losses.sum() * (0.0 if padding else 1.0), params)
 
-            for grads in self._sharded_passes(batch, parts, gradient)[0] if self.sharded else map(gradient, parts):
+            for grads in self._sharded_passes(parts, gradient)[0] if self.sharded else map(gradient, parts):
                 for s, g in zip(sums, grads):
                     if g is not None:
                         s.add_(g)
@@ -179,13 +180,16 @@ class FirstOrderModule(PrivateModule):
         device = params[0].device
         norms, nonfinite = [torch.zeros(0, device=device)], torch.zeros((), dtype=torch.long, device=device)
 
-        def compute(examples: Any) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        def compute(examples: Any, padding: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+            if padding:  # sharded, hence ghost clipping (supports_sharding)
+                assert isinstance(self._per_sample, GhostClipping)
+                return self._per_sample.clipped_sum(examples, self.clip_function, padding=True)
             return self._per_sample.clipped_sum(examples, self.clip_function)
 
         # one physical micro-batch at a time, clipped sums added up (one noise draw below); an example whose pass
         # raises is left out (weight 0) and counted: no record-dependent crash
         if self.sharded:
-            done, failed = self._sharded_passes(batch, parts, compute)
+            done, failed = self._sharded_passes(parts, compute)
         elif self.privacy is None:
             done, failed = [compute(part) for part in parts], 0
         else:
@@ -210,16 +214,17 @@ class FirstOrderModule(PrivateModule):
             stats.update(self._adapt_clip(norms, mechanism))
         return sums, stats
 
-    def _sharded_passes(self, batch: Any, parts: list[Any], compute: Callable[[Any], T]) -> tuple[list[T], int]:
-        """``compute`` of each of this rank's ``parts``, sharded: a pass (forward and backward) is a collective, so
-        every rank runs as many, in rounds whose length the ranks agree on, padded with empty batches.
+    def _sharded_passes(self, parts: list[Any], compute: Callable[[Any, bool], T]) -> tuple[list[T], int]:
+        """``compute(part, False)`` of each of this rank's ``parts``, sharded: a pass (forward and backward) is a
+        collective, so every rank runs as many, in rounds whose length the ranks agree on; a rank with fewer runs
+        ``compute(padding, True)`` — the fixed non-private padding example at weight 0, whose result is this rank's
+        shard of the other ranks' sums (a reduce-scatter sums over ranks) and nothing of its own.
 
         A pass whose loss raises on some rank is abandoned by all (:class:`~pl_dp.privacy.seal.PassFailed`, raised
         by the ghost-clipping pass on every rank before its backward); the rank where it raised runs that part's
         examples one by one in a later round, and an example that raises alone is left out and counted; the others
         run their abandoned part again. Returns the results and the number of examples left out.
         """
-        empty = select_examples(batch, torch.zeros(0, dtype=torch.long)) if batch_size_of(batch) else batch
         results, failed, queue = [], 0, list(parts)
         rounds = self.forwards_on_every_rank(len(queue))
         while rounds:
@@ -227,7 +232,7 @@ class FirstOrderModule(PrivateModule):
             for r in range(rounds):
                 part = queue[r] if r < len(queue) else None
                 try:
-                    results.append(compute(empty if part is None else part))
+                    result = compute(self._padding, True) if part is None else compute(part, False)
                 except PassFailed as failure:
                     if part is None:
                         continue
@@ -238,6 +243,8 @@ class FirstOrderModule(PrivateModule):
                         retry += [select_examples(part, torch.tensor([i])) for i in range(size)]
                     else:
                         failed += 1
+                    continue
+                results.append(result)  # a padding pass too: it holds this rank's shard of the others' sums
             queue = retry
             rounds = self.forwards_on_every_rank(len(queue))
         return results, failed

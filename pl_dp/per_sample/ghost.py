@@ -64,7 +64,7 @@ from pl_dp.per_sample.gradients import (
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
-from pl_dp.privacy.seal import PassFailed
+from pl_dp.privacy.seal import PADDING_FAILED, PassFailed
 from pl_dp.privacy.shards import is_sharded, layout_of, local
 
 
@@ -170,6 +170,9 @@ class GhostClipping:
                 "per_sample='hooks'."
             )
         self.sharded = is_sharded(self.params)
+        #: sharded: a fixed non-private example run at weight 0 where this rank's pass would otherwise be empty (a
+        #: pass is a collective, and a net may not run an empty batch); set by the method at fit start
+        self.padding: Any = None
         self.group = layout_of(self.names[0], self.params[0]).group if self.sharded else None
         if self.sharded and tied_parameters(net):
             names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
@@ -187,17 +190,23 @@ class GhostClipping:
         self._gsm.disable_hooks()
         self._lookups = BroadcastLookups(net)
 
-    def clipped_sum(self, batch: Any, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    def clipped_sum(
+        self, batch: Any, clip_fn: ClipFunction, padding: bool = False
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Σ_i c(‖g_i‖)·g_i per parameter (fp32), the per-example norms ‖g_i‖ (fp32) and the non-finite count.
 
-        The same three values as :func:`~pl_dp.per_sample.clipped_sum` of the per-example gradients.
+        The same three values as :func:`~pl_dp.per_sample.clipped_sum` of the per-example gradients. Sharded,
+        ``padding`` runs ``batch`` (:attr:`padding`) at weight 0: the passes, collectives included, without a sum.
         """
         size = batch_size_of(batch)
-        norms, losses = (self._sharded_norms if self.sharded else self._norms)(batch, size)
+        norms, losses = self._sharded_norms(batch, size, padding) if self.sharded else self._norms(batch, size)
         weights, finite = clip_fn.finite_weights(norms)
+        if padding:
+            weights, finite = torch.zeros_like(weights), torch.ones_like(finite)
         nonfinite = (~finite).sum()
         if self.sharded:
-            return self._sharded_sum(batch, clip_fn, norms, losses, weights, finite)
+            sums, norms, nonfinite = self._sharded_sum(batch, clip_fn, norms, losses, weights, finite)
+            return sums, norms[:0] if padding else norms, nonfinite
         if bool(nonfinite):  # 0·NaN is NaN: the others' sum is computed again without them
             del losses
             keep = finite.nonzero().squeeze(1)
@@ -213,7 +222,8 @@ class GhostClipping:
 
     def per_example_norms(self, batch: Any) -> torch.Tensor:
         """The per-example gradient norms ‖g_i‖ (fp32) that the first pass computes, and nothing else."""
-        return (self._sharded_norms if self.sharded else self._norms)(batch, batch_size_of(batch))[0].detach()
+        size = batch_size_of(batch)
+        return (self._sharded_norms(batch, size) if self.sharded else self._norms(batch, size))[0].detach()
 
     def close(self) -> None:
         """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
@@ -267,24 +277,28 @@ class GhostClipping:
             p._norm_sample = None
         return norms, losses
 
-    def _sharded_norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sharded_norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept and no reduce-scatter (the unclipped
         gradient stays on its rank and is dropped); the norms are read off the layers (and taken off them:
         un-noised per-example values). A loss that raises on any rank makes every rank raise
-        :class:`~pl_dp.privacy.seal.PassFailed` before the backward."""
+        :class:`~pl_dp.privacy.seal.PassFailed` before the backward — or, raised by the padding example (a net or loss
+        broken for a fixed non-private example), a ``RuntimeError`` on every rank."""
         gsm = self._gsm
         holders = {id(p): m for m in self.net.modules() for p in m.parameters(recurse=False)}
         gsm.enable_hooks()
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
+                error: Exception | None = None
                 try:
                     losses = check_per_sample(self.loss_fn(gsm, batch), size)
-                except Exception:  # noqa: BLE001 - agreed on by every rank before the backward's collectives
-                    losses = None
-                raised = torch.tensor([float(losses is None)])
+                except Exception as raised_here:  # noqa: BLE001 - agreed on by every rank before the backward
+                    error = raised_here
+                raised = torch.tensor([0.0 if error is None else 2.0 if padding else 1.0])
                 dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=self.group)
-                if bool(raised):
-                    raise PassFailed(here=losses is None)
+                if float(raised) == 2.0:
+                    raise RuntimeError(PADDING_FAILED) from error
+                if float(raised) == 1.0:
+                    raise PassFailed(here=error is not None) from error
                 with _gradients_stay_local(self.net):
                     losses.sum().backward(retain_graph=True)
             missed = [
@@ -321,7 +335,9 @@ class GhostClipping:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if bool(flag):  # 0·NaN is NaN: every rank runs the passes again, without its non-finite examples
             del losses
-            sums, _, more = self.clipped_sum(select_examples(batch, finite.nonzero().squeeze(1)), clip_fn)
+            keep = finite.nonzero().squeeze(1)
+            part = select_examples(batch, keep) if keep.numel() else self.padding
+            sums, _, more = self.clipped_sum(part, clip_fn, padding=not keep.numel())
             return sums, norms, nonfinite + more
         for p in self.params:
             p.grad = None

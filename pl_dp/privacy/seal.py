@@ -76,6 +76,13 @@ def sealed(active: bool = True) -> Iterator[None]:
         warnings.showwarning, sys.stdout, sys.stderr, logging.Logger.handle = show, out, err, handle
 
 
+#: what every rank of a sharded run raises when the padding example — fixed and not private — fails
+PADDING_FAILED = (
+    "the net or the loss fails on the fixed validation or public example that pads the passes of a sharded step "
+    "(where a rank sampled fewer examples than another): the net is broken, whatever was sampled"
+)
+
+
 class PassFailed(Exception):
     """A collective pass (a sharded forward and backward) that every rank abandons because the per-example
     computation raised on some rank — ``here``: on this one. Raised on every rank at once, before the pass's first

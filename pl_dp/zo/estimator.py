@@ -37,10 +37,12 @@ from pl_dp.privacy.losses import (
 )
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
-from pl_dp.privacy.seal import isolate_failures
+from pl_dp.privacy.seal import PADDING_FAILED, isolate_failures
 from pl_dp.zo.engine import Key, PerturbationEngine
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+#: what a rank whose padding pass failed asks for in the retry agreement: more rounds than any batch needs
+PADDING_FAILS = 1 << 30
 
 
 @contextmanager
@@ -63,6 +65,7 @@ def per_sample_evaluator(
     isolate: bool = False,
     forwards: int | None = None,
     agree: Callable[[int], int] | None = None,
+    padding: Any = None,
 ) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
 
@@ -72,17 +75,19 @@ def per_sample_evaluator(
     (:func:`~pl_dp.privacy.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
     the release and is counted with the other non-finite values.
 
-    Sharded (``forwards`` and ``agree`` given): a sharded net's forward is a collective (FSDP all-gathers each
-    layer), which every rank must run as often as the others, whatever its share of the Poisson batch. Exactly
-    ``forwards`` passes run, the micro-batches and then empty batches; then the examples of micro-batches whose loss
-    raised are run one by one, as many passes on every rank as the most any rank needs (``agree``: the maximum over
-    ranks), and each that raises again gets NaN. This isolates a loss that raises after the net's forward; one that
-    raises inside it, between two layers' collectives, cannot be sealed (the pre-flight pass checks every example).
+    Sharded (``forwards``, ``agree`` and ``padding`` given): a sharded net's forward is a collective (FSDP all-gathers
+    each layer), which every rank must run as often as the others, whatever its share of the Poisson batch. Exactly
+    ``forwards`` passes run: the micro-batches, then ``padding`` (a fixed non-private example, whose losses are
+    dropped; a net may not run an empty batch). Then the examples of micro-batches whose loss raised are run one by
+    one, as many passes on every rank as the most any rank needs (``agree``: the maximum over ranks), and each that
+    raises again gets NaN. This isolates a loss that raises after the net's forward; a forward that raises between
+    two layers' collectives cannot be sealed: the ranks fall out of step (a hang until the process group's timeout,
+    or an abort) — the pre-flight pass checks every example at the initial parameters.
     """
     micro_batches = split_batch(batch, max_physical_batch_size) if batch_size else []
-    empty = select_examples(batch, torch.zeros(0, dtype=torch.long)) if batch_size else batch
+    real = len(micro_batches)
     if forwards is not None:
-        micro_batches += [empty] * (forwards - len(micro_batches))
+        micro_batches += [padding] * (forwards - real)
 
     def losses_of(part: Any) -> torch.Tensor:
         return check_per_sample(loss_fn(net, part), batch_size_of(part))
@@ -96,24 +101,28 @@ def per_sample_evaluator(
             losses[positions.to(losses.device)] = values.to(losses.device)
         return losses
 
-    def or_nan(part: Any) -> torch.Tensor | None:
+    def or_none(part: Any) -> torch.Tensor | None:
         try:
             return losses_of(part)
         except Exception:  # noqa: BLE001 - any failure of one record must stay inside the step
             return None
 
-    def collectively(parts: list[Any]) -> list[torch.Tensor]:
-        losses = [or_nan(part) for part in parts]
+    def collectively(parts: list[Any], agree: Callable[[int], int]) -> list[torch.Tensor]:
+        losses = [or_none(part) for part in parts]
         retry = [
-            select_examples(part, torch.tensor([i])) for part, loss in zip(parts, losses) if loss is None
+            select_examples(part, torch.tensor([i]))
+            for part, loss in zip(parts[:real], losses[:real])
+            if loss is None
             for i in range(batch_size_of(part))
         ]
-        rounds = agree(len(retry)) if agree is not None else len(retry)
-        alone = [or_nan(retry[r] if r < len(retry) else empty) for r in range(rounds)][: len(retry)]
+        rounds = agree(PADDING_FAILS if any(loss is None for loss in losses[real:]) else len(retry))
+        if rounds >= PADDING_FAILS:
+            raise RuntimeError(PADDING_FAILED)
+        alone = [or_none(retry[r] if r < len(retry) else padding) for r in range(rounds)][: len(retry)]
         singles = iter(torch.full((1,), math.nan, device=device_of(batch)) if v is None else v for v in alone)
         return [
             loss if loss is not None else torch.cat([next(singles) for _ in range(batch_size_of(part))])
-            for part, loss in zip(parts, losses)
+            for part, loss in zip(parts[:real], losses[:real])
         ]
 
     def evaluate() -> torch.Tensor:
@@ -121,9 +130,11 @@ def per_sample_evaluator(
             return torch.zeros(0)
         with eval_mode(net), torch.inference_mode():
             if agree is not None:
-                losses = collectively(micro_batches)
+                losses = collectively(micro_batches, agree)
             else:
-                losses = [(isolated if isolate else losses_of)(part) for part in micro_batches]
+                losses = [(isolated if isolate else losses_of)(part) for part in micro_batches][:real]
+        if not losses:
+            return torch.zeros(0)
         return losses[0] if len(losses) == 1 else torch.cat(losses)
 
     return evaluate

@@ -101,6 +101,16 @@ METHODS = {
 }
 
 
+class NoEmptyBatches(nn.Sequential):
+    """A net that refuses an empty batch (as Hugging Face attention does): a sharded rank with fewer examples than
+    another must not run it on one."""
+
+    def forward(self, x):
+        if x.shape[0] == 0:
+            raise RuntimeError("an empty batch")
+        return super().forward(x)
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
 
@@ -155,6 +165,23 @@ SHARDED_METHODS = {
         privacy=_spec(),
         noise_seed=7,
         max_physical_batch_size=4,
+    ),
+    "dpzero_no_empty": lambda: DPZero(
+        NoEmptyBatches(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4)),
+        lr=0.05,
+        clip=CLIP,
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=3,
+    ),
+    "dpsgd_ghost_no_empty": lambda: DPSGD(
+        NoEmptyBatches(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4)),
+        lr=0.5,
+        clip=CLIP,
+        per_sample="ghost",
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=3,
     ),
     "dpsgd_ghost_presharded": lambda: PreshardedDPSGD(
         _mlp(), lr=0.5, clip=CLIP, per_sample="ghost", privacy=_spec(), noise_seed=7

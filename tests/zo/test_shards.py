@@ -104,14 +104,17 @@ class _Counting(nn.Linear):
 
 @pytest.mark.parametrize("size, physical, forwards", [(0, None, 2), (5, 2, 4), (5, None, 3)])
 def test_a_sharded_evaluation_runs_as_many_forwards_as_every_rank(size, physical, forwards):
-    """A sharded forward is a collective: a rank with fewer (or no) examples pads with forwards on an empty batch,
-    and the losses are those of its examples."""
+    """A sharded forward is a collective: a rank with fewer (or no) examples pads with forwards on a fixed padding
+    example (a net may not run an empty batch), and the losses are those of its examples."""
     from pl_dp.privacy.losses import resolve_loss
     from pl_dp.zo.estimator import per_sample_evaluator
 
     net, loss = _Counting(3, 2), resolve_loss("cross_entropy")
     batch = (torch.randn(size, 3), torch.randint(0, 2, (size,)))
     _Counting.calls = 0
-    padded = per_sample_evaluator(net, loss, batch, size, physical, forwards=forwards)()
+    padding = (torch.randn(1, 3), torch.zeros(1, dtype=torch.long))
+    padded = per_sample_evaluator(
+        net, loss, batch, size, physical, forwards=forwards, agree=lambda count: count, padding=padding
+    )()
     assert _Counting.calls == forwards
     assert torch.equal(padded, per_sample_evaluator(net, loss, batch, size, physical)())
