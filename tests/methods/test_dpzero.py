@@ -180,7 +180,8 @@ def test_the_nonfinite_count_is_not_released_unless_private_metrics_are_asked_fo
             log_private_metrics=diagnostics,
             preflight=False,  # the pre-flight pass would refuse the record before training
         )
-        dm = PrivatePublicDataModule(dataset, batch_size=50)  # rate 0.5: the record is sampled in most steps
+        # rate 0.5, seeded: the record is sampled (from OS entropy it missed all 6 steps once in 64 runs)
+        dm = PrivatePublicDataModule(dataset, batch_size=50, sampling_seed=3)
         make_trainer(max_steps=6, logger=CSVLogger(tmp_path / name), log_every_n_steps=1).fit(model, dm)
         columns[name] = _logged_columns(tmp_path / name)
         assert model.nonfinite_total > 0 or dataset is data
