@@ -57,6 +57,9 @@ SCAN = 1024
 #: (plus NOISE_MARGIN times the jitter between two passes over the same examples; see probe_independence)
 RELATIVE_TOLERANCE = 1e-5
 NOISE_MARGIN = 10.0
+#: a net with half-precision weights rounds each layer's output to 8 (bf16) or 11 (fp16) bits: the fraction of its
+#: machine epsilon a watched loss may move by (see probe_independence)
+HALF_PRECISION_ULPS = 1 / 8
 
 Mode = Literal["train", "eval"]
 _MODE_WORDS: dict[str, str] = {
@@ -236,6 +239,10 @@ def probe_independence(
     mixing is far above: a parameter-free BatchNorm over 8 examples moves the other losses by 4e-2 to 7e-2 of
     the largest (an MLP on blobs or on the digits), a full batch-mean subtraction by 1e-2 to 2e-2, and even a
     1 % one by 5e-5 to 5e-4, while a per-example net (with or without dropout) moves them by exactly 0.
+    A net with bf16 or fp16 weights rounds every layer's output to 8 or 11 bits, and a longer padded length changes
+    which side of a rounding boundary a sum falls on (a tiny OPT in bf16 moved a watched loss by 4.5e-5 of the
+    largest, padded from 6 to 11 tokens): its relative tolerance is ``HALF_PRECISION_ULPS`` of the dtype's machine
+    epsilon (1e-3 for bf16, 1.2e-4 for fp16), a weaker check that still catches a BatchNorm or a batch mean.
 
     **State.** Every buffer and parameter is watched (version counter and identity): a forward that writes
     one stores something computed from the batch, which every checkpoint would release un-noised. Any
@@ -319,6 +326,10 @@ class _Probe:
             "train": {f"replacing only the example at position {self.middle} by": replaced},
         }
         self.params = [p for p in net.parameters() if p.requires_grad]
+        floats = [t.dtype for t in (*net.parameters(), *net.buffers()) if t.is_floating_point()]
+        self.relative_tolerance = max(
+            [RELATIVE_TOLERANCE] + [HALF_PRECISION_ULPS * torch.finfo(dtype).eps for dtype in floats]
+        )
         self.rng = _RandomState(state.cuda_devices)
 
     def _stand_in(self, mode: Mode) -> tuple[Any, str]:
@@ -338,7 +349,7 @@ class _Probe:
         stand_in, described = self._stand_in(mode)
         base = self._run(self.reference, stand_in, mode)
         loss_noise, gradient_noise = self._changes(base, self._run(self.reference, stand_in, mode))  # kernel jitter
-        tolerance = RELATIVE_TOLERANCE * _finite_max(base.losses[self.watched].abs()) + NOISE_MARGIN * _finite_max(
+        tolerance = self.relative_tolerance * _finite_max(base.losses[self.watched].abs()) + NOISE_MARGIN * _finite_max(
             loss_noise
         )
         found = []
@@ -351,7 +362,7 @@ class _Probe:
             if moved:
                 mixed = f"changed the losses of the examples at positions {moved}"
             elif base.gradient is not None:  # a non-finite gradient makes the comparison False: not compared
-                bound = RELATIVE_TOLERANCE * _norm(base.gradient) + NOISE_MARGIN * gradient_noise
+                bound = self.relative_tolerance * _norm(base.gradient) + NOISE_MARGIN * gradient_noise
                 if gradient_shift > bound:
                     mixed = (
                         f"changed the summed gradient of the other examples (positions {self.watched}) though not "

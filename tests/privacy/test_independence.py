@@ -94,6 +94,26 @@ def test_probe_catches_an_unknown_parameter_free_mixing_module(mode, strength):
         probe_independence(net, _squared_error, _examples(), (mode,), "public")
 
 
+class _HalfPrecision(nn.Module):
+    """A net whose weights are bf16 (its inputs cast to them, its outputs back to fp32 for the loss)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.to(torch.bfloat16)).float()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_bf16_net_gets_a_tolerance_of_its_rounding_and_mixing_is_still_caught(mode):
+    """bf16 weights round each layer's output to 8 bits, so the tolerance is 1/8 of bf16's epsilon (1e-3 of the
+    largest loss) instead of 1e-5: a per-example bf16 net passes, a full batch-mean subtraction is still caught."""
+    probe_independence(_HalfPrecision(_net(nn.Identity())), _squared_error, _examples(), (mode,), "public")
+    with pytest.raises(IndependenceError, match="changed the losses"):
+        probe_independence(_HalfPrecision(_net(SubtractBatchMean(1.0))), _squared_error, _examples(), (mode,), "public")
+
+
 def test_probe_catches_mixing_in_the_loss_itself():
     def relative_loss(net: nn.Module, batch) -> torch.Tensor:
         losses = cross_entropy(net, batch)
