@@ -51,7 +51,7 @@ class PruningSchedule(PrivacyCallback):
             set no ``example_input_array`` and datamodules without a public, validation or test set.
     """
 
-    requires = ("set_direction_mask",)
+    requires = ("set_direction_mask", "whole_net")
     requires_description = "a zeroth-order pl_dp method with coordinate masks (DPZero, PAZO-M)"
 
     def __init__(
@@ -129,14 +129,17 @@ class PruningSchedule(PrivacyCallback):
         )
 
     def compute_mask(self, trainer: L.Trainer, pl_module: Any, stage: int) -> DirectionMask:
-        """Algorithms 3–4 for ``stage`` at the current parameters."""
+        """Algorithms 3–4 for ``stage`` at the current parameters (on a sharded net: its whole parameters, gathered on
+        every rank for the score, and rank 0's mask on every rank)."""
+        net, state = pl_module.whole_net()
         scores = path_norm_scores(
-            pl_module.net,
+            net,
             self.example_input(trainer, pl_module),
             estimator=self.score,
             queries=self.score_queries,
             smoothing=self.score_smoothing,
             seed=derive_seed(pl_module.direction_seed, SeedDomain.PRUNING_STAGE, stage),
+            state=state,
         )
         previous = self.mask if self.strategy == "incremental" else None
         if previous is not None and round(self.rate(stage) * sum(previous.numels)) <= previous.trained:
@@ -145,16 +148,12 @@ class PruningSchedule(PrivacyCallback):
                 "the mask is kept.",
                 stacklevel=2,
             )
-        return importance_matrix(scores, self.rate(stage), self.importance, self.bounds, previous)
+        mask = importance_matrix(scores, self.rate(stage), self.importance, self.bounds, previous)
+        # the same on every rank in exact arithmetic; rank 0's, so that no rounding of another device's sums differs
+        return trainer.strategy.broadcast(mask, src=0) if state is not None else mask
 
     # ---- hooks -------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        if getattr(pl_module, "sharded", False):
-            raise NotImplementedError(
-                "PruningSchedule scores whole parameters (a path norm through the net with |θ| substituted), which a "
-                "net sharded by FSDP2 does not hold on any rank: DP-ZOPO runs on one process or under DDP; "
-                "DP-ZOSO (StagewiseSchedule) runs sharded."
-            )
         stagewise = self._stagewise(trainer)
         stages = 1 if stagewise is None else stagewise.stages
         if len(self.rates) not in (1, stages):

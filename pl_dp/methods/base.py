@@ -52,7 +52,7 @@ from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.estimator import per_sample_evaluator
-from pl_dp.zo.master import MasterWeights
+from pl_dp.zo.master import MasterWeights, ShardedMasters
 
 #: where a lineage's privacy journal goes, inside the checkpoint directory (or the Trainer's root)
 JOURNAL_DIRECTORY = "pl_dp_journal"
@@ -778,12 +778,19 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self._restored = state
         self._plan_ready = False  # setup_privacy re-reads the loader and checks it against the checkpoint
 
+    def configure_model(self) -> None:
+        """Shard the net under ``ModelParallelStrategy`` (:meth:`DataParallelMixin.configure_model`); its fp32
+        masters then travel in the model's state dict (:class:`~pl_dp.zo.master.ShardedMasters`), which a
+        distributed checkpoint saves and loads by shard."""
+        super().configure_model()
+        if self.sharded and "sharded_masters" not in self._modules:
+            self.sharded_masters = ShardedMasters(self.masters, self.named_parameters)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.privacy is not None and self.lineage is not None:
             self._write_journal()  # before the checkpoint exists: a resume from it finds every step released
         checkpoint["pl_dp"] = self.privacy_state_dict()
-        # the fp32 values the half-precision weights in "state_dict" are the rounding of; sharded, a distributed
-        # checkpoint saves only "state_dict" and the optimizers by shard, and a resume starts them from the weights
+        # the fp32 values the half-precision weights in "state_dict" are the rounding of (sharded: in "state_dict")
         masters = {} if self.sharded else self.masters.state_dict(self.named_parameters())
         if masters:
             checkpoint[MASTER_WEIGHTS_KEY] = masters
