@@ -43,7 +43,8 @@ from torch.utils.data import default_collate
 
 from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.accountants import create_accountant
-from pl_dp.privacy.losses import batch_size_of, forward, split_inputs_targets
+from pl_dp.privacy.batches import batch_size_of
+from pl_dp.privacy.losses import forward, split_inputs_targets
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.validation import positive_integer
 

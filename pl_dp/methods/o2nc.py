@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pl_dp.methods.base import PrivateModule
-from pl_dp.privacy.clipping import clip_per_example
+from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.tree import TreeAggregatedGaussian, TreeLeaf, tree_multiplicity

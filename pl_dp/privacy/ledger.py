@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_dp.privacy.accountants import Accountant, create_accountant
-from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
+from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.journal import PrivacyJournal
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.spec import PrivacySpec
