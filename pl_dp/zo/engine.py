@@ -146,7 +146,7 @@ class PerturbationEngine:
         cache_directions: keep the raw draw of the last ``cache_size`` directions perturbed along
             (one copy of the drawn coordinates each; low-rank factors are redrawn, they cost m + n
             numbers). ``None``: as many as fit in :data:`CACHE_BUDGET_BYTES`, up to ``cache_size``.
-        cache_size: how many directions to keep (a method passes its q).
+        cache_size: how many directions to keep (a method passes its number of queries).
         masters: where the fp32 masters of half-precision parameters live (a method passes one store for
             all the engines it builds, so that the masters survive a rebuild); ``None``: a store of this
             engine's own. ``MasterWeights(enabled=False)`` writes half-precision parameters in place.
