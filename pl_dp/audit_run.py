@@ -82,6 +82,7 @@ from scipy.stats import binom
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pl_dp.audit import quiet_trainer
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD
 from pl_dp.methods.first_order import FirstOrderModule
@@ -320,16 +321,9 @@ class _RunConfig:
         return PrivatePublicDataModule(private, batch_size=self.batch_size, sampling_seed=self.sampling_seed)
 
     def trainer(self, callbacks: list[Callback]) -> L.Trainer:
-        return L.Trainer(
+        return quiet_trainer(
             max_steps=self.steps,
             default_root_dir=self.root_dir,  # the privacy journal of the audited lineage goes here
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
             callbacks=callbacks,
         )
 
