@@ -21,12 +21,12 @@ there, read back by :mod:`pl_dp.callbacks.wandb_runs`) plus this one.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
-from pl_dp.callbacks.protocol import PrivacyCallback
+from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
 from pl_dp.callbacks.wandb_runs import group_points
 
 
@@ -34,7 +34,14 @@ def _summary_key(metric: str) -> str:
     return metric.replace("/", "_")
 
 
-def privacy_config(pl_module: Any) -> dict[str, Any]:
+class LoggedModule(PrivateModuleLike, Protocol):
+    """What the W&B summary reads beyond the privacy protocol (every pl_dp method has it)."""
+
+    accountant_name: str | None
+    expected_batch_size: float | None
+
+
+def privacy_config(pl_module: LoggedModule) -> dict[str, Any]:
     """The resolved privacy plan (Lightning itself logs the module's hyperparameters)."""
     config: dict[str, Any] = {"method": type(pl_module).__name__}
     spec = getattr(pl_module, "privacy", None)
@@ -76,7 +83,7 @@ class WandbPrivacyLogger(PrivacyCallback):
         self.val_metric, self.test_metric, self.mode = val_metric, test_metric, mode
         self.best_val: float | None = None
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         pl_module.setup_privacy()
         config = privacy_config(pl_module)
         for logger in trainer.loggers:
@@ -85,7 +92,7 @@ class WandbPrivacyLogger(PrivacyCallback):
             else:
                 logger.log_hyperparams(config)
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_validation_end(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         value = trainer.callback_metrics.get(self.val_metric)
         if value is None or trainer.sanity_checking:
             return
@@ -96,7 +103,7 @@ class WandbPrivacyLogger(PrivacyCallback):
     def test_key(self) -> str:
         return f"summary/{_summary_key(self.test_metric)}"
 
-    def _summary(self, trainer: L.Trainer, pl_module: Any) -> dict[str, float]:
+    def _summary(self, trainer: L.Trainer, pl_module: LoggedModule) -> dict[str, float]:
         summary = {"summary/epsilon": float(pl_module.epsilon), "summary/private_steps": float(pl_module.private_steps)}
         if pl_module.delta is not None:
             summary["summary/delta"] = float(pl_module.delta)
@@ -107,7 +114,7 @@ class WandbPrivacyLogger(PrivacyCallback):
             summary[self.test_key] = float(test)
         return summary
 
-    def _publish(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def _publish(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         summary = self._summary(trainer, pl_module)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
@@ -116,7 +123,7 @@ class WandbPrivacyLogger(PrivacyCallback):
                 logger.log_metrics(summary, step=trainer.global_step)
                 logger.save()
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         # the last steps' privacy/* values: Lightning writes to its loggers on their cadence, which the end of a fit
         # need not fall on, so the history would stop short of the summary
         final = {key: float(value) for key, value in trainer.callback_metrics.items() if key.startswith("privacy/")}
@@ -126,7 +133,7 @@ class WandbPrivacyLogger(PrivacyCallback):
                 logger.log_metrics(final, step=trainer.global_step)
         self._publish(trainer, pl_module)
 
-    def on_test_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_test_end(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         self._publish(trainer, pl_module)
         summary = self._summary(trainer, pl_module)
         for logger in trainer.loggers:
