@@ -461,7 +461,10 @@ def audit_run(
     start = time.perf_counter()
     seen = _run_and_replay(config, included, real_examples, canary_scale, checkpoint_at, resume, workdir)
     module = seen.module
-    sensitivity = module.clip_function.sensitivity
+    clip_function = module.clip_function
+    if clip_function is None:  # a private first-order run always has one
+        raise RuntimeError(f"the audited {type(module).__name__} run has no clip function.")
+    sensitivity = clip_function.sensitivity
     releases = -np.diff(seen.weights, axis=0) * module.expected_batch_size / (module.lr * sensitivity)
     canary_norm = torch.tensor([canary_scale])
     scores, reproduced, matched = canary_scores(
@@ -472,7 +475,7 @@ def audit_run(
         [range(0, checkpoint_at), range(checkpoint_at, steps)],
         module.noise_multiplier,
         module.sample_rate,
-        signal=float(module.clip_function.weights(canary_norm) * canary_norm) / sensitivity,
+        signal=float(clip_function.weights(canary_norm) * canary_norm) / sensitivity,
     )
     delta = module.delta
     chosen, guess_in = choose_guesses(scores, delta, confidence)
