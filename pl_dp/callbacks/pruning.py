@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
 
-from pl_dp.callbacks.protocol import PrivacyCallback
+from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
 from pl_dp.callbacks.stagewise import StagewiseSchedule
 from pl_dp.privacy.losses import split_inputs_targets
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
@@ -28,6 +28,17 @@ from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.pruning import importance_matrix, path_norm_scores
 
 _STRATEGIES = ("static", "dynamic", "incremental")
+
+
+class MaskedModule(PrivateModuleLike, Protocol):
+    """A zeroth-order method with coordinate masks (DPZero, PAZO-M)."""
+
+    net: torch.nn.Module
+    direction_seed: int
+
+    def set_direction_mask(self, mask: DirectionMask | None) -> None: ...
+
+    def whole_net(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]: ...
 
 
 class PruningSchedule(PrivacyCallback):
@@ -109,7 +120,7 @@ class PruningSchedule(PrivacyCallback):
         return 0 if stagewise is None else stagewise.stage_of(trainer.global_step)
 
     # ---- the score input (shapes only, never private data) ----------------------------------
-    def example_input(self, trainer: L.Trainer, pl_module: Any) -> Any:
+    def example_input(self, trainer: L.Trainer, pl_module: MaskedModule) -> Any:
         if self.input_shape is not None:
             return torch.ones(self.input_shape, device=pl_module.device)
         example = getattr(pl_module, "example_input_array", None)
@@ -128,7 +139,7 @@ class PruningSchedule(PrivacyCallback):
             "example_input_array, or give the datamodule a public, val or test set (the private set is never read)."
         )
 
-    def compute_mask(self, trainer: L.Trainer, pl_module: Any, stage: int) -> DirectionMask:
+    def compute_mask(self, trainer: L.Trainer, pl_module: MaskedModule, stage: int) -> DirectionMask:
         """Algorithms 3–4 for ``stage`` at the current parameters (on a sharded net: its whole parameters, gathered on
         every rank for the score, and rank 0's mask on every rank)."""
         net, state = pl_module.whole_net()
@@ -153,7 +164,7 @@ class PruningSchedule(PrivacyCallback):
         return trainer.strategy.broadcast(mask, src=0) if state is not None else mask
 
     # ---- hooks -------------------------------------------------------------------------------
-    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: MaskedModule) -> None:
         stagewise = self._stagewise(trainer)
         stages = 1 if stagewise is None else stagewise.stages
         if len(self.rates) not in (1, stages):
@@ -161,7 +172,7 @@ class PruningSchedule(PrivacyCallback):
         if self.mask is not None:  # resumed: the mask of the stage in progress, exactly
             pl_module.set_direction_mask(self.mask.to(pl_module.device))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: MaskedModule, batch: Any, batch_idx: int) -> None:
         stage = self._current_stage(trainer)
         if stage == self.stage:
             return

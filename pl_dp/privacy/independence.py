@@ -45,7 +45,8 @@ import torch
 from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
+from pl_dp.privacy.batches import batch_size_of
+from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.seal import PlainAttributes, sealed
 
 #: examples in the probe batch when no expected batch size is given (a BatchNorm-sized batch), and at most
