@@ -29,6 +29,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin
@@ -216,6 +217,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self.proximal: Any = None  # a ProximalAnchor while a StagewiseSchedule holds one
         # fp32 masters of half-precision parameters, for methods whose engine writes them (zeroth-order, O2NC)
         self.masters = MasterWeights()
+        self.register_load_state_dict_pre_hook(self._take_sharded_masters)
 
     # ---- the method's part -----------------------------------------------------------------
     def mechanism(self, batch_size: int) -> SubsampledGaussian:
@@ -786,6 +788,16 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         super().configure_model()
         if self.sharded and "sharded_masters" not in self._modules:
             self.sharded_masters = ShardedMasters(self.masters, self.named_parameters)
+
+    @staticmethod
+    def _take_sharded_masters(module: PrivateModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """A state dict written by a sharded run, loaded where no net is sharded (a fresh module, one process): its
+        masters entry is taken by the store — whole masters offered to the next engine, shards dropped — rather than
+        refused as an unexpected key."""
+        key = f"{prefix}sharded_masters._extra_state"
+        if key in state_dict and "sharded_masters" not in module._modules:
+            whole = {name: m for name, m in state_dict.pop(key).items() if not isinstance(m, DTensor)}
+            module.masters.load_state_dict(whole, module.named_parameters())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.privacy is not None and self.lineage is not None:
