@@ -13,14 +13,18 @@ Be Strong Differentially Private Learners", ghost clipping for sequences). Opacu
 ``nn.Embedding``, and for the other layers it supports (LayerNorm, Conv, …) the per-example gradient of that one
 layer, reduced to its norm at once. :class:`GhostClipping` runs, per (micro-)batch:
 
-1. one backward of Σ_i ℓ_i that records every example's norm ‖g_i‖, keeping the graph;
+1. one backward of Σ_i ℓ_i that records every example's norm ‖g_i‖, keeping the graph — for the norms only: it
+   asks autograd for the gradients with respect to the layers' inputs (outputs, for a first layer or an embedding
+   of integer ids) and no parameter, so the weight-gradient matmuls are pruned (:class:`_NormsOnly`);
 2. the weights c_i = c(‖g_i‖) of the clipping rule in use (constant, automatic/Auto-S, DP-PSAC — the same
    :class:`~pl_dp.privacy.ClipFunction` as per-example gradients), 0 for a non-finite norm;
 3. a second backward, of Σ_i c_i·ℓ_i through the kept graph, whose parameter gradients are Σ_i c_i·g_i: the
    clipped sum itself.
 
 Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation;
-time is about one forward and two backwards. Examples whose norm is not finite are dropped: the two passes are
+time is about one forward, one backward and the input-gradient half of another (plus the norms' own work).
+Up to pl_dp 0.2 the first pass also computed, and dropped, every parameter gradient: about half of a backward
+(``benchmarks/ghost_first_pass.py``). Examples whose norm is not finite are dropped: the two passes are
 run again on the other examples (a zero weight alone would not do: 0·NaN is NaN in the second backward), and
 they are counted. Both passes run in fp32 with autocast disabled, whatever the trainer's precision, so that each
 weight is applied to the very gradient whose norm it was computed from; trainable parameters must be fp32.
@@ -30,9 +34,9 @@ Llama-style models) gets the norm of the *sum* of its uses' gradients, cross ter
 (:mod:`pl_dp.per_sample.tied`); Opacus' hooks, which cover one use only, are kept off the modules that hold it.
 
 Sharded by FSDP2 (DTensor parameters), Opacus' FSDP module records the norms on each layer (FSDP swaps a layer's
-parameters between shards and gathered copies), both passes are ``backward`` calls — the first reduce-scatters
-nothing (its gradient is unclipped), the second's reduce-scatter leaves each rank its shard of the clipped sum
-*over all ranks*: every rank runs the same passes (collectives) — a micro-batch with a non-finite norm on any rank is
+parameters between shards and gathered copies); the first pass computes no parameter gradient, so FSDP2 has
+nothing to reduce-scatter (each rank's unclipped gradient never exists), and the second, a ``backward`` call,
+reduce-scatters and leaves each rank its shard of the clipped sum *over all ranks*: every rank runs the same passes (collectives) — a micro-batch with a non-finite norm on any rank is
 run again by all, without those examples, and a loss that raises on any rank makes all abandon the pass
 (:class:`~pl_dp.privacy.seal.PassFailed`). Tied parameters are refused when sharded.
 """
