@@ -36,9 +36,10 @@ Llama-style models) gets the norm of the *sum* of its uses' gradients, cross ter
 Sharded by FSDP2 (DTensor parameters), Opacus' FSDP module records the norms on each layer (FSDP swaps a layer's
 parameters between shards and gathered copies); the first pass computes no parameter gradient, so FSDP2 has
 nothing to reduce-scatter (each rank's unclipped gradient never exists), and the second, a ``backward`` call,
-reduce-scatters and leaves each rank its shard of the clipped sum *over all ranks*: every rank runs the same passes (collectives) — a micro-batch with a non-finite norm on any rank is
-run again by all, without those examples, and a loss that raises on any rank makes all abandon the pass
-(:class:`~pl_dp.privacy.seal.PassFailed`). Tied parameters are refused when sharded.
+reduce-scatters and leaves each rank its shard of the clipped sum *over all ranks*: every rank runs the same passes
+(collectives) — a micro-batch with a non-finite norm on any rank is run again by all, without those examples, and a
+loss that raises on any rank makes all abandon the pass (:class:`~pl_dp.privacy.seal.PassFailed`). Tied parameters
+are refused when sharded.
 """
 
 from __future__ import annotations
