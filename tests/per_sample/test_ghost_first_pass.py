@@ -51,6 +51,19 @@ class _Bag(nn.Module):
         return self.head(self.norm(self.tokens(ids) + self.extra(ids % 5)).mean(1))
 
 
+class _Recurrent(nn.Module):
+    """Opacus' DPLSTM: its cells' layers run once per time step (per-example gradients accumulated by Opacus)."""
+
+    def __init__(self):
+        super().__init__()
+        from opacus.layers import DPLSTM
+
+        self.embed, self.rnn, self.head = nn.Embedding(20, 4), DPLSTM(4, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.embed(ids))[0].mean(1))
+
+
 class _TwoInputs(nn.Module):
     """Two branches from the data, one a layer applied to a leaf input that needs a gradient. The full first pass
     never reached that layer's hook (autograd pruned the branch to the leaf, which is no parameter), and refused it."""
@@ -84,6 +97,8 @@ def _case(name, models):
         return _ConvNet(), (torch.randn(6, 2, 5, 5, generator=g), labels), cross_entropy
     if name == "embeddings":
         return _Bag(), (torch.randint(0, 20, (6, 7), generator=g), labels), cross_entropy
+    if name == "lstm":
+        return _Recurrent(), (torch.randint(0, 20, (6, 5), generator=g), labels), cross_entropy
     if name == "two-inputs":
         return _TwoInputs(), (torch.randn(6, 5, generator=g), labels), cross_entropy
     if name == "transformer":
@@ -117,7 +132,7 @@ def _per_example_norms(net, batch, loss_fn):
     return torch.stack(norms)
 
 
-CASES = ["mlp", "conv", "embeddings", "two-inputs", "transformer", "bert", *ARCHITECTURES]
+CASES = ["mlp", "conv", "embeddings", "lstm", "two-inputs", "transformer", "bert", *ARCHITECTURES]
 
 
 @pytest.mark.parametrize("name", CASES)
