@@ -13,14 +13,18 @@ Be Strong Differentially Private Learners", ghost clipping for sequences). Opacu
 ``nn.Embedding``, and for the other layers it supports (LayerNorm, Conv, …) the per-example gradient of that one
 layer, reduced to its norm at once. :class:`GhostClipping` runs, per (micro-)batch:
 
-1. one backward of Σ_i ℓ_i that records every example's norm ‖g_i‖, keeping the graph;
+1. one backward of Σ_i ℓ_i that records every example's norm ‖g_i‖, keeping the graph — for the norms only: it
+   asks autograd for the gradients with respect to the layers' inputs (outputs, for a first layer or an embedding
+   of integer ids) and no parameter, so the weight-gradient matmuls are pruned (:class:`_NormsOnly`);
 2. the weights c_i = c(‖g_i‖) of the clipping rule in use (constant, automatic/Auto-S, DP-PSAC — the same
    :class:`~pl_dp.privacy.ClipFunction` as per-example gradients), 0 for a non-finite norm;
 3. a second backward, of Σ_i c_i·ℓ_i through the kept graph, whose parameter gradients are Σ_i c_i·g_i: the
    clipped sum itself.
 
 Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation;
-time is about one forward and two backwards. Examples whose norm is not finite are dropped: the two passes are
+time is about one forward, one backward and the input-gradient half of another (plus the norms' own work).
+Up to pl_dp 0.2 the first pass also computed, and dropped, every parameter gradient: about half of a backward
+(``benchmarks/ghost_first_pass.py``). Examples whose norm is not finite are dropped: the two passes are
 run again on the other examples (a zero weight alone would not do: 0·NaN is NaN in the second backward), and
 they are counted. Both passes run in fp32 with autocast disabled, whatever the trainer's precision, so that each
 weight is applied to the very gradient whose norm it was computed from; trainable parameters must be fp32.
@@ -30,17 +34,17 @@ Llama-style models) gets the norm of the *sum* of its uses' gradients, cross ter
 (:mod:`pl_dp.per_sample.tied`); Opacus' hooks, which cover one use only, are kept off the modules that hold it.
 
 Sharded by FSDP2 (DTensor parameters), Opacus' FSDP module records the norms on each layer (FSDP swaps a layer's
-parameters between shards and gathered copies), both passes are ``backward`` calls — the first reduce-scatters
-nothing (its gradient is unclipped), the second's reduce-scatter leaves each rank its shard of the clipped sum
-*over all ranks*: every rank runs the same passes (collectives) — a micro-batch with a non-finite norm on any rank is
-run again by all, without those examples, and a loss that raises on any rank makes all abandon the pass
-(:class:`~pl_dp.privacy.seal.PassFailed`). Tied parameters are refused when sharded.
+parameters between shards and gathered copies); the first pass computes no parameter gradient, so FSDP2 has
+nothing to reduce-scatter (each rank's unclipped gradient never exists), and the second, a ``backward`` call,
+reduce-scatters and leaves each rank its shard of the clipped sum *over all ranks*: every rank runs the same passes
+(collectives) — a micro-batch with a non-finite norm on any rank is run again by all, without those examples, and a
+loss that raises on any rank makes all abandon the pass (:class:`~pl_dp.privacy.seal.PassFailed`). Tied parameters
+are refused when sharded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -50,11 +54,10 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleModuleFastGradientClippingFSDP,
 )
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin, DefaultReduceScatter
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pl_dp.per_sample.gradients import (
+    OPACUS_RNNS,
     BroadcastLookups,
     RecordsInEvalMode,
     clear_hook_state,
@@ -105,28 +108,114 @@ class _ShardedGhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientCli
     """Opacus' fast-gradient-clipping module for FSDP2, recording in eval mode too: norms are kept on each layer."""
 
 
-class _NoReduceScatter(DefaultAllocMixin, ReduceScatter):
-    """An FSDP2 reduce-scatter that sends nothing (and leaves zeros): for the first ghost pass, whose parameter
-    gradients are discarded — each rank's *unclipped* gradient sum, which must not cross the wire. FSDP2's hook for a
-    custom reduce-scatter (``set_custom_reduce_scatter``) is public; its base classes live in a private module."""
+class _NormsOnly:
+    """Where the first pass's backward must go for every per-example norm to be recorded — and no further.
 
-    def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-    ) -> None:
-        output_tensor.zero_()
+    Opacus' norm hooks are full backward hooks: a layer's fires once autograd has the gradient with respect to the
+    layer's input (at a node autograd inserts between that input and the layer), or, for a layer none of whose
+    inputs needs a gradient (the first layer, an embedding of integer ids), with respect to its output.
+    :class:`~pl_dp.per_sample.tied.TiedNorms` hooks the output of each module holding a tied weight. During the
+    first pass's forward this records, per hooked call, the gradient edges just below those points: below the
+    inserted node (a layer whose inputs need gradients), or the layer's output (one whose inputs do not), or a
+    tied module's inputs (its output, if they need no gradient). :meth:`plan` keeps the lowest of them — those below
+    which no other lies — and ``torch.autograd.grad(loss, inputs=<them>)`` then runs exactly the nodes on a path
+    from the loss to one of them: the gradient flows through every hooked layer, and every branch that only leads
+    to a parameter (a layer's weight-gradient matmul, ``AccumulateGrad``) is pruned by autograd. The gradients it
+    returns (of a few activations) are dropped.
+
+    Sharded by FSDP2, the forward uses each layer's gathered parameters, not the shards: their identities are
+    recorded too, so that a gathered parameter the loss reaches is named.
+    """
+
+    def __init__(self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str], sharded: bool):
+        self.active = False
+        self.edges: list[GradientEdge] = []
+        #: the parameters of the holders as the forward saw them (sharded: gathered), by ``id``
+        self.gathered: dict[int, tuple[str, nn.Module]] = {}
+        self._handles = [m.register_forward_hook(self._below_hook) for m in hooked]
+        self._handles += [m.register_forward_hook(self._below_module) for m in tied]
+        if sharded:
+            holders = [m for m in names if any(p.requires_grad for p in m.parameters(recurse=False))]
+            self._handles += [m.register_forward_pre_hook(self._parameters) for m in holders]
+        self._names = names
+
+    def start(self) -> None:
+        self.edges, self.gathered, self.active = [], {}, True
+
+    def stop(self) -> None:
+        self.edges, self.gathered, self.active = [], {}, False
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _below_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """A layer with Opacus' full backward hook: its inputs reach it through autograd's hook node."""
+        if not (self.active and torch.is_grad_enabled()):
+            return
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not inputs:  # the hook fires at the output
+            self.edges += [get_gradient_edge(t) for t in _tensors(output) if t.requires_grad]
+            return
+        node = inputs[0].grad_fn  # the node of the layer's full backward hook: one for all its tensor inputs
+        if node is None or node.name() != "BackwardHookFunctionBackward":  # not as expected: the inputs themselves
+            self.edges += [get_gradient_edge(a) for a in inputs]
+            return
+        self.edges += [GradientEdge(n, k) for n, k in node.next_functions if n is not None]
+
+    def _below_module(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """A module holding a tied weight (no full backward hook): its output's gradient is read by a tensor hook."""
+        if not (self.active and torch.is_grad_enabled()):
+            return
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        self.edges += [get_gradient_edge(t) for t in inputs or _tensors(output) if t.requires_grad]
+
+    def _parameters(self, module: nn.Module, args: tuple) -> None:
+        if self.active:
+            prefix = self._names[module]
+            for name, p in module.named_parameters(recurse=False):
+                self.gathered[id(p)] = (f"{prefix}.{name}" if prefix else name, module)
+
+    def plan(self, root: Node) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """The recorded edges below which no other recorded edge lies (the gradient reaches all the others on its
+        way to them), and the leaf tensors (``AccumulateGrad`` variables: parameters, gathered or not) that the graph
+        of ``root`` reaches — those whose gradient, were it computed, would not be ``None``."""
+        targets: dict[Node, list[GradientEdge]] = {}
+        for edge in self.edges:
+            found = targets.setdefault(edge.node, [])
+            if all(e.output_nr != edge.output_nr for e in found):
+                found.append(edge)
+        reaches: dict[Node, bool] = {}  # whether a target lies at the node or below it
+        lowest: list[GradientEdge] = []
+        leaves: list[torch.Tensor] = []
+        stack = [root]
+        while stack:
+            node = stack[-1]
+            if node in reaches:
+                stack.pop()
+                continue
+            children = [n for n, _ in node.next_functions if n is not None]
+            pending = [n for n in children if n not in reaches]
+            if pending:
+                stack += pending
+                continue
+            stack.pop()
+            below = any(reaches[n] for n in children)
+            if node in targets and not below:
+                lowest += targets[node]
+            reaches[node] = below or node in targets
+            variable = getattr(node, "variable", None)  # an AccumulateGrad node
+            if isinstance(variable, torch.Tensor):
+                leaves.append(variable)
+        return lowest, leaves
 
 
-@contextmanager
-def _gradients_stay_local(net: nn.Module) -> Iterator[None]:
-    """Within: a backward reduce-scatters nothing (:class:`_NoReduceScatter`)."""
-    modules = [m for m in net.modules() if isinstance(m, FSDPModule)]
-    for m in modules:
-        m.set_custom_reduce_scatter(_NoReduceScatter())
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.set_custom_reduce_scatter(DefaultReduceScatter())
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output as its full backward hook sees them (a tensor or a tuple of them)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    return [t for t in output if isinstance(t, torch.Tensor)] if isinstance(output, (tuple, list)) else []
 
 
 class GhostClipping:
@@ -189,6 +278,9 @@ class GhostClipping:
             self._gsm = _GhostNormModule(net, skipped=frozenset(self._tied.modules), **options)
         self._gsm.layer_names = {m: name or "<the net itself>" for name, m in net.named_modules()}
         self._gsm.disable_hooks()
+        hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
+        modules = {m: name for name, m in net.named_modules()}
+        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, self.sharded)
         self._lookups = BroadcastLookups(net)
 
     def clipped_sum(
@@ -230,11 +322,25 @@ class GhostClipping:
         """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
         self._gsm.remove_hooks()
         self._tied.close()
+        self._targets.close()
 
     def reset(self) -> None:
         """Clear what a pass that raised left in the hooks (:func:`~pl_dp.per_sample.gradients.clear_hook_state`)."""
         clear_hook_state(self.net, self.params)
         self._tied.clear()
+        self._targets.stop()
+
+    def _first_backward(self, losses: torch.Tensor) -> list[torch.Tensor]:
+        """The first pass's backward, of Σ_i ℓ_i with the graph kept, for the norm hooks only: no parameter gradient
+        is computed (:class:`_NormsOnly`). Returns the leaf tensors the loss depends on."""
+        total = losses.sum()
+        if total.grad_fn is None:  # no graph: what the backward with respect to the parameters raised
+            torch.autograd.grad(total, self.params, allow_unused=True)
+        root = total.grad_fn if total.grad_fn is not None else get_gradient_edge(total).node
+        lowest, leaves = self._targets.plan(root)
+        if lowest:
+            torch.autograd.grad(total, lowest, retain_graph=True, allow_unused=True)
+        return leaves
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
@@ -243,27 +349,28 @@ class GhostClipping:
         gsm = self._gsm
         gsm.enable_hooks()
         self._tied.start()
+        self._targets.start()
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
                 losses = check_per_sample(self.loss_fn(gsm, batch), size)
-                grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=True, allow_unused=True)
+                reached = {id(t) for t in self._first_backward(losses)}
         except BaseException:
             self._tied.clear()
             raise
         finally:
+            self._targets.stop()
             gsm.disable_hooks()
             clear_hook_state(self.net, self.params)
         not_per_example = self._tied.finish(size)  # the tied parameters' norms, cross terms included
         missed = []
-        for name, p, g in zip(self.names, self.params, grads):
+        for name, p in zip(self.names, self.params):
             norm = p._norm_sample
             if norm is None:
-                if g is not None:
+                if id(p) in reached:
                     missed.append(name)
                 p._norm_sample = torch.zeros(size, device=p.device)  # a parameter the loss does not use
             elif norm.shape != (size,):
                 not_per_example.append(name)
-        del grads
         if missed:  # a zero in place of a norm would let the parameter's part of the gradient pass unclipped
             raise RuntimeError(
                 f"the loss depends on {missed}, but Opacus' ghost-clipping hooks recorded no per-example norm for "
@@ -285,8 +392,13 @@ class GhostClipping:
         :class:`~pl_dp.privacy.seal.PassFailed` before the backward — or, raised by the padding example (a net or loss
         broken for a fixed non-private example), a ``RuntimeError`` on every rank."""
         gsm = self._gsm
-        holders = {id(p): m for m in self.net.modules() for p in m.parameters(recurse=False)}
+        holders = {
+            id(p): (f"{prefix}.{name}" if prefix else name, m)
+            for prefix, m in self.net.named_modules()
+            for name, p in m.named_parameters(recurse=False)
+        }
         gsm.enable_hooks()
+        self._targets.start()
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
                 error: Exception | None = None
@@ -300,21 +412,23 @@ class GhostClipping:
                     raise RuntimeError(PADDING_FAILED) from error
                 if float(raised) == 1.0:
                     raise PassFailed(here=error is not None) from error
-                with _gradients_stay_local(self.net):
-                    losses.sum().backward(retain_graph=True)
-            missed = [
-                name
-                for name, p in zip(self.names, self.params)
-                if p.grad is not None and "norm_sample" not in holders[id(p)].__dict__
-            ]
+                reached = self._first_backward(losses)  # no parameter gradient: nothing to reduce-scatter
+            names = dict(zip(map(id, self.params), self.names))
+            owners = {**holders, **self._targets.gathered}  # a shard used directly, or its layer's gathered copy
+            missed = sorted(
+                {
+                    names.get(id(t), owners[id(t)][0])
+                    for t in reached
+                    if id(t) in owners and "norm_sample" not in owners[id(t)][1].__dict__
+                }
+            )
             recorded = any("norm_sample" in m.__dict__ for m in self.net.modules())
             norms = gsm.get_norm_sample().float().reshape(-1) if recorded else torch.zeros(size, device=losses.device)
         finally:
+            self._targets.stop()
             gsm.disable_hooks()
             gsm.per_sample_gradient_norms = None  # Opacus keeps them: un-noised per-example values of the batch
             clear_hook_state(self.net, self.params)
-            for p in self.params:
-                p.grad = None
         if missed:
             raise RuntimeError(f"Opacus' FSDP ghost-clipping hooks recorded no per-example norm for {missed}.")
         refuse_rows_not_examples([] if norms.shape == (size,) else ["the net"], size, "gradient norms")

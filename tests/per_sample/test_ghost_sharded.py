@@ -1,11 +1,14 @@
-"""Ghost clipping of a net sharded by FSDP2 (2 plain torch processes over gloo): the first pass, whose parameter
-gradients are each rank's *unclipped* sums, sends nothing; the second reduce-scatters the clipped sum."""
+"""Ghost clipping of a net sharded by FSDP2 (2 plain torch processes over gloo): the first pass computes no parameter
+gradient (each rank's *unclipped* sum) and reduce-scatters nothing; the second reduce-scatters the clipped sum."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from pl_dp.methods.parallel import shard
 from pl_dp.per_sample import GhostClipping
@@ -16,27 +19,36 @@ from tests.distributed import on_two_ranks
 
 def _worker(rank: int, mesh, results: dict) -> None:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    net = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
+    alone = GhostClipping(copy.deepcopy(net), resolve_loss("cross_entropy"))  # the same net in one process
     shard(net, mesh)
     ghost = GhostClipping(net, resolve_loss("cross_entropy"))
     g = torch.Generator().manual_seed(rank)
     batch = (torch.randn(4, 6, generator=g) * 50, torch.randint(0, 3, (4,), generator=g))
-    sent = []
-    original = dist.reduce_scatter_single
+    sent, reduced = [], []
+    original, foreach_reduce = dist.reduce_scatter_single, _fsdp_param_group.foreach_reduce
+
+    def reduce(fsdp_params, *args, **kwargs):  # FSDP2's gradient reduction (whatever reduce-scatter it then uses)
+        reduced.append(len(fsdp_params))
+        return foreach_reduce(fsdp_params, *args, **kwargs)
 
     def counted(output, input, *args, **kwargs):
         sent.append(input.detach().clone())
         return original(output, input, *args, **kwargs)
 
     dist.reduce_scatter_single = counted
+    _fsdp_param_group.foreach_reduce = reduce
     try:
         norms = ghost.per_example_norms(batch)
-        first = len(sent)
+        first, first_reduced = len(sent), len(reduced)
         sums, _, _ = ghost.clipped_sum(batch, ClipFunction("constant", 1.0))
     finally:
-        dist.reduce_scatter_single = original
+        dist.reduce_scatter_single, _fsdp_param_group.foreach_reduce = original, foreach_reduce
+    results[f"norms match on rank {rank}"] = torch.allclose(norms, alone.per_example_norms(batch), rtol=1e-6)
     if rank == 0:
         results["first pass"] = first
+        results["first pass, FSDP reductions"] = first_reduced
+        results["both passes, FSDP reductions"] = len(reduced) - first_reduced
         results["second pass"] = len(sent) - first
         results["largest norm"] = float(norms.max())
         results["largest sent"] = max(float(t.norm()) for t in sent[first:])
@@ -44,7 +56,11 @@ def _worker(rank: int, mesh, results: dict) -> None:
 
 def test_the_first_pass_sends_no_unclipped_gradient():
     results = on_two_ranks(_worker)
+    assert results["norms match on rank 0"] and results["norms match on rank 1"]
     assert results["largest norm"] > 2  # the examples' gradients are above the clip bound C = 1
     assert results["first pass"] == 0
+    # FSDP2 reduces the gradients a backward left on the gathered parameters: none are computed, none reduced
+    assert results["first pass, FSDP reductions"] == 0
+    assert results["both passes, FSDP reductions"] > 0  # the second pass's
     assert results["second pass"] > 0
     assert results["largest sent"] <= 4 * 1.0 + 1e-5  # a clipped sum of 4 examples, each at most C
