@@ -1,6 +1,9 @@
 """The base of every pl_dp method: the story of one private step, in Lightning's hooks.
 
-A method subclasses :class:`PrivateModule` and implements two things:
+A method subclasses :class:`PrivateModule` — through its family's base:
+:class:`~pl_dp.methods.own_update.OwnUpdateModule` for methods that write their update themselves (fp32 masters,
+plain SGD, the proximal term), :class:`~pl_dp.methods.first_order.FirstOrderModule` for per-example gradients — and
+implements two things:
 
 * :meth:`PrivateModule.mechanism` — its per-step release (sensitivity, number of sums); the
   base adds σ, the sample rate and the expected batch size, so the mechanism is declared in one
