@@ -43,7 +43,8 @@ from torch.utils.data import default_collate
 
 from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.accountants import create_accountant
-from pl_dp.privacy.losses import batch_size_of, forward, split_inputs_targets
+from pl_dp.privacy.batches import batch_size_of
+from pl_dp.privacy.losses import forward, split_inputs_targets
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.validation import positive_integer
 
@@ -272,6 +273,22 @@ class _AuditCallback(Callback):
             trainer.should_stop = True
 
 
+def quiet_trainer(**overrides: Any) -> L.Trainer:
+    """A one-process CPU ``Trainer`` that only trains: no logger, checkpoints, progress bar, model summary or sanity
+    check — what the audits (this one and :mod:`pl_dp.audit_run`) run on. ``overrides`` add to or replace these."""
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    settings.update(overrides)
+    return L.Trainer(**settings)
+
+
 def audit(
     model: PrivateModule,
     datamodule: L.LightningDataModule,
@@ -311,17 +328,7 @@ def audit(
     reference_size = positive_integer("reference_size", reference_size)
     callback = _AuditCallback(_StepTrials(trials, reference_size, canary, float(input_scale), confidence))
     if trainer is None:
-        trainer = L.Trainer(
-            max_steps=1,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-        )
+        trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     trainer.callbacks.append(callback)
     trainer.fit(model, datamodule)
     if callback.result is None:

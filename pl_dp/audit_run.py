@@ -82,6 +82,7 @@ from scipy.stats import binom
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pl_dp.audit import quiet_trainer
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD
 from pl_dp.methods.first_order import FirstOrderModule
@@ -320,16 +321,9 @@ class _RunConfig:
         return PrivatePublicDataModule(private, batch_size=self.batch_size, sampling_seed=self.sampling_seed)
 
     def trainer(self, callbacks: list[Callback]) -> L.Trainer:
-        return L.Trainer(
+        return quiet_trainer(
             max_steps=self.steps,
             default_root_dir=self.root_dir,  # the privacy journal of the audited lineage goes here
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
             callbacks=callbacks,
         )
 
@@ -467,7 +461,10 @@ def audit_run(
     start = time.perf_counter()
     seen = _run_and_replay(config, included, real_examples, canary_scale, checkpoint_at, resume, workdir)
     module = seen.module
-    sensitivity = module.clip_function.sensitivity
+    clip_function = module.clip_function
+    if clip_function is None:  # a private first-order run always has one
+        raise RuntimeError(f"the audited {type(module).__name__} run has no clip function.")
+    sensitivity = clip_function.sensitivity
     releases = -np.diff(seen.weights, axis=0) * module.expected_batch_size / (module.lr * sensitivity)
     canary_norm = torch.tensor([canary_scale])
     scores, reproduced, matched = canary_scores(
@@ -478,7 +475,7 @@ def audit_run(
         [range(0, checkpoint_at), range(checkpoint_at, steps)],
         module.noise_multiplier,
         module.sample_rate,
-        signal=float(module.clip_function.weights(canary_norm) * canary_norm) / sensitivity,
+        signal=float(clip_function.weights(canary_norm) * canary_norm) / sensitivity,
     )
     delta = module.delta
     chosen, guess_in = choose_guesses(scores, delta, confidence)

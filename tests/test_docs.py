@@ -94,7 +94,7 @@ def test_the_privacy_model_states_how_often_logged_epsilon_is_exact():
     """The page and the code once disagreed (1/32 against 8 evaluations per plan)."""
     import inspect
 
-    from pl_dp.privacy.budget import EpsilonTracker
+    from pl_dp.privacy.calibration import EpsilonTracker
 
     evaluations = inspect.signature(EpsilonTracker).parameters["evaluations"].default
     text = " ".join((DOCS / "privacy-model.md").read_text().split())

@@ -15,7 +15,9 @@ LAYERS = {
     "zo": {"privacy"},
     "per_sample": {"privacy"},
     "methods": {"privacy", "zo", "per_sample"},
+    # PruningSchedule computes the data-free pruning scores and holds the mask it checkpoints (zo.pruning, zo.mask)
     "callbacks": {"privacy", "zo"},
+    # text: prompt templates (nets.prompt); vader: the MiniLM embeddings of VaderEmbeddingDataModule (nets.hf)
     "data": {"privacy", "nets"},
     "nets": {"privacy"},  # a causal LM's perplexity is its causal-LM loss per token (privacy.losses, torch only)
 }

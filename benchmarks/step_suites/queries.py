@@ -54,7 +54,7 @@ def time_queries(name, quick, repeats):
     """Two-sided against one-sided queries: engine step time and estimator error, same batch."""
     net, dataset, _, batch_size = make_case(name, quick)
     batch = fixed_batch(dataset, batch_size)
-    ops = {k: dpzero_engine_op(net, batch, queries=q, one_sided=o) for k, (q, o) in QUERY_SETTINGS.items()}
+    ops = {k: dpzero_engine_op(net, batch, queries=queries, one_sided=o) for k, (queries, o) in QUERY_SETTINGS.items()}
     fwd = forward_op(net, batch)
     for op in (fwd, *ops.values()):
         op()
@@ -66,11 +66,11 @@ def time_queries(name, quick, repeats):
     med = statistics.median
     row = {"case": name, "batch_size": batch_size, "forward_ms": 1e3 * med(times["forward"])}
     draws = 3 if quick else 10
-    for k, (q, one_sided) in QUERY_SETTINGS.items():
-        row[f"{k}_forwards"] = q + 1 if one_sided else 2 * q
+    for k, (queries, one_sided) in QUERY_SETTINGS.items():
+        row[f"{k}_forwards"] = queries + 1 if one_sided else 2 * queries
         row[f"{k}_ms"] = 1e3 * med(times[k])
         row[f"{k}_over_two_sided_q4"] = med(times[k]) / med(times["two_sided_q4"])
-        row[f"{k}_relative_error"] = estimate_error(net, batch, q, one_sided, draws)
+        row[f"{k}_relative_error"] = estimate_error(net, batch, queries, one_sided, draws)
     return row
 
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 
-from pl_dp.callbacks.protocol import PrivacyCallback
+from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike, planned_steps_of
+
+
+class WeightedModule(PrivateModuleLike, Protocol):
+    """A method with a settable public weight α (Coupling, PAZO-M)."""
+
+    alpha: float
 
 
 class AlphaSchedule(PrivacyCallback):
@@ -33,17 +39,17 @@ class AlphaSchedule(PrivacyCallback):
         self.anneal_factor = float(anneal_factor)
         self.anneal_steps = anneal_steps
 
-    def period(self, pl_module: Any) -> float:
+    def period(self, pl_module: WeightedModule) -> float:
         """K."""
         if self.anneal_steps is not None:
             return float(self.anneal_steps)
-        return self.anneal_factor * pl_module.planned_steps / 2.0
+        return self.anneal_factor * planned_steps_of(pl_module) / 2.0
 
     def value(self, step: int, period: float) -> float:
         return min(1.0, max(0.0, 1.0 - math.cos(math.pi * step / (2.0 * period))))
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: WeightedModule) -> None:
         pl_module.setup_privacy()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: WeightedModule, batch: Any, batch_idx: int) -> None:
         pl_module.alpha = self.value(trainer.global_step, self.period(pl_module))

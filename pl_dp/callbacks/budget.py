@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
-from pl_dp.callbacks.protocol import PrivacyCallback
+from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
 
 
 class PrivacyBudget(PrivacyCallback):
@@ -41,7 +41,7 @@ class PrivacyBudget(PrivacyCallback):
         self.delta = delta
         self.stopped_at: int | None = None
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: PrivateModuleLike) -> None:
         pl_module.setup_privacy()
         if pl_module.privacy is None:
             rank_zero_warn("PrivacyBudget is attached to a non-private run: there is no budget to guard.")
@@ -54,7 +54,7 @@ class PrivacyBudget(PrivacyCallback):
                 "training will stop early, before the step that would exceed it."
             )
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: PrivateModuleLike) -> None:
         if getattr(pl_module, "privacy_exhausted", False) and self.stopped_at is None:
             self.stopped_at = pl_module.private_steps
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
 
-from pl_dp.callbacks.protocol import PrivacyCallback
+from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
 from pl_dp.callbacks.stagewise import StagewiseSchedule
 from pl_dp.privacy.losses import split_inputs_targets
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
@@ -28,6 +28,17 @@ from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.pruning import importance_matrix, path_norm_scores
 
 _STRATEGIES = ("static", "dynamic", "incremental")
+
+
+class MaskedModule(PrivateModuleLike, Protocol):
+    """A zeroth-order method with coordinate masks (DPZero, PAZO-M)."""
+
+    net: torch.nn.Module
+    direction_seed: int
+
+    def set_direction_mask(self, mask: DirectionMask | None) -> None: ...
+
+    def whole_net(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]: ...
 
 
 class PruningSchedule(PrivacyCallback):
@@ -51,7 +62,7 @@ class PruningSchedule(PrivacyCallback):
             set no ``example_input_array`` and datamodules without a public, validation or test set.
     """
 
-    requires = ("set_direction_mask",)
+    requires = ("set_direction_mask", "whole_net")
     requires_description = "a zeroth-order pl_dp method with coordinate masks (DPZero, PAZO-M)"
 
     def __init__(
@@ -109,7 +120,7 @@ class PruningSchedule(PrivacyCallback):
         return 0 if stagewise is None else stagewise.stage_of(trainer.global_step)
 
     # ---- the score input (shapes only, never private data) ----------------------------------
-    def example_input(self, trainer: L.Trainer, pl_module: Any) -> Any:
+    def example_input(self, trainer: L.Trainer, pl_module: MaskedModule) -> Any:
         if self.input_shape is not None:
             return torch.ones(self.input_shape, device=pl_module.device)
         example = getattr(pl_module, "example_input_array", None)
@@ -128,15 +139,18 @@ class PruningSchedule(PrivacyCallback):
             "example_input_array, or give the datamodule a public, val or test set (the private set is never read)."
         )
 
-    def compute_mask(self, trainer: L.Trainer, pl_module: Any, stage: int) -> DirectionMask:
-        """Algorithms 3–4 for ``stage`` at the current parameters."""
+    def compute_mask(self, trainer: L.Trainer, pl_module: MaskedModule, stage: int) -> DirectionMask:
+        """Algorithms 3–4 for ``stage`` at the current parameters (on a sharded net: its whole parameters, gathered on
+        every rank for the score, and rank 0's mask on every rank)."""
+        net, state = pl_module.whole_net()
         scores = path_norm_scores(
-            pl_module.net,
+            net,
             self.example_input(trainer, pl_module),
             estimator=self.score,
             queries=self.score_queries,
             smoothing=self.score_smoothing,
             seed=derive_seed(pl_module.direction_seed, SeedDomain.PRUNING_STAGE, stage),
+            state=state,
         )
         previous = self.mask if self.strategy == "incremental" else None
         if previous is not None and round(self.rate(stage) * sum(previous.numels)) <= previous.trained:
@@ -145,16 +159,12 @@ class PruningSchedule(PrivacyCallback):
                 "the mask is kept.",
                 stacklevel=2,
             )
-        return importance_matrix(scores, self.rate(stage), self.importance, self.bounds, previous)
+        mask = importance_matrix(scores, self.rate(stage), self.importance, self.bounds, previous)
+        # the same on every rank in exact arithmetic; rank 0's, so that no rounding of another device's sums differs
+        return trainer.strategy.broadcast(mask, src=0) if state is not None else mask
 
     # ---- hooks -------------------------------------------------------------------------------
-    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        if getattr(pl_module, "sharded", False):
-            raise NotImplementedError(
-                "PruningSchedule scores whole parameters (a path norm through the net with |θ| substituted), which a "
-                "net sharded by FSDP2 does not hold on any rank: DP-ZOPO runs on one process or under DDP; "
-                "DP-ZOSO (StagewiseSchedule) runs sharded."
-            )
+    def on_train_start(self, trainer: L.Trainer, pl_module: MaskedModule) -> None:
         stagewise = self._stagewise(trainer)
         stages = 1 if stagewise is None else stagewise.stages
         if len(self.rates) not in (1, stages):
@@ -162,7 +172,7 @@ class PruningSchedule(PrivacyCallback):
         if self.mask is not None:  # resumed: the mask of the stage in progress, exactly
             pl_module.set_direction_mask(self.mask.to(pl_module.device))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: MaskedModule, batch: Any, batch_idx: int) -> None:
         stage = self._current_stage(trainer)
         if stage == self.stage:
             return

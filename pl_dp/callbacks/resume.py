@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning as L
 
 
@@ -20,7 +18,7 @@ class AllowPrivacySpecChange(L.Callback):
     --trainer.callbacks+=pl_dp.callbacks.AllowPrivacySpecChange --model.init_args.privacy.epsilon 4``.
     """
 
-    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not hasattr(pl_module, "allow_privacy_change"):
             raise TypeError(f"AllowPrivacySpecChange needs a pl_dp method; got {type(pl_module).__name__}.")
         pl_module.allow_privacy_change = True

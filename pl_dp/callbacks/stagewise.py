@@ -14,12 +14,12 @@ Privacy: the schedule is data-independent. σ is calibrated for the module's pla
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
 
-from pl_dp.callbacks.protocol import PrivacyCallback
+from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike, planned_steps_of
 
 
 def stage_lengths(planned_steps: int, stages: int, steps_growth: float, first_stage_steps: int | None) -> list[int]:
@@ -60,6 +60,16 @@ class ProximalAnchor:
         """−η(1/λ)(θ − anchor) as dense ``(tensors, coefficient)`` terms for a fused parameter sweep."""
         step = lr * self.coefficient
         return [(params, -step), (self.anchor, step)]
+
+
+class StagedModule(PrivateModuleLike, Protocol):
+    """A method with a settable step size (every pl_dp method); ``proximal`` is the anchor slot of the methods that
+    apply the term (``applies_proximal_term``: :class:`~pl_dp.methods.own_update.OwnUpdateModule`), set only there."""
+
+    lr: float
+    proximal: ProximalAnchor | None
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
 
 
 class StagewiseSchedule(PrivacyCallback):
@@ -114,6 +124,8 @@ class StagewiseSchedule(PrivacyCallback):
 
     def stage_of(self, step: int) -> int:
         """The stage that step ``step`` (0-based) belongs to; steps past the plan stay in the last one."""
+        if self.lengths is None:
+            raise RuntimeError("StagewiseSchedule has no stages before its fit starts (on_train_start plans them).")
         end = 0
         for s, length in enumerate(self.lengths):
             end += length
@@ -123,12 +135,14 @@ class StagewiseSchedule(PrivacyCallback):
 
     def values(self, stage: int) -> dict[str, float]:
         """η_s and β_s of ``stage``."""
+        if self.base_lr is None:
+            raise RuntimeError("StagewiseSchedule reads the base step size at its fit's start (on_train_start).")
         out = {"lr": self.base_lr * self.lr_decay**stage}
         if self.base_smoothing is not None:
             out["smoothing"] = self.base_smoothing * self.smoothing_growth**stage
         return out
 
-    def _enter(self, pl_module: Any, stage: int, anchor: list[Any] | None = None) -> None:
+    def _enter(self, pl_module: StagedModule, stage: int, anchor: list[Any] | None = None) -> None:
         for name, value in self.values(stage).items():
             setattr(pl_module, name, value)
         # the exact θ: fp32 masters where the method trains half-precision parameters through them
@@ -141,7 +155,7 @@ class StagewiseSchedule(PrivacyCallback):
             pl_module.proximal = self.anchor
         self.stage = stage
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: StagedModule) -> None:
         if self.proximal and not getattr(pl_module, "applies_proximal_term", False):
             raise ValueError(
                 f"StagewiseSchedule(proximal={self.proximal:g}) anchors each stage with a proximal term, which "
@@ -155,8 +169,8 @@ class StagewiseSchedule(PrivacyCallback):
                 "would overwrite it between stages and the two schedules would fight. Use one of them: drop "
                 "the scheduler, or drop StagewiseSchedule and express the stages as the scheduler."
             )
-        pl_module.setup_privacy()
-        self.lengths = stage_lengths(pl_module.planned_steps, self.stages, self.steps_growth, self.first_stage_steps)
+        planned = planned_steps_of(pl_module)
+        self.lengths = stage_lengths(planned, self.stages, self.steps_growth, self.first_stage_steps)
         if self.base_lr is None:  # a fresh run; on resume these come from the checkpoint
             self.base_lr = pl_module.lr
             self.base_smoothing = getattr(pl_module, "smoothing", None)
@@ -164,7 +178,7 @@ class StagewiseSchedule(PrivacyCallback):
             self._enter(pl_module, self.stage, self._saved_anchor)
             self._saved_anchor = None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: StagedModule, batch: Any, batch_idx: int) -> None:
         stage = self.stage_of(trainer.global_step)
         if stage != self.stage:
             self._enter(pl_module, stage)

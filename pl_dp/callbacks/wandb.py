@@ -15,88 +15,33 @@ summary to ``run.summary``; with any other logger both go through ``log_hyperpar
 ``log_metrics``, so the callback is harmless there. When the run belongs to a W&B ``group``, the
 test end also logs ``privacy_utility``: a line chart of test accuracy against ε over the group's
 runs found in the local W&B directory (every run, online or offline, keeps its ``.wandb`` log
-there) plus this one.
+there, read back by :mod:`pl_dp.callbacks.wandb_runs`) plus this one.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
-from pl_dp.callbacks.protocol import PrivacyCallback
-
-_BLOCK = 32768
-
-
-def read_run(run_dir: str | Path) -> dict[str, Any]:
-    """Config, summary, history and group of a local W&B run directory, read from its ``.wandb`` log.
-
-    The log is LevelDB-framed: a 7-byte header (``:W&B``, magic, version), then 32 KiB blocks of
-    chunks with a 7-byte header (crc32, length, type: 1 full, 2/3/4 first/middle/last), each record a
-    ``wandb_internal_pb2.Record``.
-    """
-    from wandb.proto import wandb_internal_pb2
-
-    data = next(Path(run_dir).glob("*.wandb")).read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{run_dir} holds no W&B run log.")
-    out: dict[str, Any] = {"config": {}, "summary": {}, "history": [], "group": ""}
-
-    def items(entries: Any) -> dict[str, Any]:
-        return {e.key or "/".join(e.nested_key): json.loads(e.value_json) for e in entries}
-
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        if _BLOCK - pos % _BLOCK < 7:
-            pos += _BLOCK - pos % _BLOCK
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if pos + 7 + length > len(data):  # a run still being written: its last chunk is not complete yet
-            break
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind not in (1, 4):
-            continue
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(pending)
-        field = record.WhichOneof("record_type")
-        if field == "run":  # wandb-core may fold (debounced) config updates into the run record
-            out["group"] = record.run.run_group or out["group"]
-            out["config"].update(items(record.run.config.update))
-        elif field == "config":
-            out["config"].update(items(record.config.update))
-        elif field == "summary":
-            out["summary"].update(items(record.summary.update))
-        elif field == "history":
-            out["history"].append(items(record.history.item))
-    return out
-
-
-def group_points(wandb_dir: str | Path, group: str, key: str = "summary/test_acc") -> list[tuple[float, float]]:
-    """(ε, the summary's ``key``: test accuracy by default) of every finished local run of ``group`` under
-    ``wandb_dir``."""
-    points = []
-    for run_dir in sorted(Path(wandb_dir).glob("*run-*")):
-        try:
-            run = read_run(run_dir)
-        except (StopIteration, ValueError):
-            continue
-        summary = run["summary"]
-        if run["group"] == group and "summary/epsilon" in summary and key in summary:
-            points.append((float(summary["summary/epsilon"]), float(summary[key])))
-    return points
+from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
+from pl_dp.callbacks.wandb_runs import group_points
 
 
 def _summary_key(metric: str) -> str:
     return metric.replace("/", "_")
 
 
-def privacy_config(pl_module: Any) -> dict[str, Any]:
+class LoggedModule(PrivateModuleLike, Protocol):
+    """What the W&B summary reads beyond the privacy protocol (every pl_dp method has it)."""
+
+    accountant_name: str | None
+    expected_batch_size: float | None
+
+
+def privacy_config(pl_module: LoggedModule) -> dict[str, Any]:
     """The resolved privacy plan (Lightning itself logs the module's hyperparameters)."""
     config: dict[str, Any] = {"method": type(pl_module).__name__}
     spec = getattr(pl_module, "privacy", None)
@@ -138,7 +83,7 @@ class WandbPrivacyLogger(PrivacyCallback):
         self.val_metric, self.test_metric, self.mode = val_metric, test_metric, mode
         self.best_val: float | None = None
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         pl_module.setup_privacy()
         config = privacy_config(pl_module)
         for logger in trainer.loggers:
@@ -147,7 +92,7 @@ class WandbPrivacyLogger(PrivacyCallback):
             else:
                 logger.log_hyperparams(config)
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_validation_end(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         value = trainer.callback_metrics.get(self.val_metric)
         if value is None or trainer.sanity_checking:
             return
@@ -158,7 +103,7 @@ class WandbPrivacyLogger(PrivacyCallback):
     def test_key(self) -> str:
         return f"summary/{_summary_key(self.test_metric)}"
 
-    def _summary(self, trainer: L.Trainer, pl_module: Any) -> dict[str, float]:
+    def _summary(self, trainer: L.Trainer, pl_module: LoggedModule) -> dict[str, float]:
         summary = {"summary/epsilon": float(pl_module.epsilon), "summary/private_steps": float(pl_module.private_steps)}
         if pl_module.delta is not None:
             summary["summary/delta"] = float(pl_module.delta)
@@ -169,7 +114,7 @@ class WandbPrivacyLogger(PrivacyCallback):
             summary[self.test_key] = float(test)
         return summary
 
-    def _publish(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def _publish(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         summary = self._summary(trainer, pl_module)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
@@ -178,7 +123,7 @@ class WandbPrivacyLogger(PrivacyCallback):
                 logger.log_metrics(summary, step=trainer.global_step)
                 logger.save()
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         # the last steps' privacy/* values: Lightning writes to its loggers on their cadence, which the end of a fit
         # need not fall on, so the history would stop short of the summary
         final = {key: float(value) for key, value in trainer.callback_metrics.items() if key.startswith("privacy/")}
@@ -188,7 +133,7 @@ class WandbPrivacyLogger(PrivacyCallback):
                 logger.log_metrics(final, step=trainer.global_step)
         self._publish(trainer, pl_module)
 
-    def on_test_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+    def on_test_end(self, trainer: L.Trainer, pl_module: LoggedModule) -> None:
         self._publish(trainer, pl_module)
         summary = self._summary(trainer, pl_module)
         for logger in trainer.loggers:

@@ -36,6 +36,7 @@ from torch import nn
 from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin
 from pl_dp.privacy.accountants import Accountant, accountant_class, accountant_names
+from pl_dp.privacy.batches import batch_size_of
 from pl_dp.privacy.independence import (
     PROBE_MAX,
     PROBE_SIZE,
@@ -44,7 +45,7 @@ from pl_dp.privacy.independence import (
     refuse_batch_mixing_modules,
 )
 from pl_dp.privacy.ledger import PrivacyLedger
-from pl_dp.privacy.losses import LossSpec, batch_size_of, resolve_loss
+from pl_dp.privacy.losses import LossSpec, resolve_loss
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.preflight import PreflightReport, check_private_set

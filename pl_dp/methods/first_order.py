@@ -16,8 +16,9 @@ from torch import nn
 from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
+from pl_dp.privacy.batches import batch_size_of, select_examples, split_batch
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import batch_size_of, check_per_sample, select_examples, split_batch
+from pl_dp.privacy.losses import check_per_sample
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.seal import PassFailed, PlainAttributes, isolate_failures, sealed
 from pl_dp.privacy.shards import as_gradient_of, block, local

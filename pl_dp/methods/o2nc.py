@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pl_dp.methods.own_update import OwnUpdateModule
-from pl_dp.privacy.clipping import clip_per_example
+from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.tree import TreeAggregatedGaussian, TreeLeaf, tree_multiplicity
@@ -289,13 +289,12 @@ class O2NC(OwnUpdateModule):
         st = self._state
         params = self._engine.weights
         x = [p.detach().clone() for p in params]
-        if t == 0 or "delta" not in st:
-            st.update(
-                delta=[torch.zeros_like(p) for p in params], grad_sq=0.0, w_sum=[torch.zeros_like(p) for p in params]
-            )
+        if t == 0 or "displacement" not in st:  # Δ_t, the learner's move of the iterate (not the δ of (ε, δ)-DP)
+            zeros = [torch.zeros_like(p) for p in params]
+            st.update(displacement=zeros, grad_sq=0.0, w_sum=[torch.zeros_like(p) for p in params])
         g = torch.Generator().manual_seed(derive_seed(self.direction_seed, SeedDomain.O2NC_ROUNDS, passes, block, t))
         s = float(torch.rand((), generator=g))
-        w = [xi + s * di for xi, di in zip(x, st["delta"])]
+        w = [xi + s * di for xi, di in zip(x, st["displacement"])]
         expected = self.first_batch_size if t == 0 else self.batch_size
         if batch_size > expected:  # fewer: examples the loader left out (unreadable), which contribute 0
             raise ValueError(f"O2NC round {t} got {batch_size} examples, its partition promises {expected}.")
@@ -310,14 +309,14 @@ class O2NC(OwnUpdateModule):
             st["running"] = [r + inc for r, inc in zip(st["running"], increment)]
         noisy = mechanism.release(self._leaf(passes, block, t), st["running"], self.noise)
         # x_{t+1} = x_t + Δ_t; then the learner's Δ_{t+1} = Π_D(Δ_t − η g̃_t)
-        self._set([xi + di for xi, di in zip(x, st["delta"])])
+        self._set([xi + di for xi, di in zip(x, st["displacement"])])
         noisy_norm = _norm(noisy)
         st["grad_sq"] += noisy_norm**2
         eta = self.lr if self.step_rule == "constant" else self.lr * self.radius / max(math.sqrt(st["grad_sq"]), 1e-30)
-        moved = [d - eta * n for d, n in zip(st["delta"], noisy)]
+        moved = [d - eta * n for d, n in zip(st["displacement"], noisy)]
         norm = _norm(moved)
         shrink = min(1.0, self.radius / norm) if norm > 0 else 1.0
-        st["delta"] = [m_ * shrink for m_ in moved]
+        st["displacement"] = [m_ * shrink for m_ in moved]
         st["w_prev"] = w
         st["w_sum"] = [a + wi for a, wi in zip(st["w_sum"], w)]
         if t == self.inner_steps - 1:
@@ -354,7 +353,7 @@ class O2NC(OwnUpdateModule):
                 self._set(chosen)
 
     # ---- checkpointing ------------------------------------------------------------------------
-    _SAVED = ("delta", "grad_sq", "w_sum", "w_prev", "averages", "last_average", "output_average")
+    _SAVED = ("displacement", "grad_sq", "w_sum", "w_prev", "averages", "last_average", "output_average")
 
     def __getstate__(self) -> dict[str, Any]:
         """As a checkpoint: the noise-free running sum and the tree's node noises are left out of copies too."""
@@ -372,12 +371,14 @@ class O2NC(OwnUpdateModule):
 
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
         saved = dict(state.get("o2nc", {}))
+        if "delta" in saved:  # pl_dp 0.2 and earlier saved the displacement Δ_t as "delta"
+            saved["displacement"] = saved.pop("delta")
         sampler = state.get("sampler")
         if sampler is not None and sampler["position"] % self.inner_steps:
             # mid-epoch: the running sum is gone, so start the next epoch from the saved iterate
             sampler = dict(sampler, position=-(-sampler["position"] // self.inner_steps) * self.inner_steps)
             state = dict(state, sampler=sampler)
-            for k in ("delta", "grad_sq", "w_sum", "w_prev"):
+            for k in ("displacement", "grad_sq", "w_sum", "w_prev"):
                 saved.pop(k, None)
             warnings.warn(
                 "O2NC resumes at the start of the next epoch: a mid-epoch checkpoint holds no private running sum.",

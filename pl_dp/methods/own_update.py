@@ -25,10 +25,11 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pl_dp.methods.base import PrivateModule
 from pl_dp.zo.estimator import per_sample_evaluator
-from pl_dp.zo.master import MasterWeights
+from pl_dp.zo.master import MasterWeights, ShardedMasters
 
 #: the checkpoint entry holding the fp32 master weights of half-precision parameters, by parameter name
 MASTER_WEIGHTS_KEY = "pl_dp_master_weights"
@@ -78,6 +79,7 @@ class OwnUpdateModule(PrivateModule):
         super().__init__(net, **kwargs)
         # fp32 masters of half-precision parameters, written by the method's engine
         self.masters = MasterWeights(enabled=master_weights)
+        self.register_load_state_dict_pre_hook(self._take_sharded_masters)
         self.proximal: Any = None  # a ProximalAnchor while a StagewiseSchedule holds one
 
     # ---- the step -------------------------------------------------------------------------------
@@ -125,9 +127,27 @@ class OwnUpdateModule(PrivateModule):
         return [] if self.proximal is None else self.proximal.terms(self.lr, self.master_parameters())
 
     # ---- checkpointing: the masters beside the weights -----------------------------------------
+    def configure_model(self) -> None:
+        """Shard the net under ``ModelParallelStrategy`` (:meth:`DataParallelMixin.configure_model`); its fp32
+        masters then travel in the model's state dict (:class:`~pl_dp.zo.master.ShardedMasters`), which a
+        distributed checkpoint saves and loads by shard."""
+        super().configure_model()
+        if self.sharded and "sharded_masters" not in self._modules:
+            self.sharded_masters = ShardedMasters(self.masters, self.named_parameters)
+
+    @staticmethod
+    def _take_sharded_masters(module: OwnUpdateModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """A state dict written by a sharded run, loaded where no net is sharded (a fresh module, one process): its
+        masters entry is taken by the store — whole masters offered to the next engine, shards dropped — rather than
+        refused as an unexpected key."""
+        key = f"{prefix}sharded_masters._extra_state"
+        if key in state_dict and "sharded_masters" not in module._modules:
+            whole = {name: m for name, m in state_dict.pop(key).items() if not isinstance(m, DTensor)}
+            module.masters.load_state_dict(whole, module.named_parameters())
+
     def _master_state_for_checkpoint(self) -> dict[str, torch.Tensor]:
-        """The fp32 values the half-precision weights in "state_dict" are the rounding of; sharded, a distributed
-        checkpoint saves only "state_dict" and the optimizers by shard, and a resume starts them from the weights."""
+        """The fp32 values the half-precision weights in "state_dict" are the rounding of, for the checkpoint's
+        :data:`MASTER_WEIGHTS_KEY` entry (sharded: none, they are in "state_dict", see :meth:`configure_model`)."""
         return {} if self.sharded else self.masters.state_dict(self.named_parameters())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.sampling import PoissonBatchSampler
-from pl_dp.privacy.shards import is_sharded
+from pl_dp.privacy.shards import is_sharded, structure_of, whole
 
 
 def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
@@ -121,6 +121,7 @@ class DataParallelMixin:
 
     #: whether the method runs under data parallelism (sum-then-noise collectives; O2NC does not yet)
     supports_data_parallel: bool = True
+
     @property
     def supports_sharding(self) -> bool:
         """Whether the method runs with its net sharded by FSDP2 (``ModelParallelStrategy``): the zeroth-order methods
@@ -145,6 +146,8 @@ class DataParallelMixin:
         check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
         params = list(self.net.parameters())
         if not is_sharded(params):
+            # in a tuple, not registered as a submodule: the structure has no state and never trains
+            self._net_structure = (structure_of(self.net),)
             shard(self.net, self.device_mesh["data_parallel"])
             return
         whole = [n for n, p in self.net.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
@@ -154,6 +157,23 @@ class DataParallelMixin:
                 "leave the sharding to pl_dp, which shards every layer)."
             )
         sum_gradients(self.net)  # a net sharded by its own configure_model averages the ranks' gradients
+
+    def whole_net(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+        """The net and the values of its parameters and buffers, for a computation that needs the whole parameters
+        (DP-ZOPO's pruning score): sharded by FSDP2, the net's structure as it was before sharding
+        (:func:`~pl_dp.privacy.shards.structure_of`) and its parameters gathered whole (a collective: every rank
+        calls it; memory: the whole parameters on every rank while they are used); otherwise the net and None (its
+        own values)."""
+        if not self.sharded:
+            return self.net, None
+        structure = getattr(self, "_net_structure", None)
+        if structure is None:
+            raise ValueError(
+                "this net was sharded by its own configure_model, so pl_dp has no unsharded structure to run the whole "
+                "parameters through (DP-ZOPO's pruning score): leave the sharding to pl_dp."
+            )
+        state = {name: whole(p) for name, p in self.net.named_parameters()}
+        return structure[0], {**state, **dict(self.net.named_buffers())}
 
     def prepare_strategy(self) -> None:
         """At fit start: refuse a strategy this method does not support (:func:`check_strategy`); under FSDP2,

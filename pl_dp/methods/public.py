@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from pl_dp.privacy.losses import batch_size_of, check_per_sample
+from pl_dp.privacy.batches import batch_size_of
+from pl_dp.privacy.losses import check_per_sample
 from pl_dp.privacy.shards import replicated_gradient
 
 

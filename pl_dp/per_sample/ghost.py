@@ -62,8 +62,9 @@ from pl_dp.per_sample.gradients import (
     unsupported_layers,
 )
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
+from pl_dp.privacy.batches import batch_size_of, select_examples
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
+from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.seal import PADDING_FAILED, PassFailed
 from pl_dp.privacy.shards import is_sharded, layout_of, local
 

@@ -28,8 +28,9 @@ from opacus.utils.module_utils import trainable_modules
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from pl_dp.privacy.batches import batch_size_of, select_examples
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample, select_examples
+from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.shards import replicated_gradient, whole
 
 

@@ -15,9 +15,9 @@ from pl_dp.privacy.accountants import (
     load_accountant,
     register_accountant,
 )
-from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
-from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.clipping import clip_per_example
+from pl_dp.privacy.batches import batch_size_of
+from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_noise_multiplier
+from pl_dp.privacy.clip_functions import ClipFunction, clip_per_example
 from pl_dp.privacy.independence import (
     IndependenceError,
     batch_mixing_modules,
@@ -25,7 +25,7 @@ from pl_dp.privacy.independence import (
     probe_independence,
     refuse_batch_mixing_modules,
 )
-from pl_dp.privacy.losses import batch_size_of, check_per_sample, resolve_loss
+from pl_dp.privacy.losses import check_per_sample, resolve_loss
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.preflight import DataError, check_private_set

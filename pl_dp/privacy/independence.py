@@ -45,7 +45,8 @@ import torch
 from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
+from pl_dp.privacy.batches import batch_size_of
+from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.seal import PlainAttributes, sealed
 
 #: examples in the probe batch when no expected batch size is given (a BatchNorm-sized batch), and at most
@@ -57,6 +58,10 @@ SCAN = 1024
 #: (plus NOISE_MARGIN times the jitter between two passes over the same examples; see probe_independence)
 RELATIVE_TOLERANCE = 1e-5
 NOISE_MARGIN = 10.0
+#: a net trained in half precision rounds each layer's output to 8 (bf16) or 11 (fp16) bits: the fraction of that
+#: dtype's machine epsilon a watched loss may move by when the batch is padded to another length (see
+#: probe_independence)
+HALF_PRECISION_ULPS = 1 / 8
 
 Mode = Literal["train", "eval"]
 _MODE_WORDS: dict[str, str] = {
@@ -236,6 +241,12 @@ def probe_independence(
     mixing is far above: a parameter-free BatchNorm over 8 examples moves the other losses by 4e-2 to 7e-2 of
     the largest (an MLP on blobs or on the digits), a full batch-mean subtraction by 1e-2 to 2e-2, and even a
     1 % one by 5e-5 to 5e-4, while a per-example net (with or without dropout) moves them by exactly 0.
+    A net trained in bf16 or fp16 (most of its trainable coordinates in that dtype) rounds every layer's output to 8
+    or 11 bits, and a longer padded length changes which side of a rounding boundary a sum falls on (a tiny OPT in
+    bf16 moved a watched loss by 4.5e-5 of the largest, padded from 6 to 11 tokens). Only there — a variant whose
+    batch has other shapes than the reference's — the relative tolerance is ``HALF_PRECISION_ULPS`` of the dtype's
+    machine epsilon (1e-3 for bf16, 1.2e-4 for fp16), a weaker check that still catches a BatchNorm or a batch
+    mean; every variant of the reference's shapes (and every fp32 net) keeps 1e-5.
 
     **State.** Every buffer and parameter is watched (version counter and identity): a forward that writes
     one stores something computed from the batch, which every checkpoint would release un-noised. Any
@@ -319,6 +330,7 @@ class _Probe:
             "train": {f"replacing only the example at position {self.middle} by": replaced},
         }
         self.params = [p for p in net.parameters() if p.requires_grad]
+        self.repadded_tolerance = max(RELATIVE_TOLERANCE, HALF_PRECISION_ULPS * torch.finfo(_trained_dtype(net)).eps)
         self.rng = _RandomState(state.cuda_devices)
 
     def _stand_in(self, mode: Mode) -> tuple[Any, str]:
@@ -338,20 +350,20 @@ class _Probe:
         stand_in, described = self._stand_in(mode)
         base = self._run(self.reference, stand_in, mode)
         loss_noise, gradient_noise = self._changes(base, self._run(self.reference, stand_in, mode))  # kernel jitter
-        tolerance = RELATIVE_TOLERANCE * _finite_max(base.losses[self.watched].abs()) + NOISE_MARGIN * _finite_max(
-            loss_noise
-        )
         found = []
         for variant, rows in self.variants[mode].items():
             changed = self._run(rows, stand_in, mode)
             loss_shift, gradient_shift = self._changes(base, changed)
+            repadded = _shapes(changed.batch) != _shapes(base.batch)
+            relative = self.repadded_tolerance if repadded else RELATIVE_TOLERANCE
+            tolerance = relative * _finite_max(base.losses[self.watched].abs()) + NOISE_MARGIN * _finite_max(loss_noise)
             where = f"{_MODE_WORDS[mode]}, on a probe batch of {self.size} {source} examples, {variant} {described}"
             moved = [j for j, shift in zip(self.watched, loss_shift.tolist()) if shift > tolerance]
             mixed = None
             if moved:
                 mixed = f"changed the losses of the examples at positions {moved}"
             elif base.gradient is not None:  # a non-finite gradient makes the comparison False: not compared
-                bound = RELATIVE_TOLERANCE * _norm(base.gradient) + NOISE_MARGIN * gradient_noise
+                bound = relative * _norm(base.gradient) + NOISE_MARGIN * gradient_noise
                 if gradient_shift > bound:
                     mixed = (
                         f"changed the summed gradient of the other examples (positions {self.watched}) though not "
@@ -473,6 +485,16 @@ def _changed_rows(
             for f in _changed_rows(a, b, watched, size, other_size, f"{where}[{key}]")
         ]
     return []
+
+
+def _trained_dtype(net: nn.Module) -> torch.dtype:
+    """The floating dtype of most of ``net``'s trainable coordinates (of all its parameters if none trains)."""
+    params = [p for p in net.parameters() if p.is_floating_point()]
+    trained = [p for p in params if p.requires_grad] or params
+    counts: dict[torch.dtype, int] = {}
+    for p in trained:
+        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=lambda dtype: counts[dtype]) if counts else torch.float32
 
 
 def _shapes(batch: Any) -> Any:

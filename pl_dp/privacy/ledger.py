@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_dp.privacy.accountants import Accountant, create_accountant
-from pl_dp.privacy.budget import EpsilonTracker, StepBudget, calibrate_noise_multiplier
+from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.journal import PrivacyJournal
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.spec import PrivacySpec
@@ -43,9 +43,13 @@ class PrivacyLedger:
     """
 
     def __init__(self, spec: PrivacySpec | None, accountant: str | None) -> None:
+        if spec is not None and accountant is None:
+            raise ValueError("a private run's ledger needs the name of its accountant.")
         self.spec = spec
-        self.accountant: Accountant | None = create_accountant(accountant) if spec is not None else None
         self.accountant_name = accountant if spec is not None else None
+        self.accountant: Accountant | None = None
+        if self.accountant_name is not None:
+            self.accountant = create_accountant(self.accountant_name)
         # the plan (set by plan(), restored from checkpoints)
         self.noise_multiplier = 0.0
         self.sample_rate: float | None = None
@@ -68,6 +72,37 @@ class PrivacyLedger:
     def private(self) -> bool:
         return self.spec is not None
 
+    # ---- a private run's plan, narrowed (a non-private run plans nothing and never reads these) ----------------
+    @property
+    def _spec(self) -> PrivacySpec:
+        if self.spec is None:
+            raise RuntimeError("a non-private run has no privacy spec to plan with.")
+        return self.spec
+
+    @property
+    def _accountant(self) -> Accountant:
+        if self.accountant is None:
+            raise RuntimeError("a non-private run has no accountant.")
+        return self.accountant
+
+    @property
+    def _accountant_name(self) -> str:
+        if self.accountant_name is None:
+            raise RuntimeError("a non-private run has no accountant.")
+        return self.accountant_name
+
+    @property
+    def _delta(self) -> float:
+        if self.delta is None:
+            raise RuntimeError("delta is fixed before the first plan (fix_delta), and was not.")
+        return self.delta
+
+    @property
+    def _sample_rate(self) -> float:
+        if self.sample_rate is None:
+            raise RuntimeError("the private sampler states no sample rate: it cannot be accounted.")
+        return self.sample_rate
+
     # ---- the plan ----------------------------------------------------------------------------
     def observe_sampler(self, sampler: Any, noise_seeded: bool) -> None:
         """Read q and the expected batch size off the private sampler, and whether any secret is user-seeded."""
@@ -80,7 +115,7 @@ class PrivacyLedger:
     def fix_delta(self, num_samples: int) -> None:
         """δ, fixed by the first plan (or the checkpoint): the ε of every fit is at one δ."""
         if self.delta is None:
-            self.delta = self.spec.resolve_delta(num_samples)
+            self.delta = self._spec.resolve_delta(num_samples)
 
     def open_journal(self, restored: dict[str, Any] | None, directory: Path | None, broadcast: Broadcast) -> None:
         """Start this fit's journal segment; on a resume, account every step the lineage ever released.
@@ -93,17 +128,17 @@ class PrivacyLedger:
         ``broadcast`` gives every data-parallel rank rank 0's reading of the journal.
         """
         self._segment_id = uuid.uuid4().hex
-        self._segment = create_accountant(self.accountant_name)
+        self._segment = create_accountant(self._accountant_name)
         if restored is not None:
             self.lineage = restored.get("lineage") or self.lineage
             path = restored.get("journal")
             journal = PrivacyJournal(path) if path else None
-            composed = broadcast(journal.composed(self.accountant.name).state_dict() if journal else None)
-            released = create_accountant(self.accountant_name)
+            composed = broadcast(journal.composed(self._accountant.name).state_dict() if journal else None)
+            released = create_accountant(self._accountant_name)
             if composed is not None:
                 released.load_state_dict(composed)
-            if released.history and released.steps >= self.accountant.steps:
-                self.accountant.load_state_dict(composed)
+            if released.history and released.steps >= self._accountant.steps:
+                self._accountant.load_state_dict(composed)
             else:
                 warnings.warn(
                     f"no privacy journal of this run was found{f' at {path}' if path else ''}: epsilon counts "
@@ -127,41 +162,41 @@ class PrivacyLedger:
         is re-planned for the rest on top of the kept history). A resumed plan that would exceed the
         target warns: the guard will stop early.
         """
-        spec = self.spec
+        spec = self._spec
         self.planned_steps = planned_steps
-        spent = self.accountant.get_epsilon(self.delta)
+        spent = self._accountant.get_epsilon(self._delta)
         if restored is not None:
             self._resume_plan(restored, steps_left, allow_change)
         elif spent >= spec.epsilon:
             raise ValueError(
-                f"this module has already spent epsilon={spent:.3f} (delta={self.delta:.3g}) of its target "
+                f"this module has already spent epsilon={spent:.3f} (delta={self._delta:.3g}) of its target "
                 f"epsilon={spec.epsilon:g} in earlier fits: there is no budget left for the {steps_left} steps "
                 "this fit plans. Epsilon composes across fits; train a fresh module, or raise the target on "
                 "purpose with pl_dp.callbacks.AllowPrivacySpecChange from a checkpoint."
             )
         elif spec.noise_multiplier is not None:
             self.noise_multiplier = spec.noise_multiplier
-            eps = self._epsilon_after(self.delta, steps_left)
+            eps = self._epsilon_after(self._delta, steps_left)
             if eps > spec.epsilon:
                 raise ValueError(
                     f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} "
-                    f"(delta={self.delta:.3g}) for the {steps_left} planned private steps at sample "
-                    f"rate {self.sample_rate:.4g}"
+                    f"(delta={self._delta:.3g}) for the {steps_left} planned private steps at sample "
+                    f"rate {self._sample_rate:.4g}"
                     + (f" on top of the {spent:.3f} already spent" if spent else "")
                     + f": it would spend epsilon={eps:.3f}. Raise the noise multiplier, plan fewer steps, or "
                     "leave noise_multiplier=None to calibrate."
                 )
         else:
             self.noise_multiplier = calibrate_noise_multiplier(
-                spec.epsilon, self.delta, self.sample_rate, max(steps_left, 1), self.accountant
+                spec.epsilon, self._delta, self._sample_rate, max(steps_left, 1), self._accountant
             )
-        horizon = self.accountant.steps + steps_left
+        horizon = self._accountant.steps + steps_left
         self.exhausted = False
-        self._budgets = [StepBudget(self.accountant, spec.epsilon, self.delta, horizon=horizon)]
-        self._tracker = EpsilonTracker(self.accountant, self.delta, horizon)
+        self._budgets = [StepBudget(self._accountant, spec.epsilon, self._delta, horizon=horizon)]
+        self._tracker = EpsilonTracker(self._accountant, self._delta, horizon)
         if restored is None:  # a new plan meets the target by construction (calibrated, or checked above)
             return
-        planned_epsilon = self._epsilon_after(self.delta, steps_left)
+        planned_epsilon = self._epsilon_after(self._delta, steps_left)
         if planned_epsilon > spec.epsilon:
             warnings.warn(
                 f"this fit plans {steps_left} more private steps, which at the checkpoint's noise multiplier "
@@ -174,20 +209,20 @@ class PrivacyLedger:
 
     def _epsilon_after(self, delta: float, steps: int) -> float:
         """ε after ``steps`` more steps of the current plan (σ, q) at ``delta``."""
-        return self.accountant.epsilon_after(
-            delta, steps, noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate
+        return self._accountant.epsilon_after(
+            delta, steps, noise_multiplier=self.noise_multiplier, sample_rate=self._sample_rate
         )
 
     def _resume_plan(self, saved: dict[str, Any], steps_left: int, allow_change: bool) -> None:
         changes = []
-        if saved["privacy"] != self.spec.to_dict():
+        if saved["privacy"] != self._spec.to_dict():
             changes.append(
                 f"the checkpoint was trained with privacy={saved['privacy']} but this run asks for "
-                f"{self.spec.to_dict()}"
+                f"{self._spec.to_dict()}"
             )
-        if not math.isclose(saved["sample_rate"], self.sample_rate, rel_tol=1e-12):
+        if not math.isclose(saved["sample_rate"], self._sample_rate, rel_tol=1e-12):
             changes.append(
-                f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's {self.sample_rate:g}"
+                f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's {self._sample_rate:g}"
             )
         if not changes:
             self.noise_multiplier = saved["noise_multiplier"]
@@ -202,17 +237,17 @@ class PrivacyLedger:
 
     def _replan_after_change(self, changes: list[str], steps_left: int) -> None:
         """σ for the steps left, on top of the restored accountant history (never from zero)."""
-        spec = self.spec
+        spec = self._spec
         remaining = max(1, steps_left)
-        spent = self.accountant.get_epsilon(self.delta) if self.accountant.history else 0.0
+        spent = self._accountant.get_epsilon(self._delta) if self._accountant.history else 0.0
         if spent >= spec.epsilon:
             raise ValueError(
-                f"the checkpoint has already spent epsilon={spent:.3f} (delta={self.delta:.3g}); the new target "
+                f"the checkpoint has already spent epsilon={spent:.3f} (delta={self._delta:.3g}); the new target "
                 f"epsilon={spec.epsilon:g} leaves nothing for the {remaining} steps left."
             )
         if spec.noise_multiplier is not None:
             self.noise_multiplier = spec.noise_multiplier
-            total = self._epsilon_after(self.delta, remaining)
+            total = self._epsilon_after(self._delta, remaining)
             if total > spec.epsilon:
                 raise ValueError(
                     f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} for the "
@@ -221,7 +256,7 @@ class PrivacyLedger:
                 )
         else:
             self.noise_multiplier = calibrate_noise_multiplier(
-                spec.epsilon, self.delta, self.sample_rate, remaining, self.accountant
+                spec.epsilon, self._delta, self._sample_rate, remaining, self._accountant
             )
         warnings.warn(
             "; ".join(changes) + f". Continuing as allowed: epsilon spent so far {spent:.3f} is kept, and the "
@@ -237,11 +272,11 @@ class PrivacyLedger:
         run's δ). A fixed σ whose plan cannot meet the target is refused now; a calibrated plan that
         exceeds it runs until the guard stops it.
         """
-        delta = self.delta if delta is None else delta
-        steps_left = max(self._budgets[0].horizon - self.accountant.steps, 0) if self._budgets else 0
-        self._budgets.append(StepBudget(self.accountant, epsilon, delta, horizon=self.accountant.steps + steps_left))
+        delta = self._delta if delta is None else delta
+        steps_left = max(self._budgets[0].horizon - self._accountant.steps, 0) if self._budgets else 0
+        self._budgets.append(StepBudget(self._accountant, epsilon, delta, horizon=self._accountant.steps + steps_left))
         planned = self._epsilon_after(delta, steps_left)
-        if planned > epsilon and self.spec.noise_multiplier is not None:
+        if planned > epsilon and self._spec.noise_multiplier is not None:
             raise ValueError(
                 f"the {steps_left} planned private steps with noise_multiplier={self.noise_multiplier:g} would "
                 f"spend epsilon={planned:.3f} > target {epsilon:g}: refusing to start. Raise the noise multiplier "
@@ -252,7 +287,7 @@ class PrivacyLedger:
     def allows_next_step(self) -> bool:
         """Whether the next private step keeps ε within every target; once refused, stays refused this fit."""
         if not self.exhausted:
-            self.exhausted = not all(b.allows(self.noise_multiplier, self.sample_rate) for b in self._budgets)
+            self.exhausted = not all(b.allows(self.noise_multiplier, self._sample_rate) for b in self._budgets)
         return not self.exhausted
 
     # ---- the record --------------------------------------------------------------------------
@@ -270,6 +305,8 @@ class PrivacyLedger:
         if self._segment is None or not self._segment.history:
             return
         if self.journal is None:
+            if self.lineage is None:
+                raise RuntimeError("the journal is written after open_journal, which names the lineage.")
             self.journal = PrivacyJournal.of(directory, self.lineage)
         if writer:
             self.journal.record(self._segment_id, self._segment)

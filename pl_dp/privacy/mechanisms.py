@@ -106,14 +106,18 @@ class SubsampledGaussian:
         """In-place version for a vector release split into tensors (e.g. one gradient per parameter).
 
         ``blocks``: the sums are this rank's blocks of sharded tensors (:func:`~pl_dp.privacy.shards.block`: each
-        one's whole shape and flat offset). The noise is drawn for the whole tensor — the draw one process makes —
-        and each rank adds its block of it: one draw per logical step, whatever the layout.
+        one's whole shape and flat offset). Each rank adds its block of the whole tensor's draw — the draw one process
+        makes, of which it draws only the chunks that meet its block (:meth:`NoiseSource.normal`): one draw per
+        logical step, whatever the layout.
         """
         for i, t in enumerate(sums):
             if self.is_private:
-                shape, offset = (t.shape, 0) if blocks is None else blocks[i]
-                whole = noise.normal(shape, self.noise_std, t.device, t.dtype)
-                t.add_(whole if blocks is None else whole.view(-1)[offset : offset + t.numel()].view_as(t))
+                if blocks is None:
+                    t.add_(noise.normal(t.shape, self.noise_std, t.device, t.dtype))
+                else:
+                    shape, offset = blocks[i]
+                    part = noise.normal(shape, self.noise_std, t.device, t.dtype, block=(offset, t.numel()))
+                    t.add_(part.view_as(t))
             t.div_(self.expected_batch_size)
 
     def account(self, *accountants: Accountant | None) -> None:

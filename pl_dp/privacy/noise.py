@@ -11,16 +11,20 @@ key out, and the copy draws a key of its own.
 
 Two generators:
 
-* ``secure=False`` — a ``torch.Generator`` per draw, set from the key: on the CPU its whole Mersenne Twister
-  state (19,937 bits) is drawn from SHAKE-256 of (key, step, draw) — a CPU seed keeps 32 bits only, which a
-  search over 2³² seeds would recover from a release — and on an accelerator its Philox seed (64 bits). As fast as
-  torch's own ``normal_``, but Mersenne Twister / Philox are not cryptographic generators.
-* ``secure=True`` — SHAKE-256 of (key, step, draw) as a cryptographic stream of uniforms,
+* ``secure=False`` — a ``torch.Generator`` per chunk of 2²⁰ values of a draw, set from the key: on the CPU its whole
+  Mersenne Twister state (19,937 bits) is drawn from SHAKE-256 of (key, step, draw, chunk) — a CPU seed keeps 32
+  bits only, which a search over 2³² seeds would recover from a release — and on an accelerator its Philox seed (64
+  bits). As fast as torch's own ``normal_``, but Mersenne Twister / Philox are not cryptographic generators.
+* ``secure=True`` — SHAKE-256 of (key, step, draw, chunk) as a cryptographic stream of uniforms,
   Box–Muller in float64, and the sum of four such draws divided by two (the floating-point
   hardening of Holohan & Braghin 2021, "Secure random sampling in differential privacy", which
   Opacus' ``secure_mode`` also uses). Costs ~4× a torch draw plus hashing; negligible for the
   few scalars a zeroth-order step releases, measured for a full gradient in
   ``benchmarks/secure_noise.py``.
+
+Chunks make a draw a function of (key, step, draw, chunk) alone: a rank holding a block of a sharded tensor draws
+the chunks that meet its block and adds exactly its slice of the draw one process makes (invariant 11), in memory
+and time of its block, not of the whole tensor.
 
 Passing ``seed`` derives the key from it, which makes the noise reproducible (tests, reproducing a
 run, bit-identical resume) — and removable by anyone who knows the seed: such a run's ε is no
@@ -85,17 +89,44 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         std: float,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        *,
+        block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """A tensor of i.i.d. N(0, std²) draws (the next draw of the current step)."""
+        """A tensor of i.i.d. N(0, std²) draws (the next draw of the current step), shaped ``shape``.
+
+        The draw is made in chunks of 2²⁰ values, each a function of (key, step, draw, chunk) alone. ``block``:
+        ``(offset, count)``, only the flat coordinates [offset, offset + count) of that draw, as a 1-D tensor — a
+        rank's block of a sharded tensor: exactly its slice of the whole draw, from the chunks that meet it (memory
+        and time O(count + 2 chunks), not O(whole tensor)).
+        """
         draw = self._draws
         self._draws += 1
-        if std == 0:
-            return torch.zeros(shape, device=device, dtype=dtype)
-        if self.secure:
-            return _secure_normal(self._key, (self._step, draw), shape, std).to(device=device, dtype=dtype)
+        numel = math.prod(shape)
+        start, count = (0, numel) if block is None else (int(block[0]), int(block[1]))
+        if not 0 <= start <= start + count <= numel:
+            raise ValueError(f"block {block} does not lie in a draw of {numel} values.")
+        out_shape = shape if block is None else (count,)
         device = torch.device(device)
-        generator = self._generator(device, b"noise", self._step, draw)
-        return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
+        if std == 0:
+            return torch.zeros(out_shape, device=device, dtype=dtype)
+        if self.secure:
+
+            def chunk_values(chunk: int, size: int) -> torch.Tensor:
+                return _secure_normal_chunk(self._key, (self._step, draw, chunk), size, std)
+
+        else:
+
+            def chunk_values(chunk: int, size: int) -> torch.Tensor:
+                generator = self._generator(device, b"noise", self._step, draw, chunk)
+                return torch.empty(size, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
+
+        out = torch.empty(count, device=device, dtype=dtype)
+        for chunk in range(start // _CHUNK, -(-(start + count) // _CHUNK) if count else 0):
+            low = chunk * _CHUNK
+            values = chunk_values(chunk, min(_CHUNK, numel - low))
+            first, end = max(start, low), min(start + count, low + values.numel())
+            out[first - start : end - start] = values[first - low : end - low]
+        return out.view(out_shape)
 
     def _generator(self, device: torch.device, tag: bytes, *counters: int) -> torch.Generator:
         """A torch generator for (key, ``tag``, ``counters``): on the CPU in a full 19,937-bit state drawn from the key
@@ -141,22 +172,15 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         return int.from_bytes(self._key[:8], "little") >> 1
 
 
-def _secure_normal(key: bytes, counter: tuple[int, ...], shape: Any, std: float) -> torch.Tensor:
-    """(Σ_{j<4} N_j)/2 · std in float64, each N_j by Box–Muller from 53-bit uniforms of SHAKE-256(key, counter, chunk).
-
-    Chunks of 2²⁰ values bound the memory of the uniforms (32 bytes per value) for gradient-sized draws.
-    """
-    numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
-    prefix = key + b"".join(c.to_bytes(8, "little", signed=True) for c in counter)
-    out = torch.empty(numel, dtype=torch.float64)
-    for chunk, start in enumerate(range(0, numel, _CHUNK)):
-        size = min(_CHUNK, numel - start)
-        pairs = (size + 1) // 2
-        stream = hashlib.shake_256(prefix + chunk.to_bytes(8, "little")).digest(4 * 2 * pairs * 8)
-        words = torch.frombuffer(bytearray(stream), dtype=torch.int64)
-        uniform = ((words >> 11) & _LOW53).double().mul_(2.0**-53).view(4, 2, pairs)  # [0, 1), 53 random bits
-        radius = torch.sqrt(-2.0 * torch.log1p(-uniform[:, 0]))  # log(1 − u), 1 − u ∈ (0, 1]: never log(0)
-        angle = uniform[:, 1].mul_(2.0 * math.pi)
-        normals = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)], dim=1)[:, :size]
-        out[start : start + size] = normals.sum(dim=0)
-    return out.mul_(std / 2.0).reshape(shape)
+def _secure_normal_chunk(key: bytes, counter: tuple[int, ...], size: int, std: float) -> torch.Tensor:
+    """(Σ_{j<4} N_j)/2 · std in float64 for ``size`` ≤ 2²⁰ values, each N_j by Box–Muller from 53-bit uniforms of
+    SHAKE-256(key, counter): the uniforms take 32 bytes a value, so draws are made a chunk at a time."""
+    pairs = (size + 1) // 2
+    prefix = key + b"".join(int(c).to_bytes(8, "little", signed=True) for c in counter)
+    stream = hashlib.shake_256(prefix).digest(4 * 2 * pairs * 8)
+    words = torch.frombuffer(bytearray(stream), dtype=torch.int64)
+    uniform = ((words >> 11) & _LOW53).double().mul_(2.0**-53).view(4, 2, pairs)  # [0, 1), 53 random bits
+    radius = torch.sqrt(-2.0 * torch.log1p(-uniform[:, 0]))  # log(1 − u), 1 − u ∈ (0, 1]: never log(0)
+    angle = uniform[:, 1].mul_(2.0 * math.pi)
+    normals = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)], dim=1)[:, :size]
+    return normals.sum(dim=0).mul_(std / 2.0)

@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from pl_dp.privacy.batches import batch_size_of
 from pl_dp.privacy.independence import NetState
-from pl_dp.privacy.losses import PerSampleLoss, batch_size_of, check_per_sample
+from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.sampling import structure_of
 from pl_dp.privacy.seal import isolate_failures, sealed
 

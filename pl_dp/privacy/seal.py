@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from pl_dp.privacy.losses import batch_size_of, select_examples
+from pl_dp.privacy.batches import batch_size_of, select_examples
 
 T = TypeVar("T")
 

@@ -17,12 +17,14 @@ whose reduce-scatter leaves each rank its shard of the sum over ranks (:func:`re
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -139,3 +141,18 @@ def replicated_gradient(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> l
     for p, g in zip(params, kept):
         p.grad = g
     return grads
+
+
+def structure_of(net: nn.Module) -> nn.Module:
+    """A copy of ``net`` whose parameters and buffers are on the meta device: its structure, at no memory.
+
+    Taken before FSDP2 shards ``net`` (sharding swaps the layers' classes and hooks their forwards to all-gather
+    their shards), so that a computation that needs the *whole* parameters — DP-ZOPO's data-free path-norm score —
+    can run the net's forward with them through ``torch.func.functional_call``.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for p in net.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in net.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(net, memo)

@@ -12,7 +12,7 @@ with the update):
   is bit-identical on 1 or 64 cores and on every data-parallel rank.
 * **Drawn on all cores.** torch's CPU generator fills a tensor on one thread (about 6 ns per
   Gaussian here, some 35 times an ``add_``); the chunks of a sweep are drawn and applied on
-  ``torch.get_num_threads()`` threads (:mod:`pl_dp.zo.parallel`), each drawing into its own
+  ``torch.get_num_threads()`` threads (:mod:`pl_dp.zo.threads`), each drawing into its own
   chunk-sized scratch buffer.
 * **In place, three sweeps per query.** Perturbation is ``p.add_`` under ``no_grad``; a two-point
   query leaves θ at θ − λu so that the caller fuses the restore with the update in one sweep
@@ -64,7 +64,7 @@ from torch import nn
 
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.privacy.shards import local, shard_layouts
-from pl_dp.zo import parallel
+from pl_dp.zo import threads
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.master import MasterWeights
 
@@ -146,7 +146,7 @@ class PerturbationEngine:
         cache_directions: keep the raw draw of the last ``cache_size`` directions perturbed along
             (one copy of the drawn coordinates each; low-rank factors are redrawn, they cost m + n
             numbers). ``None``: as many as fit in :data:`CACHE_BUDGET_BYTES`, up to ``cache_size``.
-        cache_size: how many directions to keep (a method passes its q).
+        cache_size: how many directions to keep (a method passes its number of queries).
         masters: where the fp32 masters of half-precision parameters live (a method passes one store for
             all the engines it builds, so that the masters survive a rebuild); ``None``: a store of this
             engine's own. ``MasterWeights(enabled=False)`` writes half-precision parameters in place.
@@ -277,7 +277,7 @@ class PerturbationEngine:
         """a ∈ ℝ^m, b ∈ ℝ^n of the low-rank draw a·bᵀ of parameter ``index`` (the whole tensor, viewed as m × n)."""
         p, layout = self.weights[index], self.layouts[index]
         rows = layout.shape[0]
-        g = parallel.generator(p.device)
+        g = threads.generator(p.device)
         g.manual_seed(self._parameter_seed(key, index))
         ab = torch.empty(rows + layout.row_size, device=p.device, dtype=p.dtype).normal_(generator=g)
         return ab[:rows], ab[rows:]
@@ -318,7 +318,7 @@ class PerturbationEngine:
             flat = torch.arange(first, last, device=p.device) if kept is None else kept[first:last]
             torch.mul(a[flat // b.numel()], b[flat % b.numel()], out=out)
         else:
-            g = parallel.generator(p.device)
+            g = threads.generator(p.device)
             g.manual_seed(derive_seed(self._parameter_seed(key, index), number))
             if self.direction.kind == "rademacher":
                 rademacher_(out, g)
@@ -348,8 +348,8 @@ class PerturbationEngine:
 
     def _run(self, work: Callable[[Chunk], None]) -> None:
         """``work(chunk)`` for every drawn chunk: CPU chunks on all cores, others in order."""
-        parallel.run_all(work, self._cpu_chunks, parallel=self._parallel)
-        parallel.run_all(work, self._other_chunks, parallel=False)  # accelerators: their generators are parallel
+        threads.run_all(work, self._cpu_chunks, parallel=self._parallel)
+        threads.run_all(work, self._other_chunks, parallel=False)  # accelerators: their generators are parallel
 
     def _buffer(self, index: int) -> torch.Tensor:
         """A flat buffer for the whole draw of parameter ``index`` (shared by the parameters of a device and dtype)."""

@@ -26,15 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.privacy.clipping import clip_per_example
-from pl_dp.privacy.losses import (
-    PerSampleLoss,
-    batch_size_of,
-    check_per_sample,
-    device_of,
-    select_examples,
-    split_batch,
-)
+from pl_dp.privacy.batches import batch_size_of, device_of, select_examples, split_batch
+from pl_dp.privacy.clip_functions import clip_per_example
+from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.seal import PADDING_FAILED, isolate_failures

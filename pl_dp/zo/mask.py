@@ -46,8 +46,9 @@ class DirectionMask:
                 raise ValueError(f"mask indices of parameter {i} must be a 1-D int64 tensor.")
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.numels[i]):
                 raise ValueError(f"mask indices of parameter {i} fall outside its {self.numels[i]} coordinates.")
-            if self.values is not None and self.values[i] is not None and self.values[i].numel() != idx.numel():
-                raise ValueError(f"parameter {i}: {self.values[i].numel()} mask values for {idx.numel()} indices.")
+            values = None if self.values is None else self.values[i]
+            if values is not None and values.numel() != idx.numel():
+                raise ValueError(f"parameter {i}: {values.numel()} mask values for {idx.numel()} indices.")
 
     def count(self, index: int) -> int:
         """Number of trained coordinates of parameter ``index``."""

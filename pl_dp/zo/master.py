@@ -21,7 +21,7 @@ new master copied from it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -113,3 +113,41 @@ class MasterWeights:
             master = state.get(name)
             if master is not None:
                 self._offered.append((p, master))
+
+
+class ShardedMasters(nn.Module):
+    """A sharded model's fp32 masters as this submodule's extra state, so that a distributed checkpoint holds them.
+
+    Under FSDP2 a distributed checkpoint (``torch.distributed.checkpoint``, what Lightning's
+    ``ModelParallelStrategy`` writes by default) saves the model's state dict and the optimizers by shard, and
+    anything else whole from rank 0 only — where a master, sharded like its parameter, is one rank's block. As
+    extra state of a submodule the masters are part of the model's state dict: each rank saves its blocks, and a
+    resume loads them in place. At load time the state dict is also the *template* the checkpoint is read into, so
+    every trained half-precision parameter has an entry even before its master exists (an fp32 copy of the
+    parameter, which is also what its master would start from). Loaded masters are offered to the next engine
+    (:meth:`MasterWeights.load_state_dict`), which takes each one only if it still rounds to its parameter.
+
+    Args:
+        masters: the method's store.
+        named_parameters: the method's ``named_parameters`` (the masters are keyed by those names).
+    """
+
+    def __init__(
+        self, masters: MasterWeights, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]]
+    ) -> None:
+        super().__init__()
+        self.masters = masters
+        self.named_parameters_of_model = named_parameters
+
+    @torch.no_grad()
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        if not self.masters.enabled:
+            return {}
+        return {
+            name: p.detach().float() if (master := self.masters.master_of(p)) is None else master.detach()
+            for name, p in self.named_parameters_of_model()
+            if p.requires_grad and p.dtype in HALF_DTYPES
+        }
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.masters.load_state_dict(state, self.named_parameters_of_model())

@@ -55,6 +55,7 @@ def path_norm_scores(
     queries: int = 8,
     smoothing: float = 1e-3,
     seed: int = 0,
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """∇ℒ(|θ|) ⊙ |θ| for each trainable parameter of ``net`` (float64, shaped like the parameter).
 
@@ -70,6 +71,8 @@ def path_norm_scores(
             queries cost 2 float64 forwards each.
         smoothing: β for the ZO estimate (the released code's 1e-3).
         seed: seed of the ZO directions (data-independent).
+        state: the values of ``net``'s parameters and buffers by name, whole, where ``net`` holds only its
+            structure (a net sharded by FSDP2: :func:`~pl_dp.privacy.shards.structure_of`); ``None``: its own.
 
     Memory: three float64 copies of the trainable parameters (|θ|, the direction, the score).
     """
@@ -82,8 +85,9 @@ def path_norm_scores(
     names = [n for n, p in net.named_parameters() if p.requires_grad]
     if not names:
         raise ValueError("the model has no trainable parameters to score.")
-    params = {n: p.detach().abs().double() for n, p in net.named_parameters()}
-    buffers = {n: (b.double() if b.is_floating_point() else b) for n, b in net.named_buffers()}
+    values = {**dict(net.named_parameters()), **dict(net.named_buffers())} if state is None else state
+    params = {n: values[n].detach().abs().double() for n, _ in net.named_parameters()}
+    buffers = {n: (values[n].double() if values[n].is_floating_point() else values[n]) for n, _ in net.named_buffers()}
     if isinstance(example_input, Mapping):
         inputs = {k: _ones(v) for k, v in example_input.items()}
     else:

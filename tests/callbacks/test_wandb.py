@@ -14,7 +14,7 @@ from torch import nn
 
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import PrivacyBudget, WandbPrivacyLogger
-from pl_dp.callbacks.wandb import group_points, read_run
+from pl_dp.callbacks.wandb_runs import group_points, read_run
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import PAZOM, DPZero
 from tests.conftest import blobs, make_trainer

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
-from pl_dp.callbacks import StagewiseSchedule
+from pl_dp.callbacks import PruningSchedule, StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 
@@ -128,6 +128,15 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+class _Bfloat16Inputs(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16)
+
+
+def _bf16_mlp() -> nn.Module:
+    return nn.Sequential(_Bfloat16Inputs(), *_mlp()).to(torch.bfloat16)
+
+
 class PreshardedDPSGD(DPSGD):
     """A user's subclass that shards the net itself, with FSDP2's defaults (which average the ranks' gradients)."""
 
@@ -188,9 +197,12 @@ SHARDED_METHODS = {
         nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, per_sample="ghost", privacy=_spec(), noise_seed=7
     ),
     "dpzoso": lambda: DPZero(_mlp(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
+    "dpzopo": lambda: DPZero(_mlp(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
     "dpzero_sphere_mlp": lambda: DPZero(
         _mlp(), lr=0.05, clip=CLIP, queries=2, direction="sphere", privacy=_spec(), noise_seed=7
     ),
+    # bf16 weights trained through fp32 masters, which a sharded checkpoint must hold by shard
+    "dpzero_bf16_mlp": lambda: DPZero(_bf16_mlp(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
     "dpzero_lowrank_mlp": lambda: DPZero(
         _mlp(),
         lr=0.05,
@@ -204,9 +216,17 @@ SHARDED_METHODS = {
 }
 
 
+#: the sharded fits killed and resumed from their distributed checkpoint (a folder of shards), by result key
+RESUMED = {"resumed": "dpzero_sphere_mlp", "resumed_bf16": "dpzero_bf16_mlp"}
+
 #: callbacks of a fit beside the byte counter: DP-ZOSO is DPZero with a stagewise schedule (and its proximal term)
 CALLBACKS = {
     "dpzoso": lambda: [StagewiseSchedule(stages=2, proximal=0.05)],
+    # DP-ZOPO: the score of each stage runs the whole parameters through the net's structure, on every rank
+    "dpzopo": lambda: [
+        StagewiseSchedule(stages=2, proximal=0.05),
+        PruningSchedule(rates=[0.3, 0.6], strategy="incremental", importance="rank", input_shape=(1, 12)),
+    ],
     "dpzero_touchy": lambda: [Arm()],
     "dpsgd_ghost_touchy": lambda: [Arm()],
 }
@@ -384,10 +404,9 @@ if __name__ == "__main__":
         results = {name: run_lora(name, 2, out) for name in ("dpzero", "ghost")}
     elif sys.argv[1] == "sharded":
         results = {name: run_one(name, 2, sharded=True) for name in SHARDED_METHODS}
-        # killed after 2 steps and resumed from its distributed checkpoint (a folder of shards)
-        run_one("dpzero_sphere_mlp", 2, sharded=True, steps=2, checkpoints=str(out / "checkpoints"))
-        resumed = str(out / "checkpoints" / "epoch=0-step=2.ckpt")
-        results["resumed"] = run_one("dpzero_sphere_mlp", 2, sharded=True, ckpt_path=resumed)
+        for key, name in RESUMED.items():  # killed after 2 steps and resumed
+            run_one(name, 2, sharded=True, steps=2, checkpoints=str(out / key))
+            results[key] = run_one(name, 2, sharded=True, ckpt_path=str(out / key / "epoch=0-step=2.ckpt"))
     elif sys.argv[1] == "nodes":
         nodes = int(os.environ["WORLD_SIZE"])
         results = {name: run_one(name, 1, num_nodes=nodes) for name in NODE_METHODS}

@@ -25,7 +25,7 @@ def _linear_data(n=12):
     return TensorDataset(x, y.unsqueeze(1))
 
 
-def _one_step(lr, clip, lam, q, **kwargs):
+def _one_step(lr, clip, lam, queries, **kwargs):
     """One DPZero step on a tiny linear regression; returns what the by-hand checks need."""
     data = _linear_data()
     dm = PrivatePublicDataModule(data, batch_size=6, sampling_seed=0)  # both secrets seeded: reproduction mode
@@ -33,14 +33,16 @@ def _one_step(lr, clip, lam, q, **kwargs):
     net = nn.Linear(3, 1, bias=False)
     theta0 = net.weight.detach().clone().double()
     spec = PrivacySpec(epsilon=5.0, accountant="rdp")
-    model = DPZero(net, loss="mse", lr=lr, clip=clip, smoothing=lam, queries=q, privacy=spec, noise_seed=11, **kwargs)
+    model = DPZero(
+        net, loss="mse", lr=lr, clip=clip, smoothing=lam, queries=queries, privacy=spec, noise_seed=11, **kwargs
+    )
     make_trainer(max_steps=1).fit(model, dm)
     return data, dm, net, theta0, model
 
 
 def test_one_step_equals_the_spec_formula_by_hand():
-    lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
-    data, dm, net, theta0, model = _one_step(lr, clip, lam, q)
+    lr, clip, lam, queries = 0.1, 0.5, 1e-2, 3
+    data, dm, net, theta0, model = _one_step(lr, clip, lam, queries)
 
     # --- DPZero with q queries (Gong & Li 2025, Eq. 2 and §3.1), by hand, in float64 ---
     sigma = model.noise_multiplier
@@ -51,22 +53,22 @@ def test_one_step_equals_the_spec_formula_by_hand():
     probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed)
     noise = NoiseSource(seed=11, secure=True)  # zeroth-order noise: the cryptographic generator by default
     update = torch.zeros_like(theta0)
-    for j in range(q):
+    for j in range(queries):
         u = probe.direction_tensors((0, j))[0].double()
         f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
         delta = (f(theta0 + lam * u) - f(theta0 - lam * u)) / (2 * lam)
-        z = noise.normal((1,), math.sqrt(q) * sigma * clip).double()
+        z = noise.normal((1,), math.sqrt(queries) * sigma * clip).double()
         s = (delta.clamp(-clip, clip).sum() + z) / b
         update += s * u
-    expected = theta0 - lr / q * update
+    expected = theta0 - lr / queries * update
     torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)
     assert model.accountant.history == [(sigma, dm.sample_rate, 1)]
 
 
 @pytest.mark.parametrize("direction", ["gaussian", "rademacher"])
 def test_one_sided_step_equals_the_formula_by_hand(direction):
-    lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
-    data, dm, net, theta0, model = _one_step(lr, clip, lam, q, one_sided=True, direction=direction)
+    lr, clip, lam, queries = 0.1, 0.5, 1e-2, 3
+    data, dm, net, theta0, model = _one_step(lr, clip, lam, queries, one_sided=True, direction=direction)
     b = dm.sample_rate * len(data)
     batch = dm.train_dataloader().batch_sampler.batch(0)
     x, y = data.tensors[0][batch].double(), data.tensors[1][batch].double()
@@ -74,12 +76,12 @@ def test_one_sided_step_equals_the_formula_by_hand(direction):
     noise = NoiseSource(seed=11, secure=True)
     f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
     update = torch.zeros_like(theta0)
-    for j in range(q):  # Δ_i = [f(θ + λu_j) − f(θ)] / λ against the one shared f(θ)
+    for j in range(queries):  # Δ_i = [f(θ + λu_j) − f(θ)] / λ against the one shared f(θ)
         u = probe.direction_tensors((0, j))[0].double()
         delta = (f(theta0 + lam * u) - f(theta0)) / lam
-        z = noise.normal((1,), math.sqrt(q) * model.noise_multiplier * clip).double()
+        z = noise.normal((1,), math.sqrt(queries) * model.noise_multiplier * clip).double()
         update += (delta.clamp(-clip, clip).sum() + z) / b * u
-    torch.testing.assert_close(net.weight.detach().double(), theta0 - lr / q * update, rtol=0, atol=2e-5)
+    torch.testing.assert_close(net.weight.detach().double(), theta0 - lr / queries * update, rtol=0, atol=2e-5)
     assert model.accountant.history == [(model.noise_multiplier, dm.sample_rate, 1)]  # same mechanism
 
 
@@ -276,21 +278,22 @@ def test_logged_epsilon_is_present_and_bounded(tmp_path):
 
 
 def test_joint_clip_step_equals_the_vector_mechanism_by_hand():
-    lr, clip, lam, q = 0.1, 0.5, 1e-2, 3
-    data, dm, net, theta0, model = _one_step(lr, clip, lam, q, joint_clip=True)
+    lr, clip, lam, queries = 0.1, 0.5, 1e-2, 3
+    data, dm, net, theta0, model = _one_step(lr, clip, lam, queries, joint_clip=True)
     assert model.mechanism(6).releases == 1  # one q-dimensional Gaussian, std sigma*C per coordinate
 
     b = dm.sample_rate * len(data)
     batch = dm.train_dataloader().batch_sampler.batch(0)
     x, y = data.tensors[0][batch].double(), data.tensors[1][batch].double()
     probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed)
-    us = [probe.direction_tensors((0, j))[0].double() for j in range(q)]
+    us = [probe.direction_tensors((0, j))[0].double() for j in range(queries)]
     f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
     deltas = torch.stack([(f(theta0 + lam * u) - f(theta0 - lam * u)) / (2 * lam) for u in us], dim=1)
     norms = deltas.norm(dim=1, keepdim=True)
     clipped = deltas * torch.clamp(clip / norms, max=1.0)
-    s = (clipped.sum(0) + NoiseSource(seed=11, secure=True).normal((q,), model.noise_multiplier * clip).double()) / b
-    expected = theta0 - lr / q * sum(sj * u for sj, u in zip(s, us))
+    noise = NoiseSource(seed=11, secure=True).normal((queries,), model.noise_multiplier * clip).double()
+    s = (clipped.sum(0) + noise) / b
+    expected = theta0 - lr / queries * sum(sj * u for sj, u in zip(s, us))
     torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)
 
 

@@ -193,3 +193,20 @@ def test_dpzero_fine_tunes_a_bf16_causal_lm_through_fp32_masters(tmp_path, monke
     make_trainer(max_steps=3, limit_val_batches=0).fit(model, data)
     assert model.private_steps == 3
     _assert_weights_are_the_rounding_of_the_masters(model)
+
+
+def test_a_state_dict_of_a_sharded_run_loads_into_a_fresh_module_with_its_masters():
+    """Sharded, the masters are extra state of a ``sharded_masters`` submodule (distributed checkpoints hold them by
+    shard); a module built afresh on one process has no such submodule, yet loads that state dict strictly, and its
+    next engine starts from those masters (here a whole one: what a consolidated checkpoint holds)."""
+    from pl_dp.zo.master import ShardedMasters
+
+    model = DPZero(nn.Linear(4, 3).to(torch.bfloat16), lr=0.1)
+    model.sharded_masters = ShardedMasters(model.masters, model.named_parameters)  # what configure_model adds
+    state = model.state_dict()
+    masters = state["sharded_masters._extra_state"]
+    assert {name: m.dtype for name, m in masters.items()} == {"net.weight": torch.float32, "net.bias": torch.float32}
+    masters["net.weight"] += 2.0**-20  # below bf16's rounding: still the master of the same bf16 weight
+    fresh = DPZero(nn.Linear(4, 3).to(torch.bfloat16), lr=0.1)
+    fresh.load_state_dict(state)  # strict
+    assert torch.equal(fresh.masters.weights(list(fresh.net.parameters()))[0], masters["net.weight"])

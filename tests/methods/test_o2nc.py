@@ -45,11 +45,12 @@ def _model(privacy=None, **kw):
 
 class Moves(L.Callback):
     def __init__(self):
-        self.delta, self.w_gap = [], []
+        self.displacement, self.w_gap = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         st = pl_module._state
-        self.delta.append(float(torch.linalg.vector_norm(torch.cat([d.reshape(-1) for d in st["delta"]]))))
+        moved = torch.cat([d.reshape(-1) for d in st["displacement"]])
+        self.displacement.append(float(torch.linalg.vector_norm(moved)))
         if hasattr(self, "w"):
             self.w_gap.append(float((st["w_prev"][0] - self.w).norm()))
         self.w = st["w_prev"][0].clone()
@@ -59,7 +60,7 @@ def test_learner_never_leaves_its_ball_and_query_points_move_at_most_2D():
     model, moves = _model(PrivacySpec(50.0, accountant="tree")), Moves()
     make_trainer(max_epochs=1, callbacks=[moves]).fit(model, PrivatePublicDataModule(_data(400), batch_size=1))
     D = model.radius
-    assert max(moves.delta) <= D * (1 + 1e-6) and max(moves.delta) > 0.5 * D  # the projection binds
+    assert max(moves.displacement) <= D * (1 + 1e-6) and max(moves.displacement) > 0.5 * D  # the projection binds
     assert max(moves.w_gap) <= 2 * D * (1 + 1e-6)
 
 
@@ -123,6 +124,11 @@ def test_resume_at_an_epoch_boundary_is_exact_and_mid_epoch_skips_to_the_next(tm
     )
     assert resumed.epsilon == reference.epsilon
     assert torch.equal(resumed.net.x, reference.net.x)
+    old = dict(saved, o2nc=dict(saved["o2nc"]))  # as pl_dp 0.2 wrote it: the displacement Δ_t saved as "delta"
+    old["o2nc"]["delta"] = old["o2nc"].pop("displacement")
+    from_old = _model(spec)
+    from_old.load_privacy_state_dict(old)
+    assert "delta" not in from_old._state and from_old._state["displacement"] is saved["o2nc"]["displacement"]
     skipped = _model(spec)
     with pytest.warns(UserWarning, match="next epoch"):
         make_trainer(max_epochs=1).fit(

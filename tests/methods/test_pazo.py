@@ -64,8 +64,8 @@ def _public_grad(w, batch):
 
 
 def test_pazo_m_step_equals_algorithm_1_by_hand():
-    lr, clip, lam, q, alpha = 0.1, 0.5, 1e-2, 2, 0.3
-    model, net, theta0, x, y, public, b = _setup(PAZOM, lr=lr, clip=clip, smoothing=lam, queries=q, alpha=alpha)
+    lr, clip, lam, queries, alpha = 0.1, 0.5, 1e-2, 2, 0.3
+    model, net, theta0, x, y, public, b = _setup(PAZOM, lr=lr, clip=clip, smoothing=lam, queries=queries, alpha=alpha)
     d = theta0.numel()
     g_pub = _public_grad(theta0, public[0])
     probe = PerturbationEngine(
@@ -73,20 +73,20 @@ def test_pazo_m_step_equals_algorithm_1_by_hand():
     )
     noise = NoiseSource(seed=11, secure=True)
     zo = torch.zeros_like(theta0)
-    for j in range(q):
+    for j in range(queries):
         u = probe.direction_tensors((0, j))[0].double()
         delta = (_mse(theta0 + lam * u, x, y) - _mse(theta0 - lam * u, x, y)) / (2 * lam)
-        z = noise.normal((1,), math.sqrt(q) * model.noise_multiplier * clip).double()
+        z = noise.normal((1,), math.sqrt(queries) * model.noise_multiplier * clip).double()
         zo += (delta.clamp(-clip, clip).sum() + z) / b * u
-    expected = theta0 - lr * (alpha * g_pub + (1 - alpha) * zo / q)
+    expected = theta0 - lr * (alpha * g_pub + (1 - alpha) * zo / queries)
     torch.testing.assert_close(net.weight.detach().double(), expected, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("orthonormalize", [True, False])
 def test_pazo_p_step_equals_algorithm_2_by_hand(orthonormalize):
-    lr, clip, lam, q, k = 0.5, 0.5, 1e-2, 2, 3
+    lr, clip, lam, queries, k = 0.5, 0.5, 1e-2, 2, 3
     model, net, theta0, x, y, public, b = _setup(
-        PAZOP, lr=lr, clip=clip, smoothing=lam, queries=q, k=k, orthonormalize=orthonormalize
+        PAZOP, lr=lr, clip=clip, smoothing=lam, queries=queries, k=k, orthonormalize=orthonormalize
     )
     raw = torch.stack([_public_grad(theta0, batch).flatten() for batch in public], dim=1)  # d × k
     if orthonormalize:  # the documented construction: Q = G V Λ^{-1/2} from the Gram matrix
@@ -98,12 +98,12 @@ def test_pazo_p_step_equals_algorithm_2_by_hand(orthonormalize):
     probe.rank = k
     noise = NoiseSource(seed=11, secure=True)
     zo = torch.zeros_like(theta0)
-    for j in range(q):
+    for j in range(queries):
         v = (G @ probe.coefficients((0, j))).reshape(theta0.shape)
         delta = (_mse(theta0 + lam * v, x, y) - _mse(theta0 - lam * v, x, y)) / (2 * lam)
-        z = noise.normal((1,), math.sqrt(q) * model.noise_multiplier * clip).double()
+        z = noise.normal((1,), math.sqrt(queries) * model.noise_multiplier * clip).double()
         zo += (delta.clamp(-clip, clip).sum() + z) / b * v
-    torch.testing.assert_close(net.weight.detach().double(), theta0 - lr * zo / q, rtol=0, atol=2e-5)
+    torch.testing.assert_close(net.weight.detach().double(), theta0 - lr * zo / queries, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("perturb_scale", [0.5, 0.0])

@@ -29,7 +29,7 @@ from pl_dp.privacy import (
     register_accountant,
 )
 from pl_dp.privacy.accountants import opacus_rdp_conversion, rdp_epsilon
-from pl_dp.privacy.budget import EpsilonTracker
+from pl_dp.privacy.calibration import EpsilonTracker
 from pl_dp.privacy.tree import TreeAccountant
 
 

@@ -94,6 +94,38 @@ def test_probe_catches_an_unknown_parameter_free_mixing_module(mode, strength):
         probe_independence(net, _squared_error, _examples(), (mode,), "public")
 
 
+class _HalfPrecisionBody(nn.Module):
+    """A net trained in bf16 (its inputs cast to bf16) whose fp32 head adds ``mixing`` times the batch's sum."""
+
+    def __init__(self, mixing: float = 0.0) -> None:
+        super().__init__()
+        self.body = _net(nn.Identity()).to(torch.bfloat16)
+        self.mixing = mixing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(x.to(torch.bfloat16)).float()
+        return hidden + self.mixing * hidden.sum(dim=0, keepdim=True)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_half_precision_loosens_the_probe_only_for_a_repadded_batch_of_a_net_trained_in_it(mode):
+    """The bf16 tolerance (1/8 of bf16's epsilon) is for a batch padded to another length (its rounding changes):
+    a batch of the reference's shapes keeps 1e-5, so a 1e-4 mixing behind a bf16 body is caught, and an fp32 net
+    holding a bf16 buffer is not "trained in bf16" (an independent reviewer's two ways through a looser rule)."""
+    probe_independence(_HalfPrecisionBody(), _squared_error, _examples(), (mode,), "public")
+    with pytest.raises(IndependenceError, match="changed the losses"):
+        probe_independence(_HalfPrecisionBody(1e-4), _squared_error, _examples(), (mode,), "public")
+    holder = _net(nn.Identity())
+    holder.register_buffer("unused", torch.zeros(1, dtype=torch.bfloat16))
+
+    def summed(net: nn.Module, batch) -> torch.Tensor:
+        losses = _squared_error(net, batch)
+        return losses + 1e-4 * losses.sum()
+
+    with pytest.raises(IndependenceError, match="changed the losses"):
+        probe_independence(holder, summed, _examples(), (mode,), "public")
+
+
 def test_probe_catches_mixing_in_the_loss_itself():
     def relative_loss(net: nn.Module, batch) -> torch.Tensor:
         losses = cross_entropy(net, batch)

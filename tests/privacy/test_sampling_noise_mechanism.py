@@ -190,6 +190,26 @@ def test_seeded_noise_is_a_pure_function_of_seed_step_and_draw(secure):
 
 
 @pytest.mark.parametrize("secure", [False, True])
+def test_a_block_of_a_draw_is_its_slice_drawn_from_the_chunks_that_meet_it(secure):
+    """A rank's block of a sharded tensor gets exactly its slice of the draw one process makes — across chunk edges
+    (2²⁰ values), at either end, empty — and drawing it costs the block: here a block of a draw of 2³⁴ values (64 GiB
+    whole in fp32), which would not fit in memory if the whole draw were made."""
+    source, shape = NoiseSource(seed=3, secure=secure), (1500, 1500)  # 2.1 chunks
+    source.start_step(5)
+    whole = source.normal(shape, 2.0).view(-1)
+    numel = whole.numel()
+    for offset, count in [(0, numel), (0, 1 << 20), (1000, 1 << 20), (numel // 2, numel - numel // 2), (numel - 5, 5)]:
+        source.start_step(5)
+        assert torch.equal(source.normal(shape, 2.0, block=(offset, count)), whole[offset : offset + count])
+    source.start_step(5)
+    assert source.normal(shape, 2.0, block=(numel, 0)).shape == (0,)
+    huge = source.normal((1 << 34,), 2.0, block=((1 << 33) + 17, 10))
+    assert huge.shape == (10,) and huge.std() > 0
+    with pytest.raises(ValueError, match="does not lie"):
+        source.normal(shape, 2.0, block=(numel - 2, 5))
+
+
+@pytest.mark.parametrize("secure", [False, True])
 def test_entropy_noise_differs_between_sources_and_has_no_state_to_save(secure):
     a, b = NoiseSource(secure=secure), NoiseSource(secure=secure)
     assert not a.seeded and not torch.equal(a.normal((8,), 1.0), b.normal((8,), 1.0))

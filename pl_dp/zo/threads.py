@@ -66,9 +66,10 @@ def run_all(work: Callable[[Item], None], items: Sequence[Item], parallel: bool 
     def take_all() -> None:
         while not failed:
             with lock:
-                item = next(pending, _DONE)
-            if item is _DONE:
-                return
+                try:
+                    item = next(pending)
+                except StopIteration:
+                    return
             try:
                 work(item)
             except BaseException as error:  # noqa: BLE001 — re-raised in the calling thread below
@@ -80,9 +81,6 @@ def run_all(work: Callable[[Item], None], items: Sequence[Item], parallel: bool 
         future.result()
     if failed:
         raise failed[0]
-
-
-_DONE = object()
 
 
 def generator(device: torch.device) -> torch.Generator:

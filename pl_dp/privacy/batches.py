@@ -1,0 +1,87 @@
+"""The structure of a batch: its size, its device, micro-batches and chosen examples of it, its inputs.
+
+A batch is a tensor, or a mapping or sequence of them (nested at any depth), whose tensors hold one row per
+example along their first dimension; a per-example list (texts) counts as a column too. These helpers cut and
+read a batch without knowing its fields, which is what lets a method, the pre-flight pass and the seal handle
+whatever a loader yields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Number of examples in ``batch``: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            if isinstance(value, torch.Tensor):
+                return batch_size_of(value)
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        for value in batch:
+            if isinstance(value, (torch.Tensor, Mapping, Sequence)):
+                try:
+                    return batch_size_of(value)
+                except TypeError:
+                    continue
+    raise TypeError(f"cannot find a tensor in the batch to size it (got {type(batch).__name__}).")
+
+
+def device_of(batch: Any) -> torch.device:
+    """The device of the first tensor in ``batch`` (the CPU when it holds none)."""
+    found = _first_device(batch)
+    return torch.device("cpu") if found is None else found
+
+
+def _first_device(batch: Any) -> torch.device | None:
+    if isinstance(batch, torch.Tensor):
+        return batch.device
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((d for d in map(_first_device, values) if d is not None), None)
+
+
+def split_batch(batch: Any, size: int | None) -> list[Any]:
+    """``batch`` cut into consecutive micro-batches of at most ``size`` examples (all of it when ``size`` is None).
+
+    Every tensor is sliced along its first (example) dimension; mappings and sequences keep their
+    structure. Per-example quantities computed micro-batch by micro-batch are those of the whole
+    batch, because each example's loss depends on that example alone (per-example independence, checked at
+    fit start by :mod:`pl_dp.privacy.independence`).
+    """
+    total = batch_size_of(batch)
+    if size is None or total <= size:
+        return [batch]
+    return [_take(batch, slice(start, min(start + size, total)), total) for start in range(0, total, size)]
+
+
+def select_examples(batch: Any, index: torch.Tensor) -> Any:
+    """The examples of ``batch`` at positions ``index`` (a 1-d integer tensor), in that order, same structure."""
+    return _take(batch, index, batch_size_of(batch))
+
+
+def _take(batch: Any, index: slice | torch.Tensor, size: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[index if isinstance(index, slice) else index.to(batch.device)]
+    if isinstance(batch, Mapping):
+        return {k: _take(v, index, size) for k, v in batch.items()}
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        rebuild: Any = type(batch)  # a list, a tuple, …: the concrete type of the batch
+        if len(batch) == size and all(isinstance(v, (str, bytes, int, float)) for v in batch):
+            rows = range(size)[index] if isinstance(index, slice) else index.tolist()
+            return rebuild(batch[i] for i in rows)  # a per-example list, e.g. texts
+        return rebuild(_take(v, index, size) for v in batch)
+    return batch
+
+
+def prediction_inputs(batch: Any) -> Any:
+    """The inputs of a batch for prediction: ``x`` of (x, y) or of an x-only [x], a dict without ``labels``."""
+    if isinstance(batch, Mapping):
+        return {k: v for k, v in batch.items() if k != "labels"}
+    if isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) in (1, 2):
+        return batch[0]
+    return batch
