@@ -83,7 +83,9 @@ def worker(devices: int, steps: int, out: Path) -> None:
         trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps + 1, callbacks=[meter])
         model = make()
         trainer.fit(model, VaderSentimentDataModule(batch_size=BATCH, sampling_seed=11))
-        held = sum(local(p).numel() * p.element_size() for p in model.net.parameters()) + model.masters.nbytes
+        masters = getattr(model, "masters", None)  # the methods that write their own update (OwnUpdateModule)
+        held = sum(local(p).numel() * p.element_size() for p in model.net.parameters())
+        held += masters.nbytes if masters is not None else 0
         theta = _gathered(model.net)
         results[name] = {
             "seconds_per_step": meter.seconds / max(meter.steps, 1),

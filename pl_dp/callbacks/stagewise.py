@@ -63,7 +63,8 @@ class ProximalAnchor:
 
 
 class StagedModule(PrivateModuleLike, Protocol):
-    """A method with a settable step size and a proximal anchor (every pl_dp method)."""
+    """A method with a settable step size (every pl_dp method); ``proximal`` is the anchor slot of the methods that
+    apply the term (``applies_proximal_term``: :class:`~pl_dp.methods.own_update.OwnUpdateModule`), set only there."""
 
     lr: float
     proximal: ProximalAnchor | None
@@ -85,8 +86,8 @@ class StagewiseSchedule(PrivacyCallback):
             is 1/λ). ``None`` or 0 disables it.
     """
 
-    requires = ("lr", "proximal")
-    requires_description = "a pl_dp method with a settable step size and a proximal anchor"
+    requires = ("lr",)
+    requires_description = "a pl_dp method with a settable step size"
 
     def __init__(
         self,
@@ -150,7 +151,8 @@ class StagewiseSchedule(PrivacyCallback):
         if anchor is not None and self.anchor is not None:
             for mine, saved in zip(self.anchor.anchor, anchor):
                 mine.copy_(saved)
-        pl_module.proximal = self.anchor
+        if getattr(pl_module, "applies_proximal_term", False):  # the others were refused a term at train start
+            pl_module.proximal = self.anchor
         self.stage = stage
 
     def on_train_start(self, trainer: L.Trainer, pl_module: StagedModule) -> None:

@@ -4,6 +4,7 @@ from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.dpzero import DPZero
 from pl_dp.methods.first_order import DPSGD, Coupling, FirstOrderModule
 from pl_dp.methods.o2nc import O2NC
+from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.methods.pazo import PAZOM, PAZOP, PAZOS
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 
@@ -12,6 +13,7 @@ __all__ = [
     "Coupling",
     "FirstOrderModule",
     "O2NC",
+    "OwnUpdateModule",
     "PAZOM",
     "PAZOP",
     "PAZOS",

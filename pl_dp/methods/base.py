@@ -1,6 +1,9 @@
 """The base of every pl_dp method: the story of one private step, in Lightning's hooks.
 
-A method subclasses :class:`PrivateModule` and implements two things:
+A method subclasses :class:`PrivateModule` — through its family's base:
+:class:`~pl_dp.methods.own_update.OwnUpdateModule` for methods that write their update themselves (fp32 masters,
+plain SGD, the proximal term), :class:`~pl_dp.methods.first_order.FirstOrderModule` for per-example gradients — and
+implements two things:
 
 * :meth:`PrivateModule.mechanism` — its per-step release (sensitivity, number of sums); the
   base adds σ, the sample rate and the expected batch size, so the mechanism is declared in one
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,6 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin
@@ -54,31 +56,9 @@ from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.estimator import per_sample_evaluator
-from pl_dp.zo.master import MasterWeights, ShardedMasters
 
 #: where a lineage's privacy journal goes, inside the checkpoint directory (or the Trainer's root)
 JOURNAL_DIRECTORY = "pl_dp_journal"
-#: the checkpoint entry holding the fp32 master weights of half-precision parameters, by parameter name
-MASTER_WEIGHTS_KEY = "pl_dp_master_weights"
-
-
-def refuse_unless_plain_sgd(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-    """Raise unless ``optimizer`` is ``torch.optim.SGD`` without momentum, weight decay or Nesterov.
-
-    For methods that write their update themselves (zeroth-order, O2NC): the optimizer holds η only.
-    """
-    plain = isinstance(optimizer, torch.optim.SGD) and all(
-        not group.get("momentum") and not group.get("weight_decay") and not group.get("nesterov")
-        for group in optimizer.param_groups
-    )
-    if not plain:
-        raise ValueError(
-            f"{type(module).__name__} applies its own update (it writes no gradient for an optimizer), so it "
-            "accepts only torch.optim.SGD without momentum, weight decay or Nesterov, which holds the step size "
-            f"for LR schedulers; got {type(optimizer).__name__} with {optimizer.defaults}. Remove --optimizer "
-            "(or configure_optimizers' override), or use a first-order method (DPSGD, Coupling) for Adam-style "
-            "updates on the privatized gradient."
-        )
 
 
 class _FromLedger:
@@ -143,12 +123,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
     allow_privacy_change: bool = False
     #: whether DP noise comes from the cryptographic generator unless ``secure_rng`` says otherwise
     secure_rng_default: bool = False
-    #: whether the method writes its update itself (zeroth-order, O2NC): its optimizer holds η only, so
-    #: only plain SGD is accepted; first-order methods hand the privatized gradient to any optimizer
-    applies_own_update: bool = False
-    #: whether the method's update includes the proximal term of a :class:`~pl_dp.callbacks.StagewiseSchedule`
-    #: (:meth:`proximal_terms`): the zeroth-order methods' does; a schedule with one refuses the others
-    applies_proximal_term: bool = False
     #: the accountant of ``PrivacySpec(accountant=None)``: the one this method's sampling calls for
     default_accountant: str = "prv"
     #: the mechanism of each private step (:meth:`mechanism`); a spec's accountant must support it
@@ -214,10 +188,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self._padding: Any = None  # sharded: a fixed non-private example padding the passes (see _padding_example)
         self._plan_ready = False
         self._metrics: nn.ModuleDict = nn.ModuleDict()
-        self.proximal: Any = None  # a ProximalAnchor while a StagewiseSchedule holds one
-        # fp32 masters of half-precision parameters, for methods whose engine writes them (zeroth-order, O2NC)
-        self.masters = MasterWeights()
-        self.register_load_state_dict_pre_hook(self._take_sharded_masters)
 
     # ---- the method's part -----------------------------------------------------------------
     def mechanism(self, batch_size: int) -> SubsampledGaussian:
@@ -228,32 +198,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         """One step of the method's math; returns privatized (safe to log) statistics."""
         raise NotImplementedError
 
-    def private_losses(self, batch: Any, batch_size: int) -> Callable[[], torch.Tensor]:
-        """A closure giving the fp32 per-example losses of the private ``batch`` at the current parameters, as
-        zeroth-order methods evaluate them (eval mode, inference mode, micro-batched by ``max_physical_batch_size``).
-        In a private run an example whose loss raises gets NaN — it contributes 0, counted — instead of ending the
-        run at the step that sampled it (:func:`~pl_dp.privacy.seal.isolate_failures`; sharded, by passes every rank
-        runs: :func:`~pl_dp.zo.estimator.per_sample_evaluator`)."""
-        forwards = agree = None
-        if self.sharded:  # forwards are collectives: every rank runs as many (see per_sample_evaluator)
-            physical = self.max_physical_batch_size or batch_size or 1
-            forwards = self.forwards_on_every_rank(math.ceil(batch_size / physical))
-            agree = self.forwards_on_every_rank
-        return per_sample_evaluator(
-            self.net,
-            self.loss_fn,
-            batch,
-            batch_size,
-            self.max_physical_batch_size,
-            isolate=self.privacy is not None,
-            forwards=forwards,
-            agree=agree,
-            padding=self._padding,
-        )
-
     def reference_pass(self, batch: Any) -> None:
-        """The method's per-example computation on ``batch``, results discarded, exceptions raised (zeroth-order
-        methods: the losses as :meth:`private_losses` evaluates them; first-order methods: the clipped sum)."""
+        """The method's per-example computation on ``batch``, results discarded, exceptions raised (by default the
+        per-example losses, as :meth:`~pl_dp.methods.own_update.OwnUpdateModule.private_losses` evaluates them;
+        first-order methods: the clipped sum)."""
         per_sample_evaluator(self.net, self.loss_fn, batch, batch_size_of(batch), self.max_physical_batch_size)()
 
     def check_reference(self) -> None:
@@ -608,14 +556,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
 
     def on_train_start(self) -> None:
-        if self.applies_own_update:
-            refuse_unless_plain_sgd(self, self.optimizers(use_pl_optimizer=False))
-            if self.net_configure_optimizers() is not None:
-                rank_zero_warn(
-                    f"{type(self).__name__} writes its update itself: the net's own configure_optimizers is not "
-                    f"used. Plain SGD holds the step size (lr={self.lr:g}). DPSGD and Coupling use the net's "
-                    "optimizer."
-                )
         self.setup_privacy()
 
     def on_train_epoch_end(self) -> None:
@@ -718,16 +658,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         final = trainer.should_stop or trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
         return final or (every > 0 and trainer.global_step % every == 0)
 
-    # ---- the proximal term of a StagewiseSchedule ------------------------------------------------
-    @property
-    def proximal_anchor(self) -> list[torch.Tensor] | None:
-        """The anchor θ^{s−1} of the current stage's proximal term, if a schedule set one."""
-        return None if self.proximal is None else self.proximal.anchor
-
-    def proximal_terms(self) -> list[tuple[list[torch.Tensor], float]]:
-        """The proximal gradient step as dense ``extra`` terms for a fused zeroth-order sweep ([] without one)."""
-        return [] if self.proximal is None else self.proximal.terms(self.lr, self.master_parameters())
-
     # ---- checkpointing -------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """What a pickle or a deep copy of the module holds (``torch.save(model)``, ``copy.deepcopy``, a spawned
@@ -781,32 +711,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self._restored = state
         self._plan_ready = False  # setup_privacy re-reads the loader and checks it against the checkpoint
 
-    def configure_model(self) -> None:
-        """Shard the net under ``ModelParallelStrategy`` (:meth:`DataParallelMixin.configure_model`); its fp32
-        masters then travel in the model's state dict (:class:`~pl_dp.zo.master.ShardedMasters`), which a
-        distributed checkpoint saves and loads by shard."""
-        super().configure_model()
-        if self.sharded and "sharded_masters" not in self._modules:
-            self.sharded_masters = ShardedMasters(self.masters, self.named_parameters)
-
-    @staticmethod
-    def _take_sharded_masters(module: PrivateModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """A state dict written by a sharded run, loaded where no net is sharded (a fresh module, one process): its
-        masters entry is taken by the store — whole masters offered to the next engine, shards dropped — rather than
-        refused as an unexpected key."""
-        key = f"{prefix}sharded_masters._extra_state"
-        if key in state_dict and "sharded_masters" not in module._modules:
-            whole = {name: m for name, m in state_dict.pop(key).items() if not isinstance(m, DTensor)}
-            module.masters.load_state_dict(whole, module.named_parameters())
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.privacy is not None and self.lineage is not None:
             self._write_journal()  # before the checkpoint exists: a resume from it finds every step released
         checkpoint["pl_dp"] = self.privacy_state_dict()
-        # the fp32 values the half-precision weights in "state_dict" are the rounding of (sharded: in "state_dict")
-        masters = {} if self.sharded else self.masters.state_dict(self.named_parameters())
-        if masters:
-            checkpoint[MASTER_WEIGHTS_KEY] = masters
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "pl_dp" not in checkpoint:
@@ -815,5 +723,3 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
                 "would restart the accountant from zero and under-report epsilon."
             )
         self.load_privacy_state_dict(checkpoint["pl_dp"])
-        # taken by the next engine built, each one only if the loaded weight is still its rounding
-        self.masters.load_state_dict(checkpoint.get(MASTER_WEIGHTS_KEY, {}), self.named_parameters())

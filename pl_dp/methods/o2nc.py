@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule
+from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
@@ -30,7 +30,7 @@ def _norm(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
-class O2NC(PrivateModule):
+class O2NC(OwnUpdateModule):
     """Private zeroth-order online-to-nonconvex conversion (Algorithms 3–6).
 
     One ``training_step`` is one round (k, t). With D = δ/T (the ``smoothing`` δ over ``inner_steps`` T):
@@ -67,8 +67,6 @@ class O2NC(PrivateModule):
         batch_size: B₂, examples per DIFF round (and per round of the naive variant).
         output: ``"random_average"`` (the paper), ``"last_average"`` or ``"last_iterate"``; loaded into
             the net when training ends (post-processing: free).
-        master_weights: keep the iterates of bf16/fp16 parameters in fp32 (default; the parameters are their
-            rounding, see :mod:`pl_dp.zo.master`); ``False`` keeps them in the parameters' dtype.
 
     The private set is partitioned (not Poisson-sampled): each example is used in one round per pass.
     The datamodule's ``batch_size`` is not used. Mid-epoch checkpoints resume at the next epoch: the
@@ -83,9 +81,8 @@ class O2NC(PrivateModule):
     supports_data_parallel = False
     default_accountant = "tree"
     release = TreeAggregatedGaussian
-    secure_rng_default = True  # node noises of a few thousand coordinates at most
-    applies_own_update = True
-    private_loss_modes = ("eval",)  # private_losses
+    #: the update is the online learner's projected step, which a StagewiseSchedule's proximal term does not enter
+    applies_proximal_term = False
 
     def __init__(
         self,
@@ -100,12 +97,10 @@ class O2NC(PrivateModule):
         batch_size: int = 1,
         step_rule: str = "adagrad",
         output: str = "random_average",
-        master_weights: bool = True,
         lr: float = 1.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(net, lr=lr, **kwargs)
-        self.masters.enabled = bool(master_weights)
         check_positive("clip", clip)
         check_positive("smoothing", smoothing)
         if variant not in ("tree", "naive"):

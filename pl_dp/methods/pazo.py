@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule
+from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
@@ -155,7 +155,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         }
 
 
-class PAZOS(PublicDataMixin, PrivateModule):
+class PAZOS(PublicDataMixin, OwnUpdateModule):
     """PAZO-S (Algorithm 3): choose among k public gradients by private loss queries.
 
     Per step, with k disjoint public batches and their raw gradients g_1..g_k (at θ_t)::
@@ -174,14 +174,10 @@ class PAZOS(PublicDataMixin, PrivateModule):
 
     Candidates are evaluated in place one at a time, keeping only the best gradient so far:
     memory inference + 2 parameter copies. Cost: k+1 private forwards, k public forward+backward.
-    ``master_weights`` as for :class:`~pl_dp.methods.zeroth_order.ZerothOrderModule`: every move goes
-    through the engine, which trains half-precision parameters through fp32 masters.
+    Every move goes through the engine, which trains half-precision parameters through fp32 masters
+    (``master_weights``, :class:`~pl_dp.methods.own_update.OwnUpdateModule`); the k + 1 noisy scalars a step
+    come from the cryptographic generator by default.
     """
-
-    secure_rng_default = True  # k + 1 noisy scalars a step
-    applies_own_update = True
-    applies_proximal_term = True
-    private_loss_modes = ("eval",)  # private_losses
 
     def __init__(
         self,
@@ -190,12 +186,10 @@ class PAZOS(PublicDataMixin, PrivateModule):
         clip: float | None = 2.0,
         k: int = 3,
         perturb_scale: float = 1e-3,
-        master_weights: bool = True,
         lr: float = 0.1,
         **kwargs: Any,
     ) -> None:
         super().__init__(net, lr=lr, **kwargs)
-        self.masters.enabled = bool(master_weights)
         check_positive("clip", clip, allow_none=self.privacy is None)
         if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
             raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")

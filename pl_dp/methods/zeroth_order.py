@@ -1,7 +1,8 @@
 """Shared plumbing of the zeroth-order methods: engine, estimator, direction seed, hyperparameters.
 
 The math of each method lives in its own module (``dpzero.py``, ``pazo.py``); this class only
-wires :mod:`pl_dp.zo` into :class:`~pl_dp.methods.base.PrivateModule`.
+wires :mod:`pl_dp.zo`'s two-point estimator into :class:`~pl_dp.methods.own_update.OwnUpdateModule` (the family
+of methods that write their update themselves: fp32 masters, plain SGD, the proximal term).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule
+from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
@@ -19,10 +20,10 @@ from pl_dp.zo.estimator import PrivateTwoPointEstimator, ZerothOrderEstimate
 from pl_dp.zo.mask import DirectionMask
 
 
-class ZerothOrderModule(PrivateModule):
+class ZerothOrderModule(OwnUpdateModule):
     """A private method that queries the private batch only through two-point loss differences.
 
-    Args (beyond :class:`PrivateModule`):
+    Args (beyond :class:`~pl_dp.methods.own_update.OwnUpdateModule`):
         clip: C, the bound each example's scalar finite difference is clamped to. Required for
             private runs; ``None`` (no clipping) only without privacy.
         smoothing: λ, the finite-difference radius.
@@ -40,21 +41,11 @@ class ZerothOrderModule(PrivateModule):
             keeps as many as fit in 256 MiB (:data:`~pl_dp.zo.engine.CACHE_BUDGET_BYTES`).
         one_sided: difference f(θ + λu_j) against one shared f(θ) — q + 1 forwards instead of 2q,
             same privacy, more variance per query (see :class:`~pl_dp.zo.PrivateTwoPointEstimator`).
-        master_weights: train bf16/fp16 parameters through fp32 master copies (default): restores are
-            exact, updates below a bf16 ulp accumulate, and the parameters are always the rounding of
-            the masters (:mod:`pl_dp.zo.master`). Costs 4 bytes per trained half-precision coordinate;
-            ``False`` perturbs and updates them in place (MeZO's way), for models whose masters do not
-            fit in memory. No effect on fp32 parameters, which are always written in place.
 
     The directions are seeded from ``torch.initial_seed()`` (so ``seed_everything`` makes them
     reproducible) and a step counter; they never share a generator with the DP noise. The q noisy
     scalars of a step are drawn from the cryptographic generator by default (``secure_rng``).
     """
-
-    secure_rng_default = True
-    applies_own_update = True
-    applies_proximal_term = True
-    private_loss_modes = ("eval",)  # private_losses
 
     def __init__(
         self,
@@ -68,7 +59,6 @@ class ZerothOrderModule(PrivateModule):
         joint_clip: bool = False,
         cache_directions: bool | None = None,
         one_sided: bool = False,
-        master_weights: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(net, **kwargs)
@@ -79,7 +69,6 @@ class ZerothOrderModule(PrivateModule):
         self.joint_clip = bool(joint_clip)
         self.cache_directions = cache_directions
         self.one_sided = bool(one_sided)
-        self.masters.enabled = bool(master_weights)
         self._smoothing = float(smoothing)
         self._direction = Direction(direction, radius)
         self._estimator: PrivateTwoPointEstimator | None = None

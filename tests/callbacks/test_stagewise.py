@@ -95,14 +95,19 @@ def test_works_with_pazo_s_without_smoothing():
     assert math.isfinite(model.epsilon)
 
 
-@pytest.mark.parametrize("method", ["dpsgd", "coupling"])
+@pytest.mark.parametrize("method", ["dpsgd", "coupling", "o2nc"])
 def test_a_proximal_term_the_method_would_drop_is_refused(method):
-    """DP-SGD and Coupling hand the gradient to an optimizer and never apply the term: on main the schedule's
-    protocol check passed and the term was dropped silently. Without the term the schedule works as usual."""
-    from pl_dp.methods import DPSGD, Coupling
+    """DP-SGD and Coupling hand the gradient to an optimizer, and O2NC's update is its online learner's projected
+    step: none applies the term (``applies_proximal_term``, of the methods that write their own update). The
+    schedule's protocol check once passed for all three and the term was dropped silently. Without the term the
+    schedule works as usual."""
+    from pl_dp.methods import DPSGD, O2NC, Coupling
 
-    cls = DPSGD if method == "dpsgd" else Coupling
-    model = cls(nn.Linear(4, 3), clip=1.0, privacy=PrivacySpec(epsilon=5.0, accountant="rdp"))
+    if method == "o2nc":  # its own accountant (the tree's); its loader is its partition, asked by the datamodule
+        model = O2NC(nn.Linear(4, 3), clip=1.0, inner_steps=2, privacy=PrivacySpec(epsilon=50.0))
+    else:
+        cls = DPSGD if method == "dpsgd" else Coupling
+        model = cls(nn.Linear(4, 3), clip=1.0, privacy=PrivacySpec(epsilon=5.0, accountant="rdp"))
     data = PrivatePublicDataModule(blobs(60), public=blobs(20, seed=5), batch_size=10, public_batch_size=5)
     with pytest.raises(ValueError, match=r"proximal term, which \w+'s update does not include"):
         make_trainer(max_steps=4, callbacks=[StagewiseSchedule(stages=2, proximal=0.1)]).fit(model, data)

@@ -12,7 +12,7 @@ from pl_dp import PrivacySpec
 from pl_dp.callbacks import StagewiseSchedule
 from pl_dp.data import DigitsDataModule, digits_splits
 from pl_dp.methods import O2NC, PAZOM, PAZOP, PAZOS, DPZero
-from pl_dp.methods.base import MASTER_WEIGHTS_KEY
+from pl_dp.methods.own_update import MASTER_WEIGHTS_KEY
 from tests.conftest import make_trainer
 from tests.methods.test_checkpoint import Crash
 

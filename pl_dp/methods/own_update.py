@@ -1,0 +1,162 @@
+"""The methods that write their update themselves: zeroth-order (DPZero, PAZO-M/P), PAZO-S and O2NC.
+
+They release a few noisy scalars or small vectors a step and move the parameters through a perturbation engine,
+never through ``.grad``; what that implies lives here, once:
+
+* the optimizer holds η only, so only plain SGD is accepted (:func:`refuse_unless_plain_sgd`);
+* half-precision parameters are trained through fp32 masters (:mod:`pl_dp.zo.master`), which a checkpoint holds
+  beside the weights (:data:`MASTER_WEIGHTS_KEY`);
+* a :class:`~pl_dp.callbacks.StagewiseSchedule`'s proximal term enters the update (:meth:`proximal_terms`) of the
+  methods that declare ``applies_proximal_term``; the schedule refuses a term for any other method;
+* private losses are evaluated in eval and inference mode (:meth:`private_losses`), and the noise comes from the
+  cryptographic generator by default (cheap for a few scalars).
+
+First-order methods (:class:`~pl_dp.methods.first_order.FirstOrderModule`) hand a privatized gradient to any
+optimizer instead and share none of this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from pl_dp.methods.base import PrivateModule
+from pl_dp.zo.estimator import per_sample_evaluator
+from pl_dp.zo.master import MasterWeights, ShardedMasters
+
+#: the checkpoint entry holding the fp32 master weights of half-precision parameters, by parameter name
+MASTER_WEIGHTS_KEY = "pl_dp_master_weights"
+
+
+def refuse_unless_plain_sgd(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``optimizer`` is ``torch.optim.SGD`` without momentum, weight decay or Nesterov.
+
+    For methods that write their update themselves (zeroth-order, O2NC): the optimizer holds η only.
+    """
+    plain = isinstance(optimizer, torch.optim.SGD) and all(
+        not group.get("momentum") and not group.get("weight_decay") and not group.get("nesterov")
+        for group in optimizer.param_groups
+    )
+    if not plain:
+        raise ValueError(
+            f"{type(module).__name__} applies its own update (it writes no gradient for an optimizer), so it "
+            "accepts only torch.optim.SGD without momentum, weight decay or Nesterov, which holds the step size "
+            f"for LR schedulers; got {type(optimizer).__name__} with {optimizer.defaults}. Remove --optimizer "
+            "(or configure_optimizers' override), or use a first-order method (DPSGD, Coupling) for Adam-style "
+            "updates on the privatized gradient."
+        )
+
+
+class OwnUpdateModule(PrivateModule):
+    """A private method that writes its update itself, through a perturbation engine (no ``.grad``, no optimizer step).
+
+    Args (beyond :class:`~pl_dp.methods.base.PrivateModule`):
+        master_weights: train bf16/fp16 parameters through fp32 master copies (default): restores are exact,
+            updates below a bf16 ulp accumulate, and the parameters are always the rounding of the masters
+            (:mod:`pl_dp.zo.master`); a checkpoint holds the masters too. Costs 4 bytes per trained
+            half-precision coordinate; ``False`` perturbs and updates them in place (MeZO's way), for models whose
+            masters do not fit in memory. No effect on fp32 parameters, which are always written in place.
+
+    A subclass builds its engine with ``masters=self.masters`` (the store outlives the engines, which are rebuilt at
+    every fit start and mask change) and returns the engine's weights from :meth:`master_parameters`.
+    """
+
+    #: a few noisy scalars or small vectors a step: the cryptographic generator costs microseconds
+    secure_rng_default = True
+    #: whether the update includes a StagewiseSchedule's proximal term (:meth:`proximal_terms`); a schedule with
+    #: one refuses a method that does not (its term would be dropped silently)
+    applies_proximal_term: bool = True
+    private_loss_modes = ("eval",)  # private_losses
+
+    def __init__(self, net: nn.Module, *, master_weights: bool = True, **kwargs: Any) -> None:
+        super().__init__(net, **kwargs)
+        # fp32 masters of half-precision parameters, written by the method's engine
+        self.masters = MasterWeights(enabled=master_weights)
+        self.register_load_state_dict_pre_hook(self._take_sharded_masters)
+        self.proximal: Any = None  # a ProximalAnchor while a StagewiseSchedule holds one
+
+    # ---- the step -------------------------------------------------------------------------------
+    def private_losses(self, batch: Any, batch_size: int) -> Callable[[], torch.Tensor]:
+        """A closure giving the fp32 per-example losses of the private ``batch`` at the current parameters (eval mode,
+        inference mode, micro-batched by ``max_physical_batch_size``). In a private run an example whose loss raises
+        gets NaN — it contributes 0, counted — instead of ending the run at the step that sampled it
+        (:func:`~pl_dp.privacy.seal.isolate_failures`; sharded, by passes every rank runs:
+        :func:`~pl_dp.zo.estimator.per_sample_evaluator`)."""
+        forwards = agree = None
+        if self.sharded:  # forwards are collectives: every rank runs as many (see per_sample_evaluator)
+            physical = self.max_physical_batch_size or batch_size or 1
+            forwards = self.forwards_on_every_rank(math.ceil(batch_size / physical))
+            agree = self.forwards_on_every_rank
+        return per_sample_evaluator(
+            self.net,
+            self.loss_fn,
+            batch,
+            batch_size,
+            self.max_physical_batch_size,
+            isolate=self.privacy is not None,
+            forwards=forwards,
+            agree=agree,
+            padding=self._padding,
+        )
+
+    def on_train_start(self) -> None:
+        refuse_unless_plain_sgd(self, self.optimizers(use_pl_optimizer=False))
+        if self.net_configure_optimizers() is not None:
+            rank_zero_warn(
+                f"{type(self).__name__} writes its update itself: the net's own configure_optimizers is not "
+                f"used. Plain SGD holds the step size (lr={self.lr:g}). DPSGD and Coupling use the net's "
+                "optimizer."
+            )
+        super().on_train_start()
+
+    # ---- the proximal term of a StagewiseSchedule ------------------------------------------------
+    @property
+    def proximal_anchor(self) -> list[torch.Tensor] | None:
+        """The anchor θ^{s−1} of the current stage's proximal term, if a schedule set one."""
+        return None if self.proximal is None else self.proximal.anchor
+
+    def proximal_terms(self) -> list[tuple[list[torch.Tensor], float]]:
+        """The proximal gradient step as dense ``extra`` terms for a fused engine sweep ([] without one)."""
+        return [] if self.proximal is None else self.proximal.terms(self.lr, self.master_parameters())
+
+    # ---- checkpointing: the masters beside the weights -----------------------------------------
+    def configure_model(self) -> None:
+        """Shard the net under ``ModelParallelStrategy`` (:meth:`DataParallelMixin.configure_model`); its fp32
+        masters then travel in the model's state dict (:class:`~pl_dp.zo.master.ShardedMasters`), which a
+        distributed checkpoint saves and loads by shard."""
+        super().configure_model()
+        if self.sharded and "sharded_masters" not in self._modules:
+            self.sharded_masters = ShardedMasters(self.masters, self.named_parameters)
+
+    @staticmethod
+    def _take_sharded_masters(module: OwnUpdateModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """A state dict written by a sharded run, loaded where no net is sharded (a fresh module, one process): its
+        masters entry is taken by the store — whole masters offered to the next engine, shards dropped — rather than
+        refused as an unexpected key."""
+        key = f"{prefix}sharded_masters._extra_state"
+        if key in state_dict and "sharded_masters" not in module._modules:
+            whole = {name: m for name, m in state_dict.pop(key).items() if not isinstance(m, DTensor)}
+            module.masters.load_state_dict(whole, module.named_parameters())
+
+    def _master_state_for_checkpoint(self) -> dict[str, torch.Tensor]:
+        """The fp32 values the half-precision weights in "state_dict" are the rounding of, for the checkpoint's
+        :data:`MASTER_WEIGHTS_KEY` entry (sharded: none, they are in "state_dict", see :meth:`configure_model`)."""
+        return {} if self.sharded else self.masters.state_dict(self.named_parameters())
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        masters = self._master_state_for_checkpoint()
+        if masters:
+            checkpoint[MASTER_WEIGHTS_KEY] = masters
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        # taken by the next engine built, each one only if the loaded weight is still its rounding
+        self.masters.load_state_dict(checkpoint.get(MASTER_WEIGHTS_KEY, {}), self.named_parameters())
