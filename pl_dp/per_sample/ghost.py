@@ -125,11 +125,20 @@ class _NormsOnly:
 
     Sharded by FSDP2, the forward uses each layer's gathered parameters, not the shards: their identities are
     recorded too, so that a gathered parameter the loss reaches is named.
+
+    The same walk checks that every use of a trainable parameter lies *inside* a call of a module that holds it —
+    between the call's output and its inputs, where its hooks measure it. A weight read again elsewhere (``fc(x) + x
+    @ fc.weight.T``, a head tied by ``F.linear(h, embedding.weight)``, a loss that reads a weight) adds to the
+    gradient the second pass sums but not to the norm the first pass measured: its examples would be under-clipped,
+    and one of them could move the sum by more than the clip bound. The check reads the graph's structure, so a use
+    that only some examples switch on (a mask times the extra term) is found whatever the batch.
     """
 
     def __init__(self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str], sharded: bool):
         self.active = False
         self.edges: list[GradientEdge] = []
+        #: per hooked call: the module, the nodes of its output and the nodes of its inputs (where the call ends)
+        self.calls: list[tuple[nn.Module, list[Node], set[Node]]] = []
         #: the parameters of the holders as the forward saw them (sharded: gathered), by ``id``
         self.gathered: dict[int, tuple[str, nn.Module]] = {}
         self._handles = [m.register_forward_hook(self._below_hook) for m in hooked]
@@ -140,10 +149,10 @@ class _NormsOnly:
         self._names = names
 
     def start(self) -> None:
-        self.edges, self.gathered, self.active = [], {}, True
+        self.edges, self.calls, self.gathered, self.active = [], [], {}, True
 
     def stop(self) -> None:
-        self.edges, self.gathered, self.active = [], {}, False
+        self.edges, self.calls, self.gathered, self.active = [], [], {}, False
 
     def close(self) -> None:
         for handle in self._handles:
@@ -155,6 +164,7 @@ class _NormsOnly:
         if not (self.active and torch.is_grad_enabled()):
             return
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        self._call(module, inputs, output)
         if not inputs:  # the hook fires at the output
             self.edges += [get_gradient_edge(t) for t in _tensors(output) if t.requires_grad]
             return
@@ -169,7 +179,14 @@ class _NormsOnly:
         if not (self.active and torch.is_grad_enabled()):
             return
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        self._call(module, inputs, output)
         self.edges += [get_gradient_edge(t) for t in inputs or _tensors(output) if t.requires_grad]
+
+    def _call(self, module: nn.Module, inputs: list[torch.Tensor], output: Any) -> None:
+        """Record where a hooked call's part of the graph begins (its output: forward hooks see it before a full
+        backward hook wraps it) and ends (the nodes its inputs come from)."""
+        starts = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        self.calls.append((module, starts, {a.grad_fn for a in inputs if a.grad_fn is not None}))
 
     def _parameters(self, module: nn.Module, args: tuple) -> None:
         if self.active:
@@ -180,7 +197,8 @@ class _NormsOnly:
     def plan(self, root: Node) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """The recorded edges below which no other recorded edge lies (the gradient reaches all the others on its
         way to them), and the leaf tensors (``AccumulateGrad`` variables: parameters, gathered or not) that the graph
-        of ``root`` reaches — those whose gradient, were it computed, would not be ``None``."""
+        of ``root`` reaches — those whose gradient, were it computed, would not be ``None``. Raises if a trainable
+        parameter is used outside every call of the modules that hold it (see the class)."""
         targets: dict[Node, list[GradientEdge]] = {}
         for edge in self.edges:
             found = targets.setdefault(edge.node, [])
@@ -208,7 +226,52 @@ class _NormsOnly:
             variable = getattr(node, "variable", None)  # an AccumulateGrad node
             if isinstance(variable, torch.Tensor):
                 leaves.append(variable)
+        self._refuse_uses_outside_their_layers(reaches)
         return lowest, leaves
+
+    def _refuse_uses_outside_their_layers(self, graph: dict[Node, bool]) -> None:
+        """Raise naming the trainable parameters that a node of ``graph`` outside every call of their holders uses."""
+        holders: dict[int, set[nn.Module]] = {}
+        for module in self._names:
+            for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    holders.setdefault(id(p), set()).add(module)
+        for key, (_, module) in self.gathered.items():
+            holders.setdefault(key, set()).add(module)
+        inside: dict[Node, set[nn.Module]] = {}
+        for module, starts, ends in self.calls:
+            seen: set[Node] = set()
+            stack = [n for n in starts if n not in ends]
+            while stack:
+                node = stack.pop()
+                if node in seen:
+                    continue
+                seen.add(node)
+                inside.setdefault(node, set()).add(module)
+                stack += [n for n, _ in node.next_functions if n is not None and n not in ends and n not in seen]
+        outside: set[str] = set()
+        for node in graph:
+            for child, _ in node.next_functions:
+                variable = getattr(child, "variable", None)
+                owners = holders.get(id(variable), set()) if isinstance(variable, torch.Tensor) else set()
+                if owners and not inside.get(node, set()) & owners:
+                    outside.add(self._name_of(variable, owners))
+        if outside:
+            raise ValueError(
+                f"per_sample='ghost' cannot clip {sorted(outside)}: the net or the loss uses them outside the layer "
+                "that holds them (e.g. a weight read again in another module's forward or in the loss, or an output "
+                "head tied by F.linear(h, embedding.weight)), so that layer's hooks would measure only part of each "
+                "example's gradient and under-clip it. Use each trainable parameter only through its layer (tie "
+                "weights by sharing the parameter between nn.Linear/nn.Embedding modules), or per_sample='functorch'."
+            )
+
+    def _name_of(self, variable: torch.Tensor, modules: set[nn.Module]) -> str:
+        if id(variable) in self.gathered:
+            return self.gathered[id(variable)][0]
+        module = next(iter(modules))
+        prefix = self._names.get(module, "")
+        name = next(n for n, p in module.named_parameters(recurse=False) if p is variable)
+        return f"{prefix}.{name}" if prefix else name
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

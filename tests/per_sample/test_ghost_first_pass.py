@@ -191,7 +191,8 @@ def test_the_first_pass_computes_no_parameter_gradient(name, models):
 
 def test_a_parameter_used_outside_its_layer_is_still_refused():
     """The refusal of a parameter the loss uses but whose norm no hook recorded survives: the loss's graph is
-    walked for the parameters it reaches instead of computing their gradients."""
+    walked for the parameters it reaches instead of computing their gradients (and the walk names the use outside
+    the layer first)."""
 
     class Reads(nn.Module):
         def __init__(self):
@@ -203,9 +204,87 @@ def test_a_parameter_used_outside_its_layer_is_still_refused():
 
     torch.manual_seed(0)
     batch = (torch.randn(4, 5), torch.randint(0, 3, (4,)))
-    for engine in (GhostClipping, FullFirstPass):
-        with pytest.raises(RuntimeError, match=r"depends on \['extra\.weight'\].*no per-example norm"):
-            engine(Reads(), cross_entropy).clipped_sum(batch, ClipFunction("constant", 1.0))
+    with pytest.raises(RuntimeError, match=r"depends on \['extra\.weight'\].*no per-example norm"):
+        FullFirstPass(Reads(), cross_entropy).clipped_sum(batch, ClipFunction("constant", 1.0))
+    with pytest.raises(ValueError, match=r"cannot clip \['extra\.weight'\]: .* outside the layer"):
+        GhostClipping(Reads(), cross_entropy).clipped_sum(batch, ClipFunction("constant", 1.0))
+
+
+class _AgainInTheNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x) + x[:, :3] @ self.fc.weight[:, :3].T
+
+
+class _AgainForSomeExamples(_AgainInTheNet):
+    """The extra use switched on by the data: no probe example has a first feature above 50."""
+
+    def forward(self, x):
+        return self.fc(x) + (x[:, :1] > 50).float() * (x[:, :3] @ self.fc.weight[:, :3].T)
+
+
+class _HeadTiedByFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.mix = nn.Embedding(7, 4), nn.Linear(4, 4)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.mix(self.embedding(ids))), self.embedding.weight)
+
+
+def _regularized(net, batch):
+    x, _ = batch
+    return cross_entropy(net, batch) + 0.1 * x.abs().sum(1) * net.fc.weight.square().sum()
+
+
+@pytest.mark.parametrize(
+    "net, loss, batch",
+    [
+        (_AgainInTheNet, cross_entropy, "dense"),
+        (_AgainForSomeExamples, cross_entropy, "dense"),
+        (_HeadTiedByFunction, cross_entropy, "ids"),
+        (_AgainInTheNet, _regularized, "dense"),
+    ],
+    ids=["in the net", "for some examples", "a head tied by F.linear", "in the loss"],
+)
+def test_a_parameter_used_in_its_layer_and_again_outside_it_is_refused(net, loss, batch):
+    """Its layer's hooks measure only that layer's part of each example's gradient: the other use would go
+    unclipped into the sum (an independent review measured ‖c_i g_i‖ up to 2.0 C, and ratios of measured to true norm
+    down to 0.5 on a data-gated use). The graph's structure shows the use, whatever the batch; one process, no
+    release: the fit stops at its first private step's pass."""
+    torch.manual_seed(0)
+    data = (
+        (torch.randn(4, 4), torch.randint(0, 3, (4,)))
+        if batch == "dense"
+        else (torch.randint(0, 7, (4,)), torch.randint(0, 7, (4,)))
+    )
+    with pytest.raises(ValueError, match=r"cannot clip \['(fc|embedding)\.weight'\]: .* outside the layer"):
+        GhostClipping(net(), loss).clipped_sum(data, ClipFunction("constant", 1.0))
+
+
+def test_a_fit_with_a_parameter_used_outside_its_layer_stops_before_any_release():
+    import lightning as L
+
+    from pl_dp import PrivacySpec
+    from pl_dp.data import PrivatePublicDataModule
+    from pl_dp.methods import DPSGD
+    from tests.conftest import blobs, make_trainer
+
+    L.seed_everything(0)
+    data = PrivatePublicDataModule(blobs(60), public=blobs(20, seed=3), batch_size=10)
+    model = DPSGD(
+        _AgainForSomeExamples(),
+        lr=0.1,
+        clip=1.0,
+        per_sample="ghost",
+        privacy=PrivacySpec(epsilon=5.0, accountant="rdp"),
+    )
+    with pytest.raises(ValueError, match="outside the layer"):
+        make_trainer(max_steps=2).fit(model, data)
+    assert model.private_steps == 0 and model.epsilon == 0.0
 
 
 def test_a_layer_the_loss_does_not_reach_gets_a_zero_norm_and_a_zero_sum():
