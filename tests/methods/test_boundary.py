@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from pl_dp import PrivacySpec
 from pl_dp.audit import audit
 from pl_dp.data import PrivatePublicDataModule
-from pl_dp.methods import DPSGD, DPZero
+from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, DPZero
 from pl_dp.methods.base import PrivateModule
 from pl_dp.nets import TinyTransformerClassifier
 from pl_dp.privacy.independence import IndependenceError
@@ -362,7 +362,8 @@ def test_a_loader_pl_dp_did_not_build_is_accepted_with_a_warning_that_it_is_not_
 # ---- 4. copies of a module or a sampler carry no secret ------------------------------------------------------------
 def _trained(cls, sampling_seed=None, **kwargs):
     model = cls(nn.Linear(4, 3), clip=1.0, privacy=SPEC, **kwargs)
-    data = PrivatePublicDataModule(blobs(100), batch_size=20, sampling_seed=sampling_seed)
+    public = blobs(80, seed=3) if model.requires_public_data else None
+    data = PrivatePublicDataModule(blobs(100), public=public, batch_size=20, sampling_seed=sampling_seed)
     trainer = make_trainer(max_steps=2)
     trainer.fit(model, data)
     return model, trainer.train_dataloader.batch_sampler
@@ -384,7 +385,7 @@ COPIES = {
 
 
 @pytest.mark.parametrize("how", list(COPIES))
-@pytest.mark.parametrize("cls", METHODS)
+@pytest.mark.parametrize("cls", [*METHODS, PAZOM, PAZOP, PAZOS])
 def test_a_copy_of_the_module_replays_neither_its_noise_nor_its_batches(cls, how, tmp_path):
     """On main a loaded ``torch.save(model)`` reproduced every step's noise and batches."""
     model, sampler = _trained(cls)
