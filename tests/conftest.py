@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pl_dp.audit import quiet_trainer
+
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(2)
 warnings.filterwarnings("ignore", message=".*Optimal order is the largest alpha.*")
@@ -22,18 +24,8 @@ _ROOT_DIR = tempfile.mkdtemp(prefix="pl_dp_tests_")  # Lightning's and pl_dp's d
 
 
 def make_trainer(**kwargs) -> L.Trainer:
-    defaults = dict(
-        default_root_dir=_ROOT_DIR,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)
+    """The audits' quiet one-process CPU Trainer, writing its default files out of the repo."""
+    return quiet_trainer(**{"default_root_dir": _ROOT_DIR, **kwargs})
 
 
 def blobs(n: int = 200, dim: int = 4, classes: int = 3, seed: int = 0) -> TensorDataset:
