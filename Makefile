@@ -1,4 +1,5 @@
-# pl_dp — two commands: `make demo` and `make test` (each sets up .venv first); `make docs` builds the site,
+# pl_dp — two commands: `make demo` and `make test` (each sets up .venv first; `make test-slow` runs the end-to-end
+# tests `make test` leaves out); `make docs` builds the site,
 # `make typecheck` checks pl_dp's annotations (mypy; settings in pyproject.toml).
 VENV ?= .venv
 PYTHON ?= python3
@@ -7,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test docs lint typecheck bench reproduce
+.PHONY: install demo test test-slow docs lint typecheck bench reproduce
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +23,10 @@ demo: $(STAMP)
 	$(VENV)/bin/pl-dp fit --config configs/digits/pazo_m.yaml
 
 test: $(STAMP)
-	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow tests
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict

@@ -22,6 +22,7 @@ def _run(*args, timeout=300):
     )
 
 
+@pytest.mark.slow
 def test_fit_tiny_config_prints_accuracy_epsilon_and_the_privacy_report(tmp_path):
     config = yaml.safe_load((ROOT / "configs/digits/dpzero.yaml").read_text())
     config["trainer"].update(max_epochs=2, enable_checkpointing=True, default_root_dir=str(tmp_path))
@@ -122,6 +123,7 @@ def test_data_help_lists_the_loader_options_of_every_data_module(data, capsys):
     assert {"batch_size", "public_batch_size", "seed", "sampling_seed", "num_workers", "pin_memory"} <= listed
 
 
+@pytest.mark.slow
 def test_audit_subcommand_prints_the_bound_next_to_the_claim():
     out = _run("audit", "--config", "configs/digits/dpsgd.yaml", "--audit.trials", "60")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -149,6 +151,7 @@ _SMALL_RUN_AUDIT = ("--canaries", "100", "--steps", "100", "--real_examples", "1
 _SMALL_RUN_PRIVACY = ("--privacy.epsilon", "2", "--privacy.delta", "1e-5", "--privacy.accountant", "rdp")
 
 
+@pytest.mark.slow
 def test_audit_run_mode_passes_an_honest_run_and_exits_1_on_a_leak():
     honest = _run("audit", "--run", *_SMALL_RUN_AUDIT, *_SMALL_RUN_PRIVACY)
     assert honest.returncode == 0, honest.stderr[-3000:]
@@ -158,6 +161,7 @@ def test_audit_run_mode_passes_an_honest_run_and_exits_1_on_a_leak():
     assert "the replay reproduced the noise of 100 steps" in leaky.stdout and "VIOLATION" in leaky.stdout
 
 
+@pytest.mark.slow
 def test_output_is_quiet_by_default_and_verbose_on_request(tmp_path):
     """A newcomer sees the progress bar and the report, not Lightning's info lines nor Opacus' order warning;
     ``pl-dp --verbose`` / ``PL_DP_VERBOSE=1`` bring Lightning's lines back."""
@@ -212,6 +216,7 @@ def test_verbose_is_a_flag_before_the_subcommand_or_an_environment_variable(monk
     assert logger.level == before  # main() called from Python leaves the caller's logging as it was
 
 
+@pytest.mark.slow
 def test_the_documented_resume_under_a_larger_budget_trains_under_it(tmp_path):
     """docs/callbacks.md's command. On main LightningCLI put the checkpoint's hyperparameters over the command line:
     the resume exited 0, trained nothing and reported target epsilon 2."""
@@ -233,6 +238,7 @@ def test_the_documented_resume_under_a_larger_budget_trains_under_it(tmp_path):
     assert refused.returncode != 0 and "AllowPrivacySpecChange" in refused.stderr
 
 
+@pytest.mark.slow
 def test_generate_samples_from_a_checkpoint_of_a_private_causal_lm(tmp_path):
     from tests.tiny_hf import CORPUS, tiny_model
 

@@ -57,6 +57,7 @@ def test_readme_links_every_docs_section():
         assert f"](docs/{page}.md)" in readme, page
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs(tmp_path):
     """The README's Python example, shortened to one epoch, trains privately and prints the privacy report."""
     readme = (ROOT / "README.md").read_text()
@@ -101,6 +102,7 @@ def test_the_privacy_model_states_how_often_logged_epsilon_is_exact():
     assert f"every 1/{evaluations} of it" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("page", "index"), [("getting-started.md", 0), ("your-module.md", 0), ("your-module.md", 1), ("your-module.md", 2)]
 )

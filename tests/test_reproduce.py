@@ -113,6 +113,7 @@ def test_every_method_builds_in_every_setting_with_its_knobs():
                 protocol._get(protocol.shipped_config(method), method.knob.path)
 
 
+@pytest.mark.slow
 def test_quick_run_writes_tables_plots_and_resumes(tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, "benchmarks/reproduce.py", "--quick", "--jobs", "2", "--out", str(tmp_path)]

@@ -88,6 +88,7 @@ _METHODS = {
 }
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     method=st.sampled_from(sorted(_METHODS)),

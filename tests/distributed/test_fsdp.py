@@ -84,6 +84,7 @@ def test_a_non_finite_gradient_on_one_rank_is_dropped_by_all(runs):
     assert single["dpsgd_ghost_nonfinite"]["nonfinite_total"] > 0
 
 
+@pytest.mark.slow
 def test_lora_adapters_of_a_hugging_face_model_train_sharded(tmp_path):
     """A peft LoRA model (frozen base, trainable adapters and head copy) under FSDP2: DPZero ends where one process
     ends bit for bit, ghost DP-SGD within float summation order."""
