@@ -417,12 +417,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
                 "log_private_metrics is not available on a sharded net: its statistics of the private batch (forwards "
                 "and sums over ranks) would run only on the ranks whose share of the Poisson batch is not empty."
             )
-        if self.privacy is not None and self.sharded and not self.preflight:
-            raise ValueError(
-                "a sharded private run needs preflight=True: a sharded forward is a collective, so an example whose "
-                "loss fails cannot sit its step out (the ranks would disagree on the forwards run); the pre-flight "
-                "pass refuses such examples, by index, before the first release."
-            )
         if self.privacy is not None and trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 "accumulate_grad_batches must be 1: each Poisson batch is one private step "

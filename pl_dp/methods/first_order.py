@@ -143,6 +143,7 @@ class FirstOrderModule(PrivateModule):
             if self.per_sample_mode == "ghost":
                 self._per_sample = GhostClipping(self.net, self.loss_fn)
                 self._per_sample.padding = self._padding
+                self._per_sample.in_step = self.forwards_in_step
             else:
                 self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
             if self.privacy is not None:  # each clipped row must be one example's whole gradient

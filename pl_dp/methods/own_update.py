@@ -104,6 +104,7 @@ class OwnUpdateModule(PrivateModule):
             forwards=forwards,
             agree=agree,
             padding=self._padding,
+            in_step=self.forwards_in_step,
         )
 
     def on_train_start(self) -> None:

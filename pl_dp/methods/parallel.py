@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.sampling import PoissonBatchSampler
+from pl_dp.privacy.seal import ForwardsInStep
 from pl_dp.privacy.shards import is_sharded, structure_of, whole
 
 
@@ -122,6 +123,9 @@ class DataParallelMixin:
     #: whether the method runs under data parallelism (sum-then-noise collectives; O2NC does not yet)
     supports_data_parallel: bool = True
 
+    #: sharded: keeps the ranks' forwards in step when one raises (set by :meth:`configure_model`)
+    forwards_in_step: ForwardsInStep | None = None
+
     @property
     def supports_sharding(self) -> bool:
         """Whether the method runs with its net sharded by FSDP2 (``ModelParallelStrategy``): the zeroth-order methods
@@ -136,7 +140,9 @@ class DataParallelMixin:
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy``, shard the net with FSDP2 over the data-parallel ranks (:func:`shard`),
         unless it is sharded already (a net whose own ``configure_model`` did it: then all its trainable parameters
-        must be, and its gradients are made to sum over ranks); otherwise nothing.
+        must be, the net itself too, and its gradients are made to sum over ranks); then watch the net's forwards
+        (:class:`~pl_dp.privacy.seal.ForwardsInStep`), so that one that raises on one rank keeps the ranks in step.
+        Otherwise nothing.
 
         Lightning calls this hook at every fit, test and predict; pl_dp applies the sharding, so that
         ``pl-dp fit --trainer.strategy ModelParallelStrategy`` needs no code from the user.
@@ -149,14 +155,16 @@ class DataParallelMixin:
             # in a tuple, not registered as a submodule: the structure has no state and never trains
             self._net_structure = (structure_of(self.net),)
             shard(self.net, self.device_mesh["data_parallel"])
-            return
-        whole = [n for n, p in self.net.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
-        if whole:  # their gradients would stay on each rank, and each rank would add the whole noise to them
-            raise ValueError(
-                f"the net is sharded already, but not its trainable parameters {whole[:3]}: shard all of them (or "
-                "leave the sharding to pl_dp, which shards every layer)."
-            )
-        sum_gradients(self.net)  # a net sharded by its own configure_model averages the ranks' gradients
+        else:
+            whole = [n for n, p in self.net.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+            if whole:  # their gradients would stay on each rank, and each rank would add the whole noise to them
+                raise ValueError(
+                    f"the net is sharded already, but not its trainable parameters {whole[:3]}: shard all of them "
+                    "(or leave the sharding to pl_dp, which shards every layer)."
+                )
+            sum_gradients(self.net)  # a net sharded by its own configure_model averages the ranks' gradients
+        if self.forwards_in_step is None or self.forwards_in_step.root is not self.net:
+            self.forwards_in_step = ForwardsInStep(self.net)
 
     def whole_net(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
         """The net and the values of its parameters and buffers, for a computation that needs the whole parameters

@@ -38,12 +38,14 @@ parameters between shards and gathered copies); the first pass computes no param
 nothing to reduce-scatter (each rank's unclipped gradient never exists), and the second, a ``backward`` call,
 reduce-scatters and leaves each rank its shard of the clipped sum *over all ranks*: every rank runs the same passes
 (collectives) — a micro-batch with a non-finite norm on any rank is run again by all, without those examples, and a
-loss that raises on any rank makes all abandon the pass (:class:`~pl_dp.privacy.seal.PassFailed`). Tied parameters
-are refused when sharded.
+forward or loss that raises on any rank makes all abandon the pass (:class:`~pl_dp.privacy.seal.PassFailed`; a
+forward that raised between two layers first issues the other layers' all-gathers:
+:class:`~pl_dp.privacy.seal.ForwardsInStep`). Tied parameters are refused when sharded.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,7 +70,7 @@ from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.batches import batch_size_of, select_examples
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
-from pl_dp.privacy.seal import PADDING_FAILED, PassFailed
+from pl_dp.privacy.seal import PADDING_FAILED, ForwardsInStep, PassFailed
 from pl_dp.privacy.shards import is_sharded, layout_of, local
 
 
@@ -326,6 +328,8 @@ class GhostClipping:
         #: sharded: a fixed non-private example run at weight 0 where this rank's pass would otherwise be empty (a
         #: pass is a collective, and a net may not run an empty batch); set by the method at fit start
         self.padding: Any = None
+        #: sharded: keeps the ranks' forwards in step when one raises between two layers; set by the method
+        self.in_step: ForwardsInStep | None = None
         self.group = layout_of(self.names[0], self.params[0]).group if self.sharded else None
         if self.sharded and tied_parameters(net):
             names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
@@ -466,7 +470,8 @@ class GhostClipping:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
                 error: Exception | None = None
                 try:
-                    losses = check_per_sample(self.loss_fn(gsm, batch), size)
+                    with self.in_step.guard() if self.in_step is not None else contextlib.nullcontext():
+                        losses = check_per_sample(self.loss_fn(gsm, batch), size)
                 except Exception as raised_here:  # noqa: BLE001 - agreed on by every rank before the backward
                     error = raised_here
                 raised = torch.tensor([0.0 if error is None else 2.0 if padding else 1.0])

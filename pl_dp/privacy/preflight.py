@@ -18,8 +18,8 @@ Privacy: the pass releases nothing. It runs before any training step and its onl
 a refusal goes to whoever runs the job (who holds the data), and nothing is trained, logged or checkpointed. Its
 message names indices and the error each raised — which may quote a value of that record, so a refusal is not for
 publication. What it cannot foresee (a loss that becomes non-finite, or raises, only at later parameters) is handled
-inside the step: such an example contributes 0 and is counted privately — on a net sharded by FSDP2 too, as long as
-it raises after the net's forward, not between two layers' collectives (docs/scaling-out.md).
+inside the step: such an example contributes 0 and is counted privately — on a net sharded by FSDP2 too, where the
+rank it raised on still runs the collectives the others run (:class:`~pl_dp.privacy.seal.ForwardsInStep`).
 
 Cost: one inference pass over the private set, once per fit (``benchmarks/fit_start_checks.py`` measures it);
 ``preflight=False`` on a method skips the values and the loss — examples are still read and their structure and

@@ -83,6 +83,75 @@ PADDING_FAILED = (
 )
 
 
+class ForwardsInStep:
+    """Keeps the ranks of an FSDP2-sharded net in step when its forward raises on one of them.
+
+    A sharded forward is a sequence of collectives: each FSDP2 group all-gathers its parameters in its pre-forward
+    hook. A record that makes the forward raise on one rank between two groups would leave the other ranks waiting in
+    the next group's all-gather — a hang, or an abort, at the step that sampled the record (invariant 10). Run each
+    collective pass of per-example computation inside :meth:`guard`: on a raise, this rank issues the all-gathers the
+    others still run in that forward (``unshard`` and ``reshard`` of the groups that follow, in the order of the last
+    forward that completed here), then lets the exception go on, so that it meets the other ranks at their next
+    collective — the agreement on which passes failed (:class:`PassFailed`, the zeroth-order retries).
+
+    Every guarded pass starts, on every rank, from FSDP's clean per-iteration state (``FSDPModule.reset_iter_state``,
+    PyTorch's documented recovery after a forward that raised): a rank that caught up and a rank that did not would
+    otherwise keep different post-forward histories, from which FSDP prefetches a backward's all-gathers — the next
+    backward would hang. It also keeps a net that only runs forwards (the zeroth-order methods) from growing that
+    history without end.
+
+    Assumes what FSDP2 assumes of a net: its groups run in the same order in every forward (no data-dependent
+    skipping of sharded layers), and one forward of the net per pass (a loss that runs the net twice and raises
+    between the two is not caught up).
+    """
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(net, FSDPModule):
+            raise ValueError(
+                "the net is sharded, but not as a whole: apply fully_shard to the net itself after its layers "
+                "(FSDP2's recommended use), so that its forward starts and ends in one FSDP2 root."
+            )
+        self.root = net
+        self.order: list[Any] = []  # the groups of the last forward that completed, as they gathered
+        self.current: list[Any] = []  # the groups of the forward under way
+        self.completed = False  # whether a forward completed inside the current guard
+        groups = [module for module in net.modules() if isinstance(module, FSDPModule)]
+        self.handles = [net.register_forward_pre_hook(self._start)]
+        self.handles += [group.register_forward_pre_hook(self._gathered) for group in groups]
+        self.handles.append(net.register_forward_hook(self._finish))
+
+    def _start(self, module: torch.nn.Module, args: Any) -> None:
+        self.current = []
+
+    def _gathered(self, module: torch.nn.Module, args: Any) -> None:
+        self.current.append(module)  # after FSDP's own pre-forward hook (prepended): the group is gathered
+
+    def _finish(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.order, self.completed = self.current, True
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """One collective pass of per-example computation (forward and loss): see the class docstring."""
+        self.root.reset_iter_state()
+        self.current, self.completed = [], False
+        try:
+            yield
+        except Exception:
+            if not self.completed:
+                with torch.no_grad():
+                    for module in self.order[len(self.current) :]:
+                        module.unshard()
+                        module.reshard()
+            self.root.reset_iter_state()
+            raise
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class PassFailed(Exception):
     """A collective pass (a sharded forward and backward) that every rank abandons because the per-example
     computation raised on some rank — ``here``: on this one. Raised on every rank at once, before the pass's first

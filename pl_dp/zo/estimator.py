@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
-from pl_dp.privacy.seal import PADDING_FAILED, isolate_failures
+from pl_dp.privacy.seal import PADDING_FAILED, ForwardsInStep, isolate_failures
 from pl_dp.zo.engine import Key, PerturbationEngine
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -60,6 +60,7 @@ def per_sample_evaluator(
     forwards: int | None = None,
     agree: Callable[[int], int] | None = None,
     padding: Any = None,
+    in_step: ForwardsInStep | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
 
@@ -69,14 +70,13 @@ def per_sample_evaluator(
     (:func:`~pl_dp.privacy.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
     the release and is counted with the other non-finite values.
 
-    Sharded (``forwards``, ``agree`` and ``padding`` given): a sharded net's forward is a collective (FSDP all-gathers
-    each layer), which every rank must run as often as the others, whatever its share of the Poisson batch. Exactly
-    ``forwards`` passes run: the micro-batches, then ``padding`` (a fixed non-private example, whose losses are
-    dropped; a net may not run an empty batch). Then the examples of micro-batches whose loss raised are run one by
-    one, as many passes on every rank as the most any rank needs (``agree``: the maximum over ranks), and each that
-    raises again gets NaN. This isolates a loss that raises after the net's forward; a forward that raises between
-    two layers' collectives cannot be sealed: the ranks fall out of step (a hang until the process group's timeout,
-    or an abort) — the pre-flight pass checks every example at the initial parameters.
+    Sharded (``forwards``, ``agree``, ``padding`` and ``in_step`` given): a sharded net's forward is a collective
+    (FSDP all-gathers each layer), which every rank must run as often as the others, whatever its share of the
+    Poisson batch. Exactly ``forwards`` passes run: the micro-batches, then ``padding`` (a fixed non-private example,
+    whose losses are dropped; a net may not run an empty batch). Then the examples of micro-batches whose loss raised
+    are run one by one, as many passes on every rank as the most any rank needs (``agree``: the maximum over ranks),
+    and each that raises again gets NaN. Each pass runs in ``in_step``'s guard, so that a forward that raises between
+    two layers' all-gathers on one rank still issues the rest of them (:class:`~pl_dp.privacy.seal.ForwardsInStep`).
     """
     micro_batches = split_batch(batch, max_physical_batch_size) if batch_size else []
     real = len(micro_batches)
@@ -97,7 +97,8 @@ def per_sample_evaluator(
 
     def or_none(part: Any) -> torch.Tensor | None:
         try:
-            return losses_of(part)
+            with in_step.guard() if in_step is not None else nullcontext():
+                return losses_of(part)
         except Exception:  # noqa: BLE001 - any failure of one record must stay inside the step
             return None
 

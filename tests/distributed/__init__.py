@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from collections.abc import Callable
@@ -16,7 +17,7 @@ def _rank(rank: int, port: int, work: Callable[[int, Any, dict], None], mesh_res
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))  # not 30 min
     torch.set_num_threads(1)
     try:
         work(rank, init_device_mesh("cpu", (2,)), mesh_results)

@@ -77,6 +77,21 @@ def _touchy_loss(net, batch):
     return nn.functional.cross_entropy(out, y, reduction="none")
 
 
+class TouchyBetween(nn.Module):
+    """Raises *between* its two layers for a batch holding a marked record (first feature 99), once armed: under
+    FSDP2 the rank that sampled it has gathered the first layer, the others go on to gather the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(12, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x))
+        if _ARMED["on"] and bool((x[:, 0] == 99.0).any()):
+            raise ValueError("a touchy record, between two layers")
+        return self.second(hidden)
+
+
 def _zero_gradient_loss(net, batch):
     x, _ = batch
     return (net(x) * 0.0).sum(dim=1)
@@ -188,6 +203,18 @@ SHARDED_METHODS = {
         noise_seed=7,
         max_physical_batch_size=4,
     ),
+    "dpzero_touchy_net": lambda: DPZero(
+        TouchyBetween(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7, max_physical_batch_size=4
+    ),
+    "dpsgd_ghost_touchy_net": lambda: DPSGD(
+        TouchyBetween(),
+        lr=0.5,
+        clip=CLIP,
+        per_sample="ghost",
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=4,
+    ),
     "dpzero_no_empty": lambda: DPZero(_no_empty(), lr=0.05, **_NO_EMPTY),
     "dpsgd_ghost_no_empty": lambda: DPSGD(_no_empty(), lr=0.5, per_sample="ghost", **_NO_EMPTY),
     "dpsgd_ghost_presharded": lambda: PreshardedDPSGD(
@@ -229,6 +256,8 @@ CALLBACKS = {
     ],
     "dpzero_touchy": lambda: [Arm()],
     "dpsgd_ghost_touchy": lambda: [Arm()],
+    "dpzero_touchy_net": lambda: [Arm()],
+    "dpsgd_ghost_touchy_net": lambda: [Arm()],
 }
 
 
@@ -271,7 +300,7 @@ def _data(name: str) -> PrivatePublicDataModule:
         private = _blobs(N_PRIVATE, 0)
     if name == "dpsgd_ghost_nonfinite":
         private.tensors[0][::5] = 0.0
-    if name.endswith("touchy"):
+    if "touchy" in name:
         private.tensors[0][::9, 0] = 99.0
     sampling_seed = None if name == "dpzero_rank_seeded" else 11  # seeded: 1 and 2 processes draw the same batches
     return PrivatePublicDataModule(

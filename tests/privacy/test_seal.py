@@ -97,3 +97,91 @@ def test_interrupts_are_not_caught():
 
     with pytest.raises(KeyboardInterrupt):
         isolate_failures(interrupted, torch.arange(4))
+
+
+class _Touchy(torch.nn.Module):
+    """Three sharded layers; the forward raises between the first two, on a batch whose first feature is 99."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.a(x)
+        if bool((x[:, 0] == 99.0).any()):
+            raise ValueError("a touchy record")
+        return self.c(torch.tanh(self.b(hidden)))
+
+
+def _forwards_in_step(rank: int, mesh, results: dict) -> None:
+    """Rank 0's forward raises between two layers (or, once, in the loss before the forward) while rank 1's runs;
+    then both take a gradient through the sharded net."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from pl_dp.privacy.seal import ForwardsInStep
+
+    torch.manual_seed(0)
+    net = _Touchy()
+    reference = [p.detach().clone() for p in net.parameters()]
+    for layer in (net.a, net.b, net.c):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    with torch.no_grad():  # FSDP2 allocates the gathered memory at the first all-gather: not in inference mode
+        for layer in (net.a, net.b, net.c):
+            layer.unshard()
+            layer.reshard()
+    in_step = ForwardsInStep(net)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    bad = x.clone()
+    bad[0, 0] = 99.0
+    with torch.inference_mode():
+        net(x)  # a forward that completes: the order of the gathers
+    failed = []
+
+    def loss(batch: torch.Tensor, before: bool) -> torch.Tensor:
+        if before:
+            raise ValueError("raised before the net ran")
+        return net(batch).sum(dim=1)
+
+    for before in (False, True, False, False):
+        try:
+            with torch.inference_mode(), in_step.guard():
+                loss(bad if rank == 0 else x, before and rank == 0)
+            raised = 0.0
+        except ValueError:
+            raised = 1.0
+        flag = torch.tensor([raised])
+        dist.all_reduce(flag)  # the ranks meet at their next collective
+        failed.append(float(flag))
+    with torch.inference_mode(), in_step.guard():
+        net(x)
+    history = len(net._get_fsdp_state()._comm_ctx.post_forward_order)
+    with in_step.guard():
+        net(x).square().sum().backward()
+    whole = [p.grad.full_tensor() for p in net.parameters()]
+    plain = _Touchy()
+    with torch.no_grad():
+        for p, value in zip(plain.parameters(), reference):
+            p.copy_(value)
+    plain(x).square().sum().backward()
+    results[rank] = {
+        "failed": failed,
+        "history": history,
+        "gradient_error": max(float((g - p.grad).abs().max()) for g, p in zip(whole, plain.parameters())),
+    }
+
+
+def test_a_sharded_forward_that_raises_between_layers_on_one_rank_keeps_the_ranks_in_step():
+    """Without :class:`ForwardsInStep` rank 0 leaves its forward after the first layer's all-gather while rank 1
+    goes on to gather the second: a collective mismatch (gloo aborts) at the pass whose batch held the record.
+    Guarded, rank 0 issues the rest of the gathers; both meet at the next collective, four times, and a backward
+    afterwards — whose all-gathers FSDP prefetches from its post-forward history, reset on every rank before every
+    pass — gives the gradient of one process."""
+    from tests.distributed import on_two_ranks
+
+    results = on_two_ranks(_forwards_in_step)
+    for rank in (0, 1):
+        assert results[rank]["failed"] == [1.0, 1.0, 1.0, 1.0]
+        assert results[rank]["gradient_error"] < 1e-6
+    assert results[0]["history"] == results[1]["history"] == 3  # one forward's, not every forward's since the start
