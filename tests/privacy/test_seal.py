@@ -185,3 +185,12 @@ def test_a_sharded_forward_that_raises_between_layers_on_one_rank_keeps_the_rank
         assert results[rank]["failed"] == [1.0, 1.0, 1.0, 1.0]
         assert results[rank]["gradient_error"] < 1e-6
     assert results[0]["history"] == results[1]["history"] == 3  # one forward's, not every forward's since the start
+
+
+def test_a_net_sharded_only_in_its_layers_is_refused():
+    """Whether a forward completed is read off the FSDP2 root's hooks: a net whose layers are sharded but not the net
+    itself has no single root, and is refused with what to do."""
+    from pl_dp.privacy.seal import ForwardsInStep
+
+    with pytest.raises(ValueError, match="apply fully_shard to the net itself"):
+        ForwardsInStep(torch.nn.Sequential(torch.nn.Linear(2, 2)))
