@@ -211,12 +211,13 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         would train on noise alone, silently. This check runs at the first step of each fit and on the loggers'
         cadence — a schedule that does not depend on what was sampled — on an example that is not private, so
         that whether and when it raises says nothing about the private records. Without validation or public data
-        there is nothing to check it on.
+        there is nothing to check it on. Its outcome is whether it raises; what the pass itself would print (e.g.
+        torch's notice that a full backward hook fires on a layer whose input needs no gradient) is sealed away.
         """
         if self._reference is None:
             return
         try:
-            with torch.random.fork_rng(devices=[self.device.index] if self.device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[self.device.index] if self.device.type == "cuda" else []), sealed():
                 self.reference_pass(self._reference)
         except Exception as error:
             error.add_note("(raised for a fixed validation or public example: the net or the loss fails, not a record)")

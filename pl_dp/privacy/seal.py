@@ -53,27 +53,56 @@ def _discard_record(self: logging.Logger, record: logging.LogRecord) -> None:
     return None
 
 
+def _silenced(filters: list[Any]) -> list[Any]:
+    """The warning filters inside a sealed block: each of ``filters`` in its place, its action turned into
+    ``"ignore"`` unless it is ``"error"``, then one that ignores every other warning.
+
+    The first filter that matches a warning decides, as before, whether it is raised; every other warning is ignored
+    — and an ignored warning is the one Python writes to no once-registry (``__warningregistry__``,
+    ``warnings.onceregistry``): only a warning that is shown, or would be, marks its location as seen.
+    """
+    return [("error" if f[0] == "error" else "ignore", *f[1:]) for f in filters] + [("ignore", None, Warning, None, 0)]
+
+
+def _discard_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
 @contextlib.contextmanager
 def sealed(active: bool = True) -> Iterator[None]:
-    """Inside the block, warnings, log records and writes to ``sys.stdout``/``sys.stderr`` vanish.
+    """Inside the block, warnings, log records and writes to ``sys.stdout``/``sys.stderr`` vanish — and leave no
+    trace that would change what is shown after it.
 
-    Warnings go through Python's filters as usual and are only not shown (``warnings.showwarning`` is replaced,
-    the filters are left alone): each location's once-registry records them as seen, so a warning first raised
-    inside a private step is never shown later either, and no other warning is shown twice (``catch_warnings``
-    would reset those registries). A warning turned into an error (``-W error``) is still raised. ``active=False``
-    changes nothing (non-private runs, and ``log_private_metrics=True``, whose outputs are not private anyway).
+    Warnings are ignored by Python's filters, rewritten in place for the block (:func:`_silenced`) and put back
+    after it: an ignored warning marks nothing as seen, so whether a warning is shown *after* the block does not
+    depend on what was raised inside it (a warning a private record raised first would otherwise hide the same
+    warning raised later by public data). The filters' version is left alone, so the once-registries stay valid
+    and no warning already shown is shown twice (``catch_warnings`` would reset them all). A warning turned into an
+    error (``-W error``) is still raised. Log records are dropped before any handler; a library's once-only log
+    helpers on ``logging.Logger`` (Hugging Face's ``warning_once``, whose cache would remember a message a private
+    record caused) are not called. ``active=False`` changes nothing (non-private runs, and
+    ``log_private_metrics=True``, whose outputs are not private anyway).
     """
     if not active:
         yield
         return
+    filters = warnings.filters
+    kept_filters = filters[:]
+    once = {name: value for name, value in vars(logging.Logger).items() if hasattr(value, "cache_clear")}
     show, out, err, handle = warnings.showwarning, sys.stdout, sys.stderr, logging.Logger.handle
+    filters[:] = _silenced(kept_filters)
     warnings.showwarning = _discard_warning
     sys.stdout = sys.stderr = _Discard()
     logging.Logger.handle = _discard_record  # not logging.disable(): it clears every logger's cache, twice a step
+    for name in once:
+        setattr(logging.Logger, name, _discard_once)
     try:
         yield
     finally:
+        filters[:] = kept_filters
         warnings.showwarning, sys.stdout, sys.stderr, logging.Logger.handle = show, out, err, handle
+        for name, value in once.items():
+            setattr(logging.Logger, name, value)
 
 
 #: what every rank of a sharded run raises when the padding example — fixed and not private — fails

@@ -7,6 +7,7 @@ import logging
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,46 @@ def test_sealing_keeps_the_once_registry_so_no_other_warning_repeats():
             with sealed():
                 _warn("inside")
     assert [str(w.message) for w in caught] == ["outside"]
+
+
+def _divide_by_zero() -> None:
+    np.divide(np.zeros(1), np.zeros(1))  # numpy warns from C: "invalid value encountered in divide"
+
+
+def test_a_warning_first_raised_inside_a_seal_is_still_shown_after_it():
+    """Whether a warning is shown after the seal must not depend on what was raised inside it: a private record that
+    first raised it would otherwise hide the same warning raised later by public data (an ignored warning is written
+    to no once-registry). Python-level and C-level (numpy) warnings alike."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            with sealed():
+                _warn("the same")
+                _divide_by_zero()
+        _warn("the same")
+        _divide_by_zero()
+        _warn("the same")  # and once only, after that
+    assert [str(w.message) for w in caught] == ["the same", "invalid value encountered in divide"]
+
+
+def test_a_once_only_log_helper_remembers_nothing_from_inside_a_seal(caplog):
+    """Hugging Face's ``logger.warning_once`` caches the messages it logged: called inside the seal, the cache
+    would hide the same message logged later from public data."""
+    import transformers.utils.logging  # noqa: F401 - adds warning_once to logging.Logger
+
+    logger = logging.getLogger("pl_dp.tests.once")
+    with sealed():
+        logger.warning_once("a record is odd")
+    with caplog.at_level(logging.WARNING, logger="pl_dp.tests.once"):
+        logger.warning_once("a record is odd")
+    assert [r.getMessage() for r in caplog.records] == ["a record is odd"]
+
+
+def test_the_warning_filters_are_put_back_even_when_the_block_raises():
+    kept = warnings.filters[:]
+    with pytest.raises(KeyError), sealed():
+        raise KeyError("a record")
+    assert warnings.filters == kept
 
 
 def test_an_inactive_seal_changes_nothing(capsys):
