@@ -31,6 +31,8 @@ NOT_PROTECTED = (
     "metrics under diagnostics/not_private/ (logged only with log_private_metrics=True)",
     "choices made by looking at private results (hyperparameter tuning on private data)",
     "timing side channels",
+    "the size of the private set: q = batch_size / n, δ's default 1/n and the steps per epoch are computed from n "
+    "and shown, as in Opacus (n is treated as public)",
 )
 
 
