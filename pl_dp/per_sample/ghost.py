@@ -470,7 +470,7 @@ class GhostClipping:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
                 error: Exception | None = None
                 try:
-                    with self.in_step.guard() if self.in_step is not None else contextlib.nullcontext():
+                    with self.in_step.guard(backward_follows=True) if self.in_step else contextlib.nullcontext():
                         losses = check_per_sample(self.loss_fn(gsm, batch), size)
                 except Exception as raised_here:  # noqa: BLE001 - agreed on by every rank before the backward
                     error = raised_here
@@ -479,6 +479,8 @@ class GhostClipping:
                 if float(raised) == 2.0:
                     raise RuntimeError(PADDING_FAILED) from error
                 if float(raised) == 1.0:
+                    if self.in_step is not None:
+                        self.in_step.abandon()  # on every rank: the same FSDP state for the passes that follow
                     raise PassFailed(here=error is not None) from error
                 reached = self._first_backward(losses)  # no parameter gradient: nothing to reduce-scatter
             names = dict(zip(map(id, self.params), self.names))

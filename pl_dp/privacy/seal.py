@@ -116,22 +116,25 @@ class ForwardsInStep:
     """Keeps the ranks of an FSDP2-sharded net in step when its forward raises on one of them.
 
     A sharded forward is a sequence of collectives: each FSDP2 group all-gathers its parameters in its pre-forward
-    hook. A record that makes the forward raise on one rank between two groups would leave the other ranks waiting in
-    the next group's all-gather — a hang, or an abort, at the step that sampled the record (invariant 10). Run each
-    collective pass of per-example computation inside :meth:`guard`: on a raise, this rank issues the all-gathers the
-    others still run in that forward (``unshard`` and ``reshard`` of the groups that follow, in the order of the last
-    forward that completed here), then lets the exception go on, so that it meets the other ranks at their next
-    collective — the agreement on which passes failed (:class:`PassFailed`, the zeroth-order retries).
+    hook (once per call of its module). A record that makes the forward raise on one rank would leave the other ranks
+    waiting in the next group's all-gather — a hang, or an abort, at the step that sampled the record (invariant 10).
+    Run each collective pass of per-example computation inside :meth:`guard`: on a raise, this rank resets FSDP's
+    per-pass state (``FSDPModule.reset_iter_state``, PyTorch's documented recovery after a forward that raised:
+    every group resharded), then issues the all-gathers the other ranks still run in that forward (``unshard`` and
+    ``reshard`` of the groups that follow, in the order of the last forward that completed here *in the same mode*
+    — training flag and autograd — since a net may run other layers in training mode), and lets the exception go
+    on, so that it meets the other ranks at their next collective: the agreement on which passes failed
+    (:class:`PassFailed`, the zeroth-order retries).
 
-    Every guarded pass starts, on every rank, from FSDP's clean per-iteration state (``FSDPModule.reset_iter_state``,
-    PyTorch's documented recovery after a forward that raised): a rank that caught up and a rank that did not would
-    otherwise keep different post-forward histories, from which FSDP prefetches a backward's all-gathers — the next
-    backward would hang. It also keeps a net that only runs forwards (the zeroth-order methods) from growing that
-    history without end.
+    FSDP plans a backward's prefetched all-gathers from its post-forward history, which a rank that caught up and a
+    rank that did not would hold differently: the next backward would hang. So every rank resets that state at the
+    start of every guarded pass, at the end of every pass that no backward follows, and when the ranks abandon a
+    pass together (:meth:`abandon`). This also keeps a net that only runs forwards (the zeroth-order methods) from
+    growing that history for the whole run.
 
-    Assumes what FSDP2 assumes of a net: its groups run in the same order in every forward (no data-dependent
-    skipping of sharded layers), and one forward of the net per pass (a loss that runs the net twice and raises
-    between the two is not caught up).
+    Assumes what FSDP2 assumes of a net: in one mode its groups run in the same order in every forward (no
+    data-dependent skipping of sharded layers), and one forward of the net per pass (a loss that runs the net twice
+    and raises between the two is not caught up).
     """
 
     def __init__(self, net: torch.nn.Module) -> None:
@@ -143,13 +146,16 @@ class ForwardsInStep:
                 "(FSDP2's recommended use), so that its forward starts and ends in one FSDP2 root."
             )
         self.root = net
-        self.order: list[Any] = []  # the groups of the last forward that completed, as they gathered
-        self.current: list[Any] = []  # the groups of the forward under way
+        self.orders: dict[tuple[bool, bool], list[Any]] = {}  # per mode: the groups of the last completed forward
+        self.current: list[Any] = []  # the groups of the forward under way, as they gathered
         self.completed = False  # whether a forward completed inside the current guard
         groups = [module for module in net.modules() if isinstance(module, FSDPModule)]
         self.handles = [net.register_forward_pre_hook(self._start)]
         self.handles += [group.register_forward_pre_hook(self._gathered) for group in groups]
         self.handles.append(net.register_forward_hook(self._finish))
+
+    def _mode(self) -> tuple[bool, bool]:
+        return bool(self.root.training), torch.is_grad_enabled()
 
     def _start(self, module: torch.nn.Module, args: Any) -> None:
         self.current = []
@@ -158,23 +164,33 @@ class ForwardsInStep:
         self.current.append(module)  # after FSDP's own pre-forward hook (prepended): the group is gathered
 
     def _finish(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self.order, self.completed = self.current, True
+        self.orders[self._mode()], self.completed = self.current, True
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """One collective pass of per-example computation (forward and loss): see the class docstring."""
+    def guard(self, backward_follows: bool = False) -> Iterator[None]:
+        """One collective pass of per-example computation (forward and loss): see the class docstring. Without
+        ``backward_follows`` the pass's FSDP state is reset when it ends, on every rank; with it, the caller
+        agrees with the other ranks on whether the pass failed and calls :meth:`abandon` on every rank if so."""
         self.root.reset_iter_state()
         self.current, self.completed = [], False
+        order = self.orders.get(self._mode(), [])
         try:
             yield
         except Exception:
+            self.root.reset_iter_state()  # reshards every group, so that each gather below is one
             if not self.completed:
                 with torch.no_grad():
-                    for module in self.order[len(self.current) :]:
+                    for module in order[len(self.current) :]:
                         module.unshard()
                         module.reshard()
             self.root.reset_iter_state()
             raise
+        if not backward_follows:
+            self.root.reset_iter_state()
+
+    def abandon(self) -> None:
+        """Reset FSDP's per-pass state: every rank calls it when the ranks abandon a pass together."""
+        self.root.reset_iter_state()
 
     def remove(self) -> None:
         for handle in self.handles:

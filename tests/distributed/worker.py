@@ -92,6 +92,45 @@ class TouchyBetween(nn.Module):
         return self.second(hidden)
 
 
+class TouchyLayer(nn.Linear):
+    """A layer that raises inside its own forward — after FSDP2 gathered it — for a marked record, once armed."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        if _ARMED["on"] and bool((x[:, 0] == 99.0).any()):
+            raise ValueError("a touchy record, inside a layer")
+        return out
+
+
+class TouchyReused(nn.Module):
+    """Runs its layer ``shared`` twice in a forward, and raises inside the first call: the rank that raised holds
+    ``shared`` gathered, and must still gather it again, as the others do for its second call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.shared, self.last = nn.Linear(12, 16), TouchyLayer(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        hidden = torch.cat([x[:, :1], torch.tanh(self.first(x))[:, 1:]], dim=1)  # the marker reaches ``shared``
+        return self.last(torch.tanh(self.shared(torch.tanh(self.shared(hidden)))))
+
+
+class TouchyAuxiliary(TouchyBetween):
+    """:class:`TouchyBetween` with an auxiliary head run in training mode only (deep supervision): the zeroth-order
+    passes (eval mode) gather other layers than the public gradient's forward (training mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.auxiliary = nn.Linear(16, 4)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x))
+        if _ARMED["on"] and bool((x[:, 0] == 99.0).any()):
+            raise ValueError("a touchy record, between two layers")
+        out = self.second(hidden)
+        return out + 0.1 * self.auxiliary(hidden) if self.training else out
+
+
 def _zero_gradient_loss(net, batch):
     x, _ = batch
     return (net(x) * 0.0).sum(dim=1)
@@ -215,6 +254,30 @@ SHARDED_METHODS = {
         noise_seed=7,
         max_physical_batch_size=4,
     ),
+    # a public gradient (a backward outside the guarded passes) after a step whose last pass failed on one rank only
+    "pazo_m_touchy_net": lambda: PAZOM(
+        TouchyBetween(),
+        lr=0.05,
+        clip=CLIP,
+        queries=2,
+        alpha=0.5,
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=4,
+    ),
+    "pazo_m_touchy_auxiliary": lambda: PAZOM(
+        TouchyAuxiliary(),
+        lr=0.05,
+        clip=CLIP,
+        queries=2,
+        alpha=0.5,
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=4,
+    ),
+    "dpzero_touchy_reused": lambda: DPZero(
+        TouchyReused(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7, max_physical_batch_size=4
+    ),
     "dpzero_no_empty": lambda: DPZero(_no_empty(), lr=0.05, **_NO_EMPTY),
     "dpsgd_ghost_no_empty": lambda: DPSGD(_no_empty(), lr=0.5, per_sample="ghost", **_NO_EMPTY),
     "dpsgd_ghost_presharded": lambda: PreshardedDPSGD(
@@ -258,6 +321,9 @@ CALLBACKS = {
     "dpsgd_ghost_touchy": lambda: [Arm()],
     "dpzero_touchy_net": lambda: [Arm()],
     "dpsgd_ghost_touchy_net": lambda: [Arm()],
+    "pazo_m_touchy_net": lambda: [Arm()],
+    "pazo_m_touchy_auxiliary": lambda: [Arm()],
+    "dpzero_touchy_reused": lambda: [Arm()],
 }
 
 
