@@ -26,7 +26,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -86,7 +86,7 @@ def sealed(active: bool = True) -> Iterator[None]:
     if not active:
         yield
         return
-    filters = warnings.filters
+    filters = cast(list[Any], warnings.filters)  # the list itself, rewritten in place (typeshed: a Sequence)
     kept_filters = filters[:]
     once = {name: value for name, value in vars(logging.Logger).items() if hasattr(value, "cache_clear")}
     show, out, err, handle = warnings.showwarning, sys.stdout, sys.stderr, logging.Logger.handle
