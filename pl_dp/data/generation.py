@@ -87,10 +87,13 @@ class TextGenerationDataModule(SplitsDataModule):
     none of the padding: per-example independence holds through this loader (the fit-start probe checks it with
     the net and loss of the run). Train with ``loss="causal_lm"``.
 
-    Splits. ``data`` is the pool: ``test_fraction``, ``val_fraction`` and ``public_fraction`` of it are drawn out
-    by a fixed permutation (``split_seed``, public) and the rest is the private training set; ``val``, ``test`` and
-    ``public`` give a split explicitly instead. ε protects each private sequence; validation and test losses are
-    logged without noise, and public sequences are used without privacy.
+    Splits. ``data`` is the pool: each text (each prompt/completion pair) goes to test, val or public with
+    probability ``test_fraction``, ``val_fraction``, ``public_fraction``, decided by a keyed hash of the record
+    itself and ``split_seed`` (public), and otherwise to the private training set
+    (:func:`~pl_dp.data.text.carve_splits`): split sizes vary binomially around the fractions, equal records share
+    a split, and adding or removing one record moves no other. ``val``, ``test`` and ``public`` give a split
+    explicitly instead. ε protects each private sequence; a record that lands in val, test or public is used
+    without privacy: validation and test losses are logged without noise, and public sequences are used as they are.
 
     Args:
         data: the texts: a list of strings, a ``.csv``/``.tsv``/``.jsonl`` path, a mapping of columns or a
@@ -103,9 +106,9 @@ class TextGenerationDataModule(SplitsDataModule):
         max_length: tokens per sequence at most (longer ones lose tokens from their end).
         add_eos: end each sequence with the tokenizer's end-of-sequence token (predicted too: the model learns to
             stop).
-        val_fraction, test_fraction: shares of the pool (``None``: 0.1, or 0 when the split is given).
-        public_fraction: share of the pool that is public data.
-        split_seed: seed of the split permutation.
+        val_fraction, test_fraction: expected shares of the pool (``None``: 0.1, or 0 when the split is given).
+        public_fraction: expected share of the pool that is public data.
+        split_seed: key of the hash that splits the pool.
         batch_size, public_batch_size, eval_batch_size: as in :class:`~pl_dp.data.PrivatePublicDataModule`, with
             defaults for text; its other arguments (``seed``, ``sampling_seed``, ``num_workers``, …) are taken by
             keyword (``sampling_seed=None``: the Poisson sampling is a secret from OS entropy).

@@ -65,6 +65,27 @@ def test_prompt_completion_columns_from_files_put_the_loss_on_the_completion(gpt
         TextGenerationDataModule(data=path, prompt_column="question", tokenizer=gpt2_dir)
 
 
+def _split_of(data):
+    """Each sequence's split, ``{token ids: name}`` (an empty public split is None)."""
+    splits = {name: getattr(data, name) for name in ("private", "public", "val", "test")}
+    return {
+        tuple(item["input_ids"].tolist()): name
+        for name, dataset in splits.items()
+        if dataset is not None
+        for item in dataset
+    }
+
+
+def test_adding_one_text_moves_no_other_text_between_splits(gpt2_dir):
+    pool = [f"{text} number {i}" for i, text in enumerate(CORPUS * 5)]  # 300 distinct texts
+    arguments = dict(tokenizer=gpt2_dir, public_fraction=0.1, batch_size=8, max_length=64)
+    before = _split_of(TextGenerationDataModule(data=pool, **arguments))
+    assert len(before) == len(pool) and set(before.values()) == {"private", "public", "val", "test"}
+    for k in range(4):
+        after = _split_of(TextGenerationDataModule(data=pool + [f"my private note {k}"], **arguments))
+        assert len(after) == len(pool) + 1 and {ids: after[ids] for ids in before} == before
+
+
 def test_the_fit_start_probe_passes_through_its_collate_and_refuses_left_padding(gpt2_dir):
     data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, batch_size=8, max_length=32)
     net = CausalLM(model_path=gpt2_dir)  # in training mode: dropout on
@@ -79,3 +100,4 @@ def test_the_fit_start_probe_passes_through_its_collate_and_refuses_left_padding
 
     with pytest.raises(IndependenceError, match="collate"):
         probe_independence(net, causal_lm, examples, ("eval",), source, collate=left_padded)
+
