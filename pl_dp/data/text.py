@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.nets.prompt import MASK, TEXT, split_template
+from pl_dp.privacy.seal import sealed
 
 #: texts and labels: a CSV/TSV/JSONL path, a mapping of columns, a pair (texts, labels), or a ``datasets.Dataset``
 TextSource = Union[str, Path, Mapping[str, Sequence[Any]], tuple[Sequence[str], Sequence[Any]], Any]
@@ -97,18 +98,25 @@ def tokenize_prompts(
     ``{mask}`` becomes the tokenizer's mask token. A prompt longer than ``max_length`` tokens loses tokens from
     the end of its text only — never from the template or the special tokens (so with the template ``"{text}"``
     this is the tokenizer's own truncation). Needs a fast tokenizer (character offsets).
+
+    Quiet: the tokenizer runs with ``verbose=False`` inside :func:`~pl_dp.privacy.seal.sealed`, so a text longer
+    than the model's maximum neither prints transformers' "Token indices sequence length is longer…" notice nor
+    sets that notice's flag in ``tokenizer.deprecation_warnings`` — the tokenizer (which a net may hold, and a
+    pickle of it carry) keeps no trace of the texts it read.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("tokenizing prompts needs a fast (Rust) tokenizer: load it with AutoTokenizer.")
     prefix, suffix = split_template(template, tokenizer.mask_token)
     if not texts:
         return []
-    encoded = tokenizer(
-        [prefix + text + suffix for text in texts],
-        return_offsets_mapping=True,
-        return_special_tokens_mask=True,
-        return_attention_mask=False,
-    )
+    with sealed():
+        encoded = tokenizer(
+            [prefix + text + suffix for text in texts],
+            return_offsets_mapping=True,
+            return_special_tokens_mask=True,
+            return_attention_mask=False,
+            verbose=False,
+        )
     out = []
     for ids, offsets, special, text in zip(
         encoded["input_ids"], encoded["offset_mapping"], encoded["special_tokens_mask"], texts

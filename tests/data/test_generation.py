@@ -2,13 +2,15 @@
 
 import csv
 import json
+import logging
+import pickle
 
 import pytest
 import torch
 
 from pl_dp.data import TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
-from pl_dp.nets import CausalLM
+from pl_dp.nets import CausalLM, minilm_path
 from pl_dp.privacy.independence import IndependenceError, probe_examples, probe_independence
 from pl_dp.privacy.losses import causal_lm
 from tests.tiny_hf import CORPUS, tiny_model
@@ -101,3 +103,39 @@ def test_the_fit_start_probe_passes_through_its_collate_and_refuses_left_padding
     with pytest.raises(IndependenceError, match="collate"):
         probe_independence(net, causal_lm, examples, ("eval",), source, collate=left_padded)
 
+
+def _slow_bpe_tokenizer(directory):
+    """A Python (not Rust) BPE tokenizer, CTRL's, with a tiny vocabulary: it caches every word it splits."""
+    from transformers import CTRLTokenizer
+
+    vocab = {token: i for i, token in enumerate(["<unk>", "a", "b", "c", "ab", "a@@", "b@@", "ab@@"])}
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\na b\n")
+    return CTRLTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"))
+
+
+@pytest.mark.parametrize("kind", ["fast", "python"])
+def test_a_long_private_text_leaves_no_trace_on_the_console_or_the_tokenizer(
+    kind, tmp_path, capfd, caplog, monkeypatch
+):
+    """Past the model's 512 positions transformers printed a notice and flagged the tokenizer; a Python BPE tokenizer
+    kept the text's words in its cache — on the tokenizer a CausalLM holds and a pickle of the net carries."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records reach caplog too
+    caplog.set_level(logging.DEBUG)
+    texts = [f"a short note number {i}" for i in range(40)]
+    long = "a confidential note " * 200  # 600 tokens for MiniLM
+    pickles = []
+    for pool in (texts, texts + [long]):
+        if kind == "fast":
+            tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+        else:
+            tokenizer = _slow_bpe_tokenizer(tmp_path)
+        capfd.readouterr()
+        caplog.clear()
+        data = TextGenerationDataModule(data=pool, val=["v one"], test=["t one"], tokenizer=tokenizer, max_length=32)
+        assert capfd.readouterr() == ("", "") and caplog.records == []
+        assert tokenizer.deprecation_warnings == {}
+        pickles.append(pickle.dumps(tokenizer))
+    assert len(data.private) == len(texts) + 1 and pickles[0] == pickles[1]

@@ -2,6 +2,8 @@
 
 import csv
 import json
+import logging
+import pickle
 
 import pytest
 from transformers import AutoTokenizer
@@ -179,3 +181,23 @@ def test_bad_prompts_and_labels_are_refused(tokenizer):
     with pytest.raises(ValueError, match=r"\.csv"):
         read_texts("data.parquet")
 
+
+def test_a_long_private_text_leaves_no_trace_on_the_console_or_the_tokenizer(capfd, caplog, monkeypatch):
+    """A text past the model's 512 positions made transformers print a notice and flag the tokenizer (which a net
+    holds and a pickle carries) — only when that record is in the data."""
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records reach caplog too
+    caplog.set_level(logging.DEBUG)
+    long = "what a film " * 250  # about 750 tokens
+    evaluation = (["so great", "bad"], [1, 0])
+    pickles = []
+    for texts, labels in ((TEXTS, LABELS), (TEXTS + [long], LABELS + [1])):
+        tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+        capfd.readouterr()
+        caplog.clear()
+        data = TextDataModule(
+            (texts, labels), val=evaluation, test=evaluation, tokenizer=tokenizer, max_length=32, batch_size=4
+        )
+        assert capfd.readouterr() == ("", "") and caplog.records == []
+        assert tokenizer.deprecation_warnings == {}
+        pickles.append(pickle.dumps(tokenizer))
+    assert long in data.private.texts and pickles[0] == pickles[1]
