@@ -9,10 +9,11 @@ No pretrained causal LM ships offline here, so the model is made in two public s
    (2 layers, width 64, 4 heads, tied input/output embeddings, 0.17M parameters) are trained on sentences of the
    docstrings of Python's own standard library (the interpreter running this script: public text).
 2. **Private fine-tuning** on the descriptions of VADER's emoji lexicon (``emoji_utf8_lexicon.txt`` in the
-   ``vaderSentiment`` package: 3,570 lines such as "face with tears of joy"), one description per example, 80 %
-   private, 10 % validation, 10 % test, with ``loss="causal_lm"`` and :class:`~pl_dp.data.TextGenerationDataModule`,
-   at ε ∈ {1, 8} (δ = 1/n, PRV accountant): DP-SGD with ghost clipping on all parameters (the tied embedding
-   included), DP-SGD with ghost clipping on LoRA adapters (rank 8 on ``c_attn``), and DPZero on all parameters.
+   ``vaderSentiment`` package: 3,570 lines such as "face with tears of joy"), one description per example, about
+   80 % private, 10 % validation, 10 % test (split by a hash of each description: copies stay together), with
+   ``loss="causal_lm"`` and :class:`~pl_dp.data.TextGenerationDataModule`, at ε ∈ {1, 8} (δ = 1/n, PRV accountant):
+   DP-SGD with ghost clipping on all parameters (the tied embedding included), DP-SGD with ghost clipping on LoRA
+   adapters (rank 8 on ``c_attn``), and DPZero on all parameters.
 
 Reported: test perplexity (token level, :func:`pl_dp.nets.perplexity`) of the pretrained model and after each run,
 ε spent, wall time, and a few sampled continuations (post-processing of the private model: no privacy cost).

@@ -7,8 +7,9 @@ Your file has a text column and a label column (class indices, or names listed w
     "Works exactly as described.",positive
 
 The model scores one label word per class where a prompt asks for a word (PromptClassifier: LM-BFF-style prompts,
-which are what make zeroth-order fine-tuning work, as MeZO found); the texts are split into private, validation
-and test sets by a fixed seed and the private set is Poisson-sampled. Nothing is downloaded: ``--model`` is a
+which are what make zeroth-order fine-tuning work, as MeZO found); the rows are split into private, validation
+and test sets (about 80/10/10 %, each row by a keyed hash of itself and a fixed seed) and the private set is
+Poisson-sampled. Nothing is downloaded: ``--model`` is a
 local directory (a masked LM such as RoBERTa, a causal LM such as OPT, or a sentence encoder); by default the
 all-MiniLM-L6-v2 encoder packaged with pl_dp's extras.
 

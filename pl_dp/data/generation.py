@@ -8,6 +8,7 @@ serves a Poisson-sampled private loader of right-padded batches with attention m
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torch.utils.data import Dataset
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.data.text import carve_splits, read_columns
 from pl_dp.privacy.losses import IGNORE_INDEX
+from pl_dp.privacy.seal import sealed
 
 #: texts: a list of strings, a CSV/TSV/JSONL path, a mapping of columns or a ``datasets.Dataset``
 GenerationSource = Any
@@ -62,19 +64,29 @@ def tokenize_sequences(
 ) -> TokenSequences:
     """Token ids of prompt + completion (the tokenizer's special tokens, e.g. a beginning-of-sequence token, before
     the prompt; its end-of-sequence token after the completion with ``add_eos``), cut to ``max_length`` tokens from
-    the end; labels are −100 on the prompt's tokens, so the loss is on the completion (and its end) only."""
+    the end; labels are −100 on the prompt's tokens, so the loss is on the completion (and its end) only.
+
+    Quiet: the tokenizer runs with ``verbose=False`` inside :func:`~pl_dp.privacy.seal.sealed` (a text longer than
+    the model's maximum neither prints transformers' notice nor sets its flag in ``tokenizer.deprecation_warnings``),
+    and a tokenizer that is not a fast (Rust) one is copied first: Python tokenizers may cache the words they read
+    (the BPE word cache of CTRL's, XLM's, BioGPT's). The tokenizer given — which a net may hold, and a pickle of it
+    carry — keeps no trace of the texts.
+    """
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (a token and its successor), got {max_length}.")
     eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
+    if not getattr(tokenizer, "is_fast", False):
+        tokenizer = copy.deepcopy(tokenizer)
     ids, labels = [], []
-    for prompt, completion in zip(prompts, completions):
-        head = tokenizer(prompt)["input_ids"]  # an empty prompt: the special tokens alone (Llama's BOS; GPT-2 none)
-        tail = tokenizer(completion, add_special_tokens=False)["input_ids"] + eos
-        sequence = torch.tensor(head + tail, dtype=torch.long)[:max_length]
-        target = sequence.clone()
-        target[: len(head)] = IGNORE_INDEX
-        ids.append(sequence)
-        labels.append(target)
+    with sealed():
+        for prompt, completion in zip(prompts, completions):
+            head = tokenizer(prompt, verbose=False)["input_ids"]  # an empty prompt: the special tokens alone (BOS)
+            tail = tokenizer(completion, add_special_tokens=False, verbose=False)["input_ids"] + eos
+            sequence = torch.tensor(head + tail, dtype=torch.long)[:max_length]
+            target = sequence.clone()
+            target[: len(head)] = IGNORE_INDEX
+            ids.append(sequence)
+            labels.append(target)
     return TokenSequences(ids, labels)
 
 
@@ -87,10 +99,13 @@ class TextGenerationDataModule(SplitsDataModule):
     none of the padding: per-example independence holds through this loader (the fit-start probe checks it with
     the net and loss of the run). Train with ``loss="causal_lm"``.
 
-    Splits. ``data`` is the pool: ``test_fraction``, ``val_fraction`` and ``public_fraction`` of it are drawn out
-    by a fixed permutation (``split_seed``, public) and the rest is the private training set; ``val``, ``test`` and
-    ``public`` give a split explicitly instead. ε protects each private sequence; validation and test losses are
-    logged without noise, and public sequences are used without privacy.
+    Splits. ``data`` is the pool: each text (each prompt/completion pair) goes to test, val or public with
+    probability ``test_fraction``, ``val_fraction``, ``public_fraction``, decided by a keyed hash of the record
+    itself and ``split_seed`` (public), and otherwise to the private training set
+    (:func:`~pl_dp.data.text.carve_splits`): split sizes vary binomially around the fractions, equal records share
+    a split, and adding or removing one record moves no other. ``val``, ``test`` and ``public`` give a split
+    explicitly instead. ε protects each private sequence; a record that lands in val, test or public is used
+    without privacy: validation and test losses are logged without noise, and public sequences are used as they are.
 
     Args:
         data: the texts: a list of strings, a ``.csv``/``.tsv``/``.jsonl`` path, a mapping of columns or a
@@ -103,9 +118,9 @@ class TextGenerationDataModule(SplitsDataModule):
         max_length: tokens per sequence at most (longer ones lose tokens from their end).
         add_eos: end each sequence with the tokenizer's end-of-sequence token (predicted too: the model learns to
             stop).
-        val_fraction, test_fraction: shares of the pool (``None``: 0.1, or 0 when the split is given).
-        public_fraction: share of the pool that is public data.
-        split_seed: seed of the split permutation.
+        val_fraction, test_fraction: expected shares of the pool (``None``: 0.1, or 0 when the split is given).
+        public_fraction: expected share of the pool that is public data.
+        split_seed: key of the hash that splits the pool.
         batch_size, public_batch_size, eval_batch_size: as in :class:`~pl_dp.data.PrivatePublicDataModule`, with
             defaults for text; its other arguments (``seed``, ``sampling_seed``, ``num_workers``, …) are taken by
             keyword (``sampling_seed=None``: the Poisson sampling is a secret from OS entropy).

@@ -1,8 +1,8 @@
 """Text classification data for fine-tuning a language model privately: texts and labels in, DP-correct loaders out.
 
 :class:`TextDataModule` reads texts and labels from Python lists, a CSV/TSV or JSON Lines file, or a Hugging Face
-``datasets.Dataset``; splits them (explicitly, or by fractions with a fixed split seed); fills a prompt template
-and tokenizes with a local tokenizer; and serves a Poisson-sampled private loader (it is a
+``datasets.Dataset``; splits them (explicitly, or each record by a keyed hash of itself and a fixed split seed);
+fills a prompt template and tokenizes with a local tokenizer; and serves a Poisson-sampled private loader (it is a
 :class:`~pl_dp.data.PrivatePublicDataModule`) whose batches are padded per batch (dynamic padding).
 
 A template that does not fit ``max_length`` is never cut: the text is, from its end, as LM-BFF does (Gao, Fisch
@@ -12,17 +12,18 @@ A template that does not fit ``max_length`` is never cut: the text is, from its 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.nets.prompt import MASK, TEXT, split_template
+from pl_dp.privacy.seal import sealed
 
 #: texts and labels: a CSV/TSV/JSONL path, a mapping of columns, a pair (texts, labels), or a ``datasets.Dataset``
 TextSource = Union[str, Path, Mapping[str, Sequence[Any]], tuple[Sequence[str], Sequence[Any]], Any]
@@ -97,18 +98,25 @@ def tokenize_prompts(
     ``{mask}`` becomes the tokenizer's mask token. A prompt longer than ``max_length`` tokens loses tokens from
     the end of its text only — never from the template or the special tokens (so with the template ``"{text}"``
     this is the tokenizer's own truncation). Needs a fast tokenizer (character offsets).
+
+    Quiet: the tokenizer runs with ``verbose=False`` inside :func:`~pl_dp.privacy.seal.sealed`, so a text longer
+    than the model's maximum neither prints transformers' "Token indices sequence length is longer…" notice nor
+    sets that notice's flag in ``tokenizer.deprecation_warnings`` — the tokenizer (which a net may hold, and a
+    pickle of it carry) keeps no trace of the texts it read.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("tokenizing prompts needs a fast (Rust) tokenizer: load it with AutoTokenizer.")
     prefix, suffix = split_template(template, tokenizer.mask_token)
     if not texts:
         return []
-    encoded = tokenizer(
-        [prefix + text + suffix for text in texts],
-        return_offsets_mapping=True,
-        return_special_tokens_mask=True,
-        return_attention_mask=False,
-    )
+    with sealed():
+        encoded = tokenizer(
+            [prefix + text + suffix for text in texts],
+            return_offsets_mapping=True,
+            return_special_tokens_mask=True,
+            return_attention_mask=False,
+            verbose=False,
+        )
     out = []
     for ids, offsets, special, text in zip(
         encoded["input_ids"], encoded["offset_mapping"], encoded["special_tokens_mask"], texts
@@ -151,19 +159,15 @@ class TokenizedTexts(Dataset):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": self.labels[i]}
 
 
-def split_indices(n: int, fractions: Mapping[str, float], seed: int) -> dict[str, np.ndarray]:
-    """Disjoint sorted index sets: each named fraction of ``range(n)`` in order, drawn by a fixed permutation
-    (``seed``), and ``"rest"``."""
-    order = np.random.default_rng(seed).permutation(n)
-    out, start = {}, 0
-    for name, fraction in fractions.items():
-        if not 0 <= fraction < 1:
-            raise ValueError(f"{name}_fraction must lie in [0, 1), got {fraction}.")
-        count = round(fraction * n)
-        out[name] = np.sort(order[start : start + count])
-        start += count
-    out["rest"] = np.sort(order[start:])
-    return out
+def split_position(record: Sequence[Any], key: bytes) -> float:
+    """A number in [0, 1) that is a function of ``record`` (its columns, as text) and ``key`` alone: the keyed
+    BLAKE2b hash of the columns, each written as UTF-8 after its length (an unambiguous encoding of the record),
+    its first 53 bits read as a binary fraction (uniform on [0, 1) for all practical purposes)."""
+    digest = hashlib.blake2b(key=key, digest_size=8)
+    for value in record:
+        text = str(value).encode("utf-8")
+        digest.update(len(text).to_bytes(8, "big") + text)
+    return (int.from_bytes(digest.digest(), "big") >> 11) / 2**53
 
 
 def carve_splits(
@@ -174,31 +178,58 @@ def carve_splits(
     public_fraction: float,
     split_seed: int,
 ) -> dict[str, tuple[list, list]]:
-    """The ``"private"``, ``"public"``, ``"val"`` and ``"test"`` splits of a pool of two parallel ``columns``: each
-    named fraction drawn out by :func:`split_indices` (``None``: 0.1, or 0 when that split is ``given``), the rest
-    private; a split's ``given`` columns are appended to what is drawn for it."""
+    """The ``"private"``, ``"public"``, ``"val"`` and ``"test"`` splits of a pool of two parallel ``columns``
+    (texts and labels, prompts and completions), in pool order; a split's ``given`` columns are appended to it.
+
+    Each record goes where its own :func:`split_position` ``u`` (keyed by ``split_seed``) falls: test if ``u <
+    test_fraction``, else val if ``u < test_fraction + val_fraction``, else public if below that ``+
+    public_fraction``, else private (a fraction ``None`` is 0.1, or 0 when that split is ``given``). The fractions
+    are therefore expected shares: a split's size is Binomial(n, fraction), not a fixed count. Records equal in both
+    columns land in the same split, so no duplicate straddles the private set and an evaluation or public split.
+
+    Privacy: a record's split depends on that record and the (public) seed only, never on the rest of the pool, so
+    adding or removing one record moves no other record between splits, and which records are evaluated or used as
+    public data says nothing about the others. A record that lands in val, test or public is used without privacy
+    (evaluation metrics are logged without noise, public data is read as it is); ε protects the private split.
+    """
     fractions = {
         "test": (0.0 if given.get("test") is not None else 0.1) if test_fraction is None else test_fraction,
         "val": (0.0 if given.get("val") is not None else 0.1) if val_fraction is None else val_fraction,
         "public": public_fraction,
     }
-    pool = split_indices(len(columns[0]), fractions, split_seed)
-    first, second = columns
-    out = {"private": ([first[i] for i in pool["rest"]], [second[i] for i in pool["rest"]])}
+    bounds, total = [], 0.0
+    for name, fraction in fractions.items():
+        if not 0 <= fraction < 1:
+            raise ValueError(f"{name}_fraction must lie in [0, 1), got {fraction}.")
+        total += fraction
+        bounds.append((total, name))
+    if total >= 1:
+        raise ValueError(f"test, val and public fractions add up to {total:g}: nothing would be left private.")
+    key = hashlib.sha256(str(split_seed).encode()).digest()  # any integer seed, as a key of BLAKE2b's size
+    out: dict[str, tuple[list, list]] = {name: ([], []) for name in ("private", "public", "val", "test")}
+    for record in zip(*columns, strict=True):
+        position = split_position(record, key)
+        name = next((name for bound, name in bounds if position < bound), "private")
+        out[name][0].append(record[0])
+        out[name][1].append(record[1])
     for name in ("public", "val", "test"):
         extra = given.get(name) or ([], [])
-        out[name] = ([first[i] for i in pool[name]] + list(extra[0]), [second[i] for i in pool[name]] + list(extra[1]))
+        out[name][0].extend(extra[0])
+        out[name][1].extend(extra[1])
     return out
 
 
 class TextDataModule(SplitsDataModule):
     """Texts and labels → tokenized prompts → a Poisson-sampled private loader, public and evaluation loaders.
 
-    Splits. ``data`` is the pool: ``test_fraction``, ``val_fraction`` and ``public_fraction`` of it are drawn
-    out by a fixed permutation (``split_seed``: public, so the split is the same in every run) and the rest is
-    the private training set. ``public``, ``val`` and ``test`` give a split explicitly instead (its fraction of
-    the pool is then 0 unless given). ε protects the private set; validation and test metrics are logged
-    without noise, and public examples are used without privacy.
+    Splits. ``data`` is the pool: each record goes to test, val or public with probability ``test_fraction``,
+    ``val_fraction``, ``public_fraction``, decided by a keyed hash of the record itself (text and label) and
+    ``split_seed`` (public, so the split is the same in every run), and otherwise to the private training set
+    (:func:`carve_splits`). The fractions are expected shares: split sizes vary binomially around them, and equal
+    records share a split. ``public``, ``val`` and ``test`` give a split explicitly instead (its fraction of the
+    pool is then 0 unless given). Adding or removing one record moves no other record between splits. ε protects
+    the private set; a record that lands in val, test or public is used without privacy: validation and test
+    metrics are logged without noise, and public examples are used as they are.
 
     Args:
         data: the pool of labelled texts: a ``.csv``/``.tsv``/``.jsonl`` path, a mapping of columns, a pair
@@ -210,9 +241,9 @@ class TextDataModule(SplitsDataModule):
         text_column, label_column: the columns of files, mappings and datasets.
         label_names: class names in class order, for labels given as names (``["negative", "positive"]``).
         max_length: tokens per example at most (special tokens and template included; the text is cut).
-        val_fraction, test_fraction: shares of the pool (``None``: 0.1, or 0 when the split is given).
-        public_fraction: share of the pool that is public data (for PAZO, Coupling).
-        split_seed: seed of the split permutation.
+        val_fraction, test_fraction: expected shares of the pool (``None``: 0.1, or 0 when the split is given).
+        public_fraction: expected share of the pool that is public data (for PAZO, Coupling).
+        split_seed: key of the hash that splits the pool.
         batch_size, public_batch_size, eval_batch_size: as in :class:`~pl_dp.data.PrivatePublicDataModule`, with
             defaults for text; its other arguments (``seed``, ``sampling_seed``, ``num_workers``, …) are taken by
             keyword (``sampling_seed=None``: the Poisson sampling is a secret from OS entropy).

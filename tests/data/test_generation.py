@@ -2,13 +2,15 @@
 
 import csv
 import json
+import logging
+import pickle
 
 import pytest
 import torch
 
 from pl_dp.data import TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
-from pl_dp.nets import CausalLM
+from pl_dp.nets import CausalLM, minilm_path
 from pl_dp.privacy.independence import IndependenceError, probe_examples, probe_independence
 from pl_dp.privacy.losses import causal_lm
 from tests.tiny_hf import CORPUS, tiny_model
@@ -65,6 +67,27 @@ def test_prompt_completion_columns_from_files_put_the_loss_on_the_completion(gpt
         TextGenerationDataModule(data=path, prompt_column="question", tokenizer=gpt2_dir)
 
 
+def _split_of(data):
+    """Each sequence's split, ``{token ids: name}`` (an empty public split is None)."""
+    splits = {name: getattr(data, name) for name in ("private", "public", "val", "test")}
+    return {
+        tuple(item["input_ids"].tolist()): name
+        for name, dataset in splits.items()
+        if dataset is not None
+        for item in dataset
+    }
+
+
+def test_adding_one_text_moves_no_other_text_between_splits(gpt2_dir):
+    pool = [f"{text} number {i}" for i, text in enumerate(CORPUS * 5)]  # 300 distinct texts
+    arguments = dict(tokenizer=gpt2_dir, public_fraction=0.1, batch_size=8, max_length=64)
+    before = _split_of(TextGenerationDataModule(data=pool, **arguments))
+    assert len(before) == len(pool) and set(before.values()) == {"private", "public", "val", "test"}
+    for k in range(4):
+        after = _split_of(TextGenerationDataModule(data=pool + [f"my private note {k}"], **arguments))
+        assert len(after) == len(pool) + 1 and {ids: after[ids] for ids in before} == before
+
+
 def test_the_fit_start_probe_passes_through_its_collate_and_refuses_left_padding(gpt2_dir):
     data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, batch_size=8, max_length=32)
     net = CausalLM(model_path=gpt2_dir)  # in training mode: dropout on
@@ -79,3 +102,40 @@ def test_the_fit_start_probe_passes_through_its_collate_and_refuses_left_padding
 
     with pytest.raises(IndependenceError, match="collate"):
         probe_independence(net, causal_lm, examples, ("eval",), source, collate=left_padded)
+
+
+def _slow_bpe_tokenizer(directory):
+    """A Python (not Rust) BPE tokenizer, CTRL's, with a tiny vocabulary: it caches every word it splits."""
+    from transformers import CTRLTokenizer
+
+    vocab = {token: i for i, token in enumerate(["<unk>", "a", "b", "c", "ab", "a@@", "b@@", "ab@@"])}
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\na b\n")
+    return CTRLTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"))
+
+
+@pytest.mark.parametrize("kind", ["fast", "python"])
+def test_a_long_private_text_leaves_no_trace_on_the_console_or_the_tokenizer(
+    kind, tmp_path, capfd, caplog, monkeypatch
+):
+    """Past the model's 512 positions transformers printed a notice and flagged the tokenizer; a Python BPE tokenizer
+    kept the text's words in its cache — on the tokenizer a CausalLM holds and a pickle of the net carries."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records reach caplog too
+    caplog.set_level(logging.DEBUG)
+    texts = [f"a short note number {i}" for i in range(40)]
+    long = "a confidential note " * 200  # 600 tokens for MiniLM
+    pickles = []
+    for pool in (texts, texts + [long]):
+        if kind == "fast":
+            tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+        else:
+            tokenizer = _slow_bpe_tokenizer(tmp_path)
+        capfd.readouterr()
+        caplog.clear()
+        data = TextGenerationDataModule(data=pool, val=["v one"], test=["t one"], tokenizer=tokenizer, max_length=32)
+        assert capfd.readouterr() == ("", "") and caplog.records == []
+        assert tokenizer.deprecation_warnings == {}
+        pickles.append(pickle.dumps(tokenizer))
+    assert len(data.private) == len(texts) + 1 and pickles[0] == pickles[1]

@@ -2,16 +2,20 @@
 
 import csv
 import json
+import logging
+import pickle
 
 import pytest
 from transformers import AutoTokenizer
 
 from pl_dp.data import TextDataModule, read_texts, tokenize_prompts
+from pl_dp.data.text import carve_splits
 from pl_dp.nets import minilm_path
 from pl_dp.privacy.sampling import poisson_sampler_of
 
 TEXTS = [f"review number {i} " + "great " * (i % 5) for i in range(40)]
 LABELS = [i % 2 for i in range(40)]
+SPLITS = ("private", "public", "val", "test")
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +27,23 @@ def _texts(dataset):
     return list(dataset.texts)
 
 
+def _split_of(data):
+    """Each record's split: ``{(text, label): name}`` (an empty public split is None)."""
+    splits = {name: getattr(data, name) for name in SPLITS}
+    return {
+        (text, int(label)): name
+        for name, dataset in splits.items()
+        if dataset is not None
+        for text, label in zip(dataset.texts, dataset.labels)
+    }
+
+
 def test_fractions_split_the_pool_with_a_fixed_seed(tokenizer):
     data = TextDataModule((TEXTS, LABELS), tokenizer=tokenizer, public_fraction=0.1, batch_size=4)
-    sizes = {name: len(getattr(data, name)) for name in ("private", "public", "val", "test")}
-    assert sizes == {"private": 28, "public": 4, "val": 4, "test": 4}  # 10 % each of 40, the rest private
-    splits = [set(_texts(getattr(data, name))) for name in ("private", "public", "val", "test")]
+    sizes = {name: len(getattr(data, name)) for name in SPLITS}
+    # each Binomial(40, 0.1) and the rest private; pinned: a given pool and seed give the same split in every release
+    assert sizes == {"private": 24, "public": 4, "val": 4, "test": 8}
+    splits = [set(_texts(getattr(data, name))) for name in SPLITS]
     assert set().union(*splits) == set(TEXTS) and sum(map(len, splits)) == len(TEXTS)
     again = TextDataModule((TEXTS, LABELS), tokenizer=tokenizer, public_fraction=0.1, batch_size=4)
     assert _texts(again.test) == _texts(data.test)  # the split seed is fixed: the same split in every run
@@ -35,6 +51,46 @@ def test_fractions_split_the_pool_with_a_fixed_seed(tokenizer):
     assert _texts(other.test) != _texts(data.test)
     for dataset in (data.private, data.test):  # labels travel with their texts
         assert all(int(item["labels"]) == LABELS[TEXTS.index(text)] for item, text in zip(dataset, dataset.texts))
+
+
+POOL = [f"review {i}: " + ("a fine film " if i % 2 else "an awful film ") * (1 + i % 4) for i in range(300)]
+POOL_LABELS = [i % 2 for i in range(300)]
+NEW = [(f"my private review {k}", k % 2) for k in range(8)]
+
+
+def test_adding_one_record_moves_no_other_record_between_splits(tokenizer):
+    arguments = dict(tokenizer=tokenizer, public_fraction=0.1, batch_size=4)  # val and test: 0.1 each
+    before = _split_of(TextDataModule((POOL, POOL_LABELS), **arguments))
+    others = [f"another review {i}" for i in range(100)]  # a pool with none of POOL's records
+    for text, label in NEW:
+        after = _split_of(TextDataModule((POOL + [text], POOL_LABELS + [label]), **arguments))
+        assert {record: after[record] for record in before} == before  # every record of D stays where it was
+        elsewhere = _split_of(TextDataModule(([text] + others, [label] + [0] * 100), **arguments))
+        assert elsewhere[(text, label)] == after[(text, label)]  # the record's own split, whatever the others
+    assert set(before.values()) == set(SPLITS)
+
+
+def test_duplicated_records_share_a_split(tokenizer):
+    texts, labels = TEXTS + TEXTS[::-1] + TEXTS, LABELS + LABELS[::-1] + LABELS  # each record three times
+    data = TextDataModule((texts, labels), tokenizer=tokenizer, public_fraction=0.1, batch_size=4)
+    for name in SPLITS:
+        dataset = getattr(data, name)
+        assert all(_texts(dataset).count(text) == 3 for text in _texts(dataset))  # no copy elsewhere
+    assert sum(len(getattr(data, name)) for name in SPLITS) == len(texts)
+
+
+def test_fractions_are_expected_shares_of_a_large_pool():
+    n, fractions = 20_000, {"test": 0.1, "val": 0.15, "public": 0.05}
+    records = ([f"record {i}" for i in range(n)], [i % 3 for i in range(n)])
+    splits = carve_splits(records, {}, fractions["test"], fractions["val"], fractions["public"], split_seed=3)
+    for name, fraction in (fractions | {"private": 0.7}).items():
+        count = len(splits[name][0])
+        assert abs(count - n * fraction) < 4 * (n * fraction * (1 - fraction)) ** 0.5, (name, count)
+        assert all(label == int(text.split()[1]) % 3 for text, label in zip(*splits[name]))
+    with pytest.raises(ValueError, match="nothing would be left private"):
+        carve_splits(records, {}, 0.5, 0.3, 0.2, split_seed=0)
+    with pytest.raises(ValueError, match=r"val_fraction must lie in \[0, 1\)"):
+        carve_splits(records, {}, 0.1, 1.0, 0.0, split_seed=0)
 
 
 def test_private_loader_is_poisson_and_batches_are_padded_to_their_longest(tokenizer):
@@ -63,7 +119,8 @@ def test_explicit_splits_from_csv_and_jsonl_files_with_label_names(tmp_path, tok
         label_names=["negative", "positive"],
         batch_size=4,
     )
-    assert len(data.test) == 2 and len(data.val) == 4 and len(data.private) == 36  # test given: no test fraction
+    assert len(data.test) == 2 and len(data.val) + len(data.private) == 40  # test given: no test fraction
+    assert 0 < len(data.val) < 40
     assert [int(item["labels"]) for item in data.test] == [1, 0]
     assert data.hparams["data"] == str(train) and data.hparams["test"] == str(test)  # paths, never texts
     with pytest.raises(KeyError, match="no column"):
@@ -95,7 +152,7 @@ def test_a_datasets_dataset_is_read_by_its_columns(tokenizer):
     datasets = pytest.importorskip("datasets")
     real = datasets.Dataset.from_dict({"sentence": TEXTS, "label": LABELS})
     data = TextDataModule(real, tokenizer=tokenizer, text_column="sentence", batch_size=4)
-    assert len(data.private) == 32
+    assert _split_of(data) == _split_of(TextDataModule((TEXTS, LABELS), tokenizer=tokenizer, batch_size=4))
 
 
 def test_truncation_cuts_the_text_never_the_template(tokenizer):
@@ -123,3 +180,24 @@ def test_bad_prompts_and_labels_are_refused(tokenizer):
         read_texts(42)
     with pytest.raises(ValueError, match=r"\.csv"):
         read_texts("data.parquet")
+
+
+def test_a_long_private_text_leaves_no_trace_on_the_console_or_the_tokenizer(capfd, caplog, monkeypatch):
+    """A text past the model's 512 positions made transformers print a notice and flag the tokenizer (which a net
+    holds and a pickle carries) — only when that record is in the data."""
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records reach caplog too
+    caplog.set_level(logging.DEBUG)
+    long = "what a film " * 250  # about 750 tokens
+    evaluation = (["so great", "bad"], [1, 0])
+    pickles = []
+    for texts, labels in ((TEXTS, LABELS), (TEXTS + [long], LABELS + [1])):
+        tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+        capfd.readouterr()
+        caplog.clear()
+        data = TextDataModule(
+            (texts, labels), val=evaluation, test=evaluation, tokenizer=tokenizer, max_length=32, batch_size=4
+        )
+        assert capfd.readouterr() == ("", "") and caplog.records == []
+        assert tokenizer.deprecation_warnings == {}
+        pickles.append(pickle.dumps(tokenizer))
+    assert long in data.private.texts and pickles[0] == pickles[1]

@@ -458,7 +458,7 @@ def run_lora(name: str, devices: int, directory: Path) -> dict:
     kwargs = dict(lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7)
     model = DPZero(net, smoothing=1e-2, **kwargs) if name == "dpzero" else DPSGD(net, per_sample="ghost", **kwargs)
     data = TextDataModule(
-        (TEXTS * 4, LABELS * 4), tokenizer=path, batch_size=8, val_fraction=0.25, test_fraction=0, sampling_seed=11
+        (TEXTS * 4, LABELS * 4), val=(TEXTS, LABELS), test_fraction=0, tokenizer=path, batch_size=8, sampling_seed=11
     )
     strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if devices > 1 else "auto"
     trainer = L.Trainer(

@@ -188,7 +188,7 @@ def test_dpzero_fine_tunes_a_bf16_causal_lm_through_fp32_masters(tmp_path, monke
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     L.seed_everything(0)
     net = PromptClassifier(["terrible", "great"], model_path=tiny_model(tmp_path, "opt"), dtype=torch.bfloat16)
-    data = TextDataModule((TEXTS * 4, LABELS * 4), prompt=net, batch_size=8, val_fraction=0.25, test_fraction=0)
+    data = TextDataModule((TEXTS * 4, LABELS * 4), val=(TEXTS, LABELS), test_fraction=0, prompt=net, batch_size=8)
     model = DPZero(net, lr=1e-2, clip=1.0, privacy=PrivacySpec(epsilon=2.0, accountant="rdp"))
     make_trainer(max_steps=3, limit_val_batches=0).fit(model, data)
     assert model.private_steps == 3

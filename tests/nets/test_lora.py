@@ -26,7 +26,7 @@ def offline(monkeypatch):
 
 def _data(tokenizer=None, prompt=None):
     return TextDataModule(
-        (TEXTS * 4, LABELS * 4), tokenizer=tokenizer, prompt=prompt, batch_size=8, val_fraction=0.25, test_fraction=0
+        (TEXTS * 4, LABELS * 4), val=(TEXTS, LABELS), test_fraction=0, tokenizer=tokenizer, prompt=prompt, batch_size=8
     )
 
 

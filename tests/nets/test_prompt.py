@@ -26,6 +26,8 @@ TEXTS = [
     "the actors were great and the movie was fine",
 ]
 LABELS = [1, 0, 0, 1, 1, 0, 1, 0, 1]
+# fine-tuning tests train on TEXTS * 4 and validate on TEXTS, given explicitly: split by fractions, every copy of a
+# text lands in the same split, and nine distinct texts are too few for a validation fraction to be reliable
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +117,7 @@ def test_private_prompt_fine_tuning_moves_only_the_trainable_parameters(tiny_lm,
         for n in before
         if ".1." in n  # the last of the two transformer blocks
     }
-    data = TextDataModule((TEXTS * 4, LABELS * 4), prompt=net, batch_size=8, val_fraction=0.25, test_fraction=0)
+    data = TextDataModule((TEXTS * 4, LABELS * 4), val=(TEXTS, LABELS), test_fraction=0, prompt=net, batch_size=8)
     model = method(net, lr=1e-2, clip=1.0, privacy=PrivacySpec(epsilon=2.0, accountant="rdp"))
     if method is DPSGD and tiny_lm.name.startswith("opt"):  # OPT's fc1/fc2 see [batch x tokens, width]
         with pytest.raises(RuntimeError, match="per input row, not per example"):
@@ -132,7 +134,7 @@ def test_minilm_head_fine_tuning_with_dpzero_keeps_the_encoder_bit_identical():
     net = PromptClassifier(["terrible", "great"], trainable="head")
     encoder = {n: p.detach().clone() for n, p in net.model.named_parameters()}
     head = net.head.weight.detach().clone()
-    data = TextDataModule((TEXTS * 4, LABELS * 4), prompt=net, batch_size=8, val_fraction=0.25, test_fraction=0)
+    data = TextDataModule((TEXTS * 4, LABELS * 4), val=(TEXTS, LABELS), test_fraction=0, prompt=net, batch_size=8)
     model = DPZero(net, lr=1e-2, clip=1.0, privacy=PrivacySpec(epsilon=1.0, accountant="rdp"))
     make_trainer(max_steps=3, limit_val_batches=0).fit(model, data)
     assert not torch.equal(net.head.weight, head)
@@ -161,7 +163,7 @@ def test_dp_zopo_data_free_pruning_scores_a_prompt_classifier(tmp_path, architec
     L.seed_everything(0)
     path = None if architecture == "minilm" else tiny_model(tmp_path, architecture)
     net = PromptClassifier(["terrible", "great"], model_path=path, trainable="head" if path is None else "all")
-    data = TextDataModule((TEXTS * 4, LABELS * 4), prompt=net, batch_size=8, val_fraction=0.25, test_fraction=0)
+    data = TextDataModule((TEXTS * 4, LABELS * 4), val=(TEXTS, LABELS), test_fraction=0, prompt=net, batch_size=8)
     model = DPZero(net, lr=1e-3, clip=1.0, privacy=privacy)
     callbacks = [StagewiseSchedule(stages=2), PruningSchedule(rates=[0.1, 0.2], strategy="incremental")]
     make_trainer(max_steps=4, limit_val_batches=0, callbacks=callbacks).fit(model, data)
