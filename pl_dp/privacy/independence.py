@@ -58,6 +58,8 @@ SCAN = 1024
 #: (plus NOISE_MARGIN times the jitter between two passes over the same examples; see probe_independence)
 RELATIVE_TOLERANCE = 1e-5
 NOISE_MARGIN = 10.0
+#: in training mode, the positions (nearest the middle first) and the copies tried for a variant of the batch's shapes
+TRAIN_POSITIONS = 4
 #: a net trained in half precision rounds each layer's output to 8 (bf16) or 11 (fp16) bits: the fraction of that
 #: dtype's machine epsilon a watched loss may move by when the batch is padded to another length (see
 #: probe_independence)
@@ -220,11 +222,12 @@ def probe_independence(
       outlier appended. In eval mode under ``torch.inference_mode()``, always. A longer example changes every
       example's padding, an outlying one every batch statistic: a net that does not mask its padding, a collate that
       standardizes by the batch or pads on the left, a loss normalized by the batch move the other examples' losses.
-    * *replaced in training mode*: the middle example replaced by the outlier — or by a copy of the first example
-      when the outlier would change the batch's padded shape — in training mode with autograd (only with
-      ``"train"`` in ``modes``: how first-order methods compute per-example gradients). The shape stays, so the
-      random generators, reset to one state before each pass, give every position the same dropout mask (a batch of
-      another shape would draw other masks: that is why nothing is added here).
+    * *replaced in training mode*: the middle example replaced by the outlier — or, when that would change the
+      batch's padded shape, by a copy of another example of the batch; when the middle example is the only one as
+      long as the batch, the position nearest the middle whose replacement keeps the shape — in training mode with
+      autograd (only with ``"train"`` in ``modes``: how first-order methods compute per-example gradients). The
+      shape stays, so the random generators, reset to one state before each pass, give every position the same
+      dropout mask (a batch of another shape would draw other masks: that is why nothing is added here).
       Besides the losses, the summed gradient of the watched examples is compared: it catches mixing done only by
       the backward pass, such as ``x + (m - m.detach())`` with ``m`` a batch mean.
 
@@ -319,39 +322,53 @@ class _Probe:
         self.size = len(examples) - 1  # k; position k of a variant is the stand-in
         self.middle = self.size // 2
         self.reference = list(range(self.size))
-        self.watched = [i for i in self.reference if i != self.middle]
-        replaced = [self.size if i == self.middle else i for i in self.reference]
-        self.variants: dict[Mode, dict[str, list[int]]] = {
-            "eval": {
-                f"replacing only the example at position {self.middle} by": replaced,
-                f"adding at position {self.size}": [*self.reference, self.size],
-            },
-            # a batch of another shape would draw other dropout masks: in training mode the shape is kept
-            "train": {f"replacing only the example at position {self.middle} by": replaced},
-        }
         self.params = [p for p in net.parameters() if p.requires_grad]
         self.repadded_tolerance = max(RELATIVE_TOLERANCE, HALF_PRECISION_ULPS * torch.finfo(_trained_dtype(net)).eps)
         self.rng = _RandomState(state.cuda_devices)
+        self.watched: list[int] = []  # the positions compared, set for each mode by findings()
 
-    def _stand_in(self, mode: Mode) -> tuple[Any, str]:
-        """The example that replaces (and, in eval mode, is added to) the probe batch, and its description: the
-        outlier, unless in training mode it would change the batch's shape (and with it the dropout masks), where a
-        copy of the first example takes its place."""
+    def _plan(self, mode: Mode) -> tuple[int, Any, str, dict[str, list[int]]]:
+        """The position replaced, the example that replaces it (and, in eval mode, is added), its description, and
+        the variants (name → rows; row k is the stand-in).
+
+        Eval mode: the middle example replaced by the outlier, and the outlier added. Training mode keeps the
+        batch's shapes (a batch of another shape would draw other dropout masks): the middle example replaced by
+        the outlier if that keeps them, else by a copy of another example of the batch; and when the middle
+        example is the only one as long as the batch (anything in its place shortens the padding), the position
+        nearest the middle that does keep them. A few collations, no forward pass."""
         outlier = (self.examples[-1], "a long or outlying example")
         if mode == "eval":
-            return outlier
-        rows = self.variants["train"][f"replacing only the example at position {self.middle} by"]
-        batch = self.collate([self.examples[i] for i in rows])
-        same = _shapes(batch) == _shapes(self.collate([self.examples[i] for i in self.reference]))
-        return outlier if same else (self.examples[0], "a copy of the example at position 0")
+            replaced = [self.size if i == self.middle else i for i in self.reference]
+            return self.middle, *outlier, {
+                f"replacing only the example at position {self.middle} by": replaced,
+                f"adding at position {self.size}": [*self.reference, self.size],
+            }
+        shapes = _shapes(self.collate([self.examples[i] for i in self.reference]))
+        tries = [
+            (position, stand_in)
+            for position in sorted(self.reference, key=lambda p: (abs(p - self.middle), p))[:TRAIN_POSITIONS]
+            for stand_in in ([outlier] if position == self.middle else [])
+            + [(self.examples[j], f"a copy of the example at position {j}") for j in self.reference if j != position][
+                :TRAIN_POSITIONS
+            ]
+        ]
+        position, stand_in = next(
+            ((p, c) for p, c in tries if _shapes(self._collate(p, c[0])) == shapes), (self.middle, outlier)
+        )
+        replaced = [self.size if i == position else i for i in self.reference]
+        return position, *stand_in, {f"replacing only the example at position {position} by": replaced}
+
+    def _collate(self, position: int, stand_in: Any) -> Any:
+        return self.collate([stand_in if i == position else self.examples[i] for i in self.reference])
 
     def findings(self, mode: Mode, source: str) -> list[str]:
         """Message lines (positions and names only, no value computed from the examples)."""
-        stand_in, described = self._stand_in(mode)
+        position, stand_in, described, variants = self._plan(mode)
+        self.watched = [i for i in self.reference if i != position]
         base = self._run(self.reference, stand_in, mode)
         loss_noise, gradient_noise = self._changes(base, self._run(self.reference, stand_in, mode))  # kernel jitter
         found = []
-        for variant, rows in self.variants[mode].items():
+        for variant, rows in variants.items():
             changed = self._run(rows, stand_in, mode)
             loss_shift, gradient_shift = self._changes(base, changed)
             repadded = _shapes(changed.batch) != _shapes(base.batch)

@@ -134,7 +134,9 @@ class ForwardsInStep:
 
     Assumes what FSDP2 assumes of a net: in one mode its groups run in the same order in every forward (no
     data-dependent skipping of sharded layers), and one forward of the net per pass (a loss that runs the net twice
-    and raises between the two is not caught up).
+    and raises between the two is not caught up). A layer that activation checkpointing runs again in the backward
+    gathers there, outside the net's forward: that is not part of the order. Only the forward and the loss are
+    guarded: an exception raised in a backward (a custom autograd function) on one rank still ends the run.
     """
 
     def __init__(self, net: torch.nn.Module) -> None:
@@ -148,6 +150,7 @@ class ForwardsInStep:
         self.root = net
         self.orders: dict[tuple[bool, bool], list[Any]] = {}  # per mode: the groups of the last completed forward
         self.current: list[Any] = []  # the groups of the forward under way, as they gathered
+        self.forwarding = False  # inside a forward of the net (not, e.g., a checkpointed layer recomputed in backward)
         self.completed = False  # whether a forward completed inside the current guard
         groups = [module for module in net.modules() if isinstance(module, FSDPModule)]
         self.handles = [net.register_forward_pre_hook(self._start)]
@@ -158,13 +161,15 @@ class ForwardsInStep:
         return bool(self.root.training), torch.is_grad_enabled()
 
     def _start(self, module: torch.nn.Module, args: Any) -> None:
-        self.current = []
+        self.current, self.forwarding = [], True
 
     def _gathered(self, module: torch.nn.Module, args: Any) -> None:
-        self.current.append(module)  # after FSDP's own pre-forward hook (prepended): the group is gathered
+        if self.forwarding:  # after FSDP's own pre-forward hook (prepended): the group is gathered
+            self.current.append(module)
 
     def _finish(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self.orders[self._mode()], self.completed = self.current, True
+        self.orders[self._mode()] = list(self.current)
+        self.forwarding, self.completed = False, True
 
     @contextlib.contextmanager
     def guard(self, backward_follows: bool = False) -> Iterator[None]:
@@ -172,7 +177,7 @@ class ForwardsInStep:
         ``backward_follows`` the pass's FSDP state is reset when it ends, on every rank; with it, the caller
         agrees with the other ranks on whether the pass failed and calls :meth:`abandon` on every rank if so."""
         self.root.reset_iter_state()
-        self.current, self.completed = [], False
+        self.current, self.forwarding, self.completed = [], False, False
         order = self.orders.get(self._mode(), [])
         try:
             yield

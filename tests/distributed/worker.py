@@ -131,6 +131,25 @@ class TouchyAuxiliary(TouchyBetween):
         return out + 0.1 * self.auxiliary(hidden) if self.training else out
 
 
+class TouchyCheckpointed(nn.Module):
+    """Raises between its first two layers for a marked record, once armed; its middle layer runs under activation
+    checkpointing in training mode, so the backward runs (and gathers) it a second time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x))
+        if _ARMED["on"] and bool((x[:, 0] == 99.0).any()):
+            raise ValueError("a touchy record, between two layers")
+        if self.training and torch.is_grad_enabled():
+            hidden = torch.utils.checkpoint.checkpoint(self.middle, hidden, use_reentrant=False)
+        else:
+            hidden = self.middle(hidden)
+        return self.last(torch.tanh(hidden))
+
+
 def _zero_gradient_loss(net, batch):
     x, _ = batch
     return (net(x) * 0.0).sum(dim=1)
@@ -278,6 +297,15 @@ SHARDED_METHODS = {
     "dpzero_touchy_reused": lambda: DPZero(
         TouchyReused(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7, max_physical_batch_size=4
     ),
+    "dpsgd_ghost_touchy_checkpointed": lambda: DPSGD(
+        TouchyCheckpointed(),
+        lr=0.5,
+        clip=CLIP,
+        per_sample="ghost",
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=4,
+    ),
     "dpzero_no_empty": lambda: DPZero(_no_empty(), lr=0.05, **_NO_EMPTY),
     "dpsgd_ghost_no_empty": lambda: DPSGD(_no_empty(), lr=0.5, per_sample="ghost", **_NO_EMPTY),
     "dpsgd_ghost_presharded": lambda: PreshardedDPSGD(
@@ -324,6 +352,7 @@ CALLBACKS = {
     "pazo_m_touchy_net": lambda: [Arm()],
     "pazo_m_touchy_auxiliary": lambda: [Arm()],
     "dpzero_touchy_reused": lambda: [Arm()],
+    "dpsgd_ghost_touchy_checkpointed": lambda: [Arm()],
 }
 
 

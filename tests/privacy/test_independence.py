@@ -245,3 +245,19 @@ def test_the_probe_leaves_no_plain_attribute_it_grew():
     table = net[1].table
     probe_independence(net, cross_entropy, _examples(), ("train", "eval"), "public")
     assert net[1].table is table and net[1].seen == []
+
+
+def test_training_mode_keeps_the_batch_shape_when_the_middle_example_is_the_only_longest():
+    """In training mode the replaced batch must keep the reference's padded shape (another shape draws other dropout
+    masks). When the middle example is the only one as long as the batch, neither the outlier nor a copy of another
+    example can take its place without shortening the padding: another position is replaced. Before, a copy of the
+    first example took the middle's place and the dropout masks moved every loss: a per-example transformer with
+    dropout was refused (found on a LoRA BERT trained with no validation data, whose probe read private examples)."""
+    from pl_dp.data.collate import PaddingCollate
+
+    lengths = [3, 4, 3, 4, 8, 4, 3, 4, 10]  # position 4 (the middle of 8) is the only longest; the outlier is last
+    g = torch.Generator().manual_seed(0)
+    examples = [(torch.randint(1, 50, (n,), generator=g), torch.tensor(i % 2)) for i, n in enumerate(lengths)]
+    torch.manual_seed(0)
+    transformer = TinyTransformerClassifier(vocab_size=50, width=16, depth=1, heads=2, max_length=10, dropout=0.1)
+    probe_independence(transformer, cross_entropy, examples, ("train", "eval"), "private", collate=PaddingCollate())
