@@ -83,7 +83,7 @@ def shard(net: nn.Module, mesh: Any) -> None:
         own = list(module.parameters(recurse=False))
         if module is not net and own and all(len(holders[id(p)]) == 1 for p in own):
             layers.append(module)
-    for module in layers:
+    for module in reversed(layers):  # children before their parents, as FSDP2 requires (a block's own gain)
         fully_shard(module, mesh=mesh, reshard_after_forward=True)
     # the whole net too (FSDP2 keeps the root's parameters gathered after a forward by default): between forwards
     # every parameter is its shard, which is what the zeroth-order sweeps write

@@ -150,6 +150,22 @@ class TouchyCheckpointed(nn.Module):
         return self.last(torch.tanh(hidden))
 
 
+class ScaledBlock(nn.Module):
+    """A layer inside a module that holds a parameter of its own (a layer-scale gain): both are sharded, the layer
+    first (FSDP2 shards children before their parents)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.gain = nn.Linear(16, 16), nn.Parameter(torch.full((16,), 0.5))
+
+    def forward(self, x):
+        return torch.tanh(self.layer(x)) * self.gain
+
+
+def _layer_scale() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), ScaledBlock(), nn.Linear(16, 4))
+
+
 def _zero_gradient_loss(net, batch):
     x, _ = batch
     return (net(x) * 0.0).sum(dim=1)
@@ -306,6 +322,7 @@ SHARDED_METHODS = {
         noise_seed=7,
         max_physical_batch_size=4,
     ),
+    "dpzero_layer_scale": lambda: DPZero(_layer_scale(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
     "dpzero_no_empty": lambda: DPZero(_no_empty(), lr=0.05, **_NO_EMPTY),
     "dpsgd_ghost_no_empty": lambda: DPSGD(_no_empty(), lr=0.5, per_sample="ghost", **_NO_EMPTY),
     "dpsgd_ghost_presharded": lambda: PreshardedDPSGD(
