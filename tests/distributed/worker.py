@@ -166,6 +166,12 @@ def _layer_scale() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), ScaledBlock(), nn.Linear(16, 4))
 
 
+def _touchy(method, net: nn.Module, **kwargs):
+    """A sharded fit of ``method`` on ``net`` in which the marked records raise inside a step once armed (:class:`Arm`),
+    in micro-batches of 4 (so that failures are retried example by example in passes every rank runs)."""
+    return method(net, clip=CLIP, privacy=_spec(), noise_seed=7, max_physical_batch_size=4, **kwargs)
+
+
 def _zero_gradient_loss(net, batch):
     x, _ = batch
     return (net(x) * 0.0).sum(dim=1)
@@ -257,71 +263,15 @@ SHARDED_METHODS = {
         privacy=_spec(),
         noise_seed=7,
     ),
-    "dpzero_touchy": lambda: DPZero(
-        nn.Linear(12, 4),
-        loss=_touchy_loss,
-        lr=0.05,
-        clip=CLIP,
-        queries=2,
-        privacy=_spec(),
-        noise_seed=7,
-        max_physical_batch_size=4,
-    ),
-    "dpsgd_ghost_touchy": lambda: DPSGD(
-        _mlp(),
-        loss=_touchy_loss,
-        lr=0.5,
-        clip=CLIP,
-        per_sample="ghost",
-        privacy=_spec(),
-        noise_seed=7,
-        max_physical_batch_size=4,
-    ),
-    "dpzero_touchy_net": lambda: DPZero(
-        TouchyBetween(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7, max_physical_batch_size=4
-    ),
-    "dpsgd_ghost_touchy_net": lambda: DPSGD(
-        TouchyBetween(),
-        lr=0.5,
-        clip=CLIP,
-        per_sample="ghost",
-        privacy=_spec(),
-        noise_seed=7,
-        max_physical_batch_size=4,
-    ),
+    "dpzero_touchy": lambda: _touchy(DPZero, nn.Linear(12, 4), loss=_touchy_loss, lr=0.05, queries=2),
+    "dpsgd_ghost_touchy": lambda: _touchy(DPSGD, _mlp(), loss=_touchy_loss, lr=0.5, per_sample="ghost"),
+    "dpzero_touchy_net": lambda: _touchy(DPZero, TouchyBetween(), lr=0.05, queries=2),
+    "dpsgd_ghost_touchy_net": lambda: _touchy(DPSGD, TouchyBetween(), lr=0.5, per_sample="ghost"),
     # a public gradient (a backward outside the guarded passes) after a step whose last pass failed on one rank only
-    "pazo_m_touchy_net": lambda: PAZOM(
-        TouchyBetween(),
-        lr=0.05,
-        clip=CLIP,
-        queries=2,
-        alpha=0.5,
-        privacy=_spec(),
-        noise_seed=7,
-        max_physical_batch_size=4,
-    ),
-    "pazo_m_touchy_auxiliary": lambda: PAZOM(
-        TouchyAuxiliary(),
-        lr=0.05,
-        clip=CLIP,
-        queries=2,
-        alpha=0.5,
-        privacy=_spec(),
-        noise_seed=7,
-        max_physical_batch_size=4,
-    ),
-    "dpzero_touchy_reused": lambda: DPZero(
-        TouchyReused(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7, max_physical_batch_size=4
-    ),
-    "dpsgd_ghost_touchy_checkpointed": lambda: DPSGD(
-        TouchyCheckpointed(),
-        lr=0.5,
-        clip=CLIP,
-        per_sample="ghost",
-        privacy=_spec(),
-        noise_seed=7,
-        max_physical_batch_size=4,
-    ),
+    "pazo_m_touchy_net": lambda: _touchy(PAZOM, TouchyBetween(), lr=0.05, queries=2, alpha=0.5),
+    "pazo_m_touchy_auxiliary": lambda: _touchy(PAZOM, TouchyAuxiliary(), lr=0.05, queries=2, alpha=0.5),
+    "dpzero_touchy_reused": lambda: _touchy(DPZero, TouchyReused(), lr=0.05, queries=2),
+    "dpsgd_ghost_touchy_checkpointed": lambda: _touchy(DPSGD, TouchyCheckpointed(), lr=0.5, per_sample="ghost"),
     "dpzero_layer_scale": lambda: DPZero(_layer_scale(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
     "dpzero_no_empty": lambda: DPZero(_no_empty(), lr=0.05, **_NO_EMPTY),
     "dpsgd_ghost_no_empty": lambda: DPSGD(_no_empty(), lr=0.5, per_sample="ghost", **_NO_EMPTY),
@@ -362,14 +312,7 @@ CALLBACKS = {
         StagewiseSchedule(stages=2, proximal=0.05),
         PruningSchedule(rates=[0.3, 0.6], strategy="incremental", importance="rank", input_shape=(1, 12)),
     ],
-    "dpzero_touchy": lambda: [Arm()],
-    "dpsgd_ghost_touchy": lambda: [Arm()],
-    "dpzero_touchy_net": lambda: [Arm()],
-    "dpsgd_ghost_touchy_net": lambda: [Arm()],
-    "pazo_m_touchy_net": lambda: [Arm()],
-    "pazo_m_touchy_auxiliary": lambda: [Arm()],
-    "dpzero_touchy_reused": lambda: [Arm()],
-    "dpsgd_ghost_touchy_checkpointed": lambda: [Arm()],
+    **{name: lambda: [Arm()] for name in SHARDED_METHODS if "touchy" in name},
 }
 
 
