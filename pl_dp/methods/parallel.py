@@ -164,6 +164,8 @@ class DataParallelMixin:
                 )
             sum_gradients(self.net)  # a net sharded by its own configure_model averages the ranks' gradients
         if self.forwards_in_step is None or self.forwards_in_step.root is not self.net:
+            if self.forwards_in_step is not None:  # a net swapped between fits: its hooks go with it
+                self.forwards_in_step.remove()
             self.forwards_in_step = ForwardsInStep(self.net)
 
     def whole_net(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:

@@ -198,6 +198,7 @@ class ForwardsInStep:
         self.root.reset_iter_state()
 
     def remove(self) -> None:
+        """Take this object's hooks off the net."""
         for handle in self.handles:
             handle.remove()
 
