@@ -493,6 +493,9 @@ class GhostClipping:
                 }
             )
             recorded = any("norm_sample" in m.__dict__ for m in self.net.modules())
+            for module in gsm.iterate_submodules(gsm._module) if recorded else ():
+                if "norm_sample" not in module.__dict__:  # a layer this pass did not run (a training-only head)
+                    module.norm_sample = [torch.zeros(size, device=losses.device)]
             norms = gsm.get_norm_sample().float().reshape(-1) if recorded else torch.zeros(size, device=losses.device)
         finally:
             self._targets.stop()

@@ -270,6 +270,8 @@ SHARDED_METHODS = {
     # a public gradient (a backward outside the guarded passes) after a step whose last pass failed on one rank only
     "pazo_m_touchy_net": lambda: _touchy(PAZOM, TouchyBetween(), lr=0.05, queries=2, alpha=0.5),
     "pazo_m_touchy_auxiliary": lambda: _touchy(PAZOM, TouchyAuxiliary(), lr=0.05, queries=2, alpha=0.5),
+    # its head for training runs in no eval-mode pass of ghost clipping (the fit-start checks)
+    "dpsgd_ghost_touchy_auxiliary": lambda: _touchy(DPSGD, TouchyAuxiliary(), lr=0.5, per_sample="ghost"),
     "dpzero_touchy_reused": lambda: _touchy(DPZero, TouchyReused(), lr=0.05, queries=2),
     "dpsgd_ghost_touchy_checkpointed": lambda: _touchy(DPSGD, TouchyCheckpointed(), lr=0.5, per_sample="ghost"),
     "dpzero_layer_scale": lambda: DPZero(_layer_scale(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
