@@ -258,9 +258,15 @@ class PerSampleGradients:
             return self._hooks(batch, size)
         return self._functorch(batch, size)
 
-    def clipped_sum(self, batch: Any, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """:func:`clipped_sum` of this batch's per-example gradients (freed before returning)."""
+    def clipped_sum(
+        self, batch: Any, clip_fn: ClipFunction, rows: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """:func:`clipped_sum` of this batch's per-example gradients (freed before returning); with ``rows`` (a boolean
+        mask over the batch), of those rows' only — the others are computed in the batch, then dropped (rows that fill
+        a batch to a fixed shape; the examples the probe does not watch)."""
         per_example, _ = self(batch)
+        if rows is not None:
+            per_example = [g[rows.to(g.device)] for g in per_example]
         return clipped_sum(per_example, clip_fn)
 
     def _hooks(self, batch: Any, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -387,7 +393,15 @@ def clipped_sum(
     """
     # per-parameter norms first: no temporary the size of the per-example gradients. Norms and sums are
     # accumulated in fp32 whatever the gradients' dtype (bf16/fp16 under autocast): a norm rounded low in
-    # half precision would let a clipped contribution exceed C, breaking the sensitivity bound.
+    # half precision would let a clipped contribution exceed C, and a sum rounded in half precision moves with
+    # every example in it (autocast would run the weighted sum's einsum in bf16: 0.35·C at b = 130, found by the probe).
+    with torch.autocast(per_sample[0].device.type, enabled=False) if per_sample else contextlib.nullcontext():
+        return _clipped_sum(per_sample, clip_fn)
+
+
+def _clipped_sum(
+    per_sample: Sequence[torch.Tensor], clip_fn: ClipFunction
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     per_param = torch.stack(
         [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float32) for g in per_sample], dim=1
     )
