@@ -62,12 +62,21 @@ class PrivatePublicDataModule(L.LightningDataModule):
             1-D tensors such as tokenized text). Empty Poisson batches are handled either way.
         num_workers, pin_memory: as in ``torch.utils.data.DataLoader``, for every loader. Worker
             processes load examples only: the Poisson batches are drawn in the main process.
+        fixed_length: pad every private batch to one length, whatever was sampled: ``True`` always, ``False``
+            never, ``None`` (default) when the method computes in half precision (its ``fixed_shapes``), where the
+            rounding of every example's result depends on the batch's padded length. The length is the collate's
+            own (``PaddingCollate(length=...)``), else the data module's ``max_length`` (the text data modules'),
+            and the collate must be a :class:`~pl_dp.data.collate.PaddingCollate`. Only the private loader pads so;
+            the others pad to their longest example.
 
     Use :meth:`from_datamodule` to make an existing LightningDataModule private.
     """
 
     #: constructor arguments that hold examples (or what reads them): saved as hyperparameters only as a path
     data_arguments: tuple[str, ...] = ("private", "public", "val", "test")
+    #: the most positions a sequence of an example can have, when the data module cuts them (the text modules'
+    #: ``max_length``): the padded length of a private batch under ``fixed_length``
+    max_length: int | None = None
 
     def __init__(
         self,
@@ -86,6 +95,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         collate_fn: Callable[[list], Any] | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
+        fixed_length: bool | None = None,
     ) -> None:
         super().__init__()
         if merge_public and public is not None:
@@ -98,6 +108,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         self.sampling_seed = sampling_seed
         self.eval_batch_size = eval_batch_size
         self.collate_fn = collate_fn if collate_fn is not None else PaddingCollate()
+        self.fixed_length = fixed_length
         self.loader_kwargs = {"num_workers": num_workers, "pin_memory": pin_memory}
         self._public_generator = torch.Generator().manual_seed(seed + 1)
         if private is not None:
@@ -194,9 +205,27 @@ class PrivatePublicDataModule(L.LightningDataModule):
             steps_per_epoch=steps,
             num_replicas=world,
             rank=rank,
-            collate_fn=self.collate_fn,
+            collate_fn=self.private_collate(bool(getattr(module, "fixed_shapes", False))),
             **self.loader_kwargs,
         )
+
+    def private_collate(self, fixed_shapes: bool = False) -> Callable[[list], Any]:
+        """The private loader's ``collate_fn``: ``collate_fn``, padding to one length under ``fixed_length`` (or, with
+        ``fixed_length=None``, when the method needs ``fixed_shapes``). A collate that pads to one length already is
+        used as it is; one that cannot (not a PaddingCollate, or no length known) is refused under
+        ``fixed_length=True`` and left to the fit-start probe otherwise, which refuses it where it matters."""
+        collate = self.collate_fn
+        wanted = fixed_shapes if self.fixed_length is None else self.fixed_length
+        if not wanted or (isinstance(collate, PaddingCollate) and collate.length is not None):
+            return collate
+        if isinstance(collate, PaddingCollate) and self.max_length is not None:
+            return collate.fixed(self.max_length)
+        if self.fixed_length:
+            raise ValueError(
+                f"fixed_length=True needs a PaddingCollate that knows the length: got {type(collate).__name__}, and "
+                "this data module cuts its sequences at no max_length. Pass collate_fn=PaddingCollate(length=...)."
+            )
+        return collate
 
     def _loader(self, dataset: Dataset | None) -> DataLoader | list:
         if dataset is None:

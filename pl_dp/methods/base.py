@@ -16,8 +16,9 @@ Everything the guarantee depends on lives in the module's :class:`~pl_dp.privacy
 matches the sampler) and lets the ledger plan σ on top of the history already spent; every private step
 asks the ledger first (the budget is never exceeded) and is recorded in it exactly once; checkpoints hold
 the ledger's state and the sampler position — never the secrets (the noise key and the sampling seed), which
-a resumed run draws afresh (threat model: docs/privacy-model.md). Evaluation (:mod:`pl_dp.methods.evaluation`)
-and data parallelism (:mod:`pl_dp.methods.parallel`) are mixed in from their own modules.
+a resumed run draws afresh (threat model: docs/privacy-model.md). Evaluation (:mod:`pl_dp.methods.evaluation`),
+data parallelism (:mod:`pl_dp.methods.parallel`) and the precision a step computes in, with the batch shape it keeps
+(:mod:`pl_dp.methods.precision`), are mixed in from their own modules.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ from torch import nn
 
 from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin
+from pl_dp.methods.precision import PrecisionMixin
 from pl_dp.privacy.accountants import Accountant, accountant_class, accountant_names
 from pl_dp.privacy.batches import batch_size_of
 from pl_dp.privacy.independence import (
     PROBE_MAX,
     PROBE_SIZE,
+    Release,
     probe_examples,
     probe_independence,
     refuse_batch_mixing_modules,
+    refuse_varying_batch_shapes,
 )
 from pl_dp.privacy.ledger import PrivacyLedger
 from pl_dp.privacy.losses import LossSpec, resolve_loss
@@ -77,7 +81,7 @@ class _FromLedger:
         setattr(module.ledger, self.name, value)
 
 
-class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
+class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.LightningModule):
     """The privacy protocol shared by all methods: ``epsilon``, ``privacy_report()``, ``accountant``,
     ``noise_multiplier``, ``sample_rate``, ``delta``, ``private_steps``, ``planned_steps`` (what the
     callbacks read), around one private step.
@@ -203,6 +207,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         per-example losses, as :meth:`~pl_dp.methods.own_update.OwnUpdateModule.private_losses` evaluates them;
         first-order methods: the clipped sum)."""
         per_sample_evaluator(self.net, self.loss_fn, batch, batch_size_of(batch), self.max_physical_batch_size)()
+
+    def probe_release(self) -> Release | None:
+        """What a private step releases, as the fit-start probe compares it between neighbouring batches
+        (:class:`~pl_dp.privacy.independence.Release`); None: the probe compares losses (and gradients) only."""
+        return None
 
     def check_reference(self) -> None:
         """Raise when the per-example computation fails for a fixed validation (or public) example.
@@ -445,6 +454,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         self.ledger.open_journal(restored, self._journal_directory(), self._broadcast)
         self.prepare_accounting(sampler, restored)
         self.ledger.plan(steps_left, restored, self.allow_privacy_change, int(planned))
+        self.collective_bytes = 0  # what the private steps send: the fit-start checks' agreements are not counted
 
     def prepare_accounting(self, sampler: Any, restored: dict[str, Any] | None) -> None:
         """Wire the accountant to this fit's private sampler, before σ is planned (explicit, once per plan).
@@ -460,9 +470,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         batch size (or of ``max_physical_batch_size``), by index — never through the Poisson sampler."""
         dataset, collate = private_data_of(self.trainer.train_dataloader)
         chunk = self.max_physical_batch_size or math.ceil(self.expected_batch_size or 1)
-        return check_private_set(
-            dataset, collate, self.net, self.loss_fn, chunk, transfer=self._to_device, values=self.preflight
-        )
+        with self.precision_context():  # a loss finite in fp32 may overflow in fp16
+            return check_private_set(
+                dataset, collate, self.net, self.loss_fn, chunk, transfer=self._to_device, values=self.preflight
+            )
 
     def _seal_batching(self, report: PreflightReport) -> None:
         """Tell pl_dp's private loader what a batch looks like: every example's structure, as the pre-flight pass
@@ -485,12 +496,26 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, L.LightningModule):
         the private loader's collate, the net and the loss together (:func:`~pl_dp.privacy.independence.
         probe_independence`) on a batch of the expected size (public examples if the method uses them, else
         validation, else private by index) with one example replaced and one added, in eval mode and, for methods
-        that take gradients, in training mode."""
+        that take gradients, in training mode, and what a step releases (:meth:`probe_release`) — all in the
+        trainer's precision context and, when the run keeps one batch shape, in its micro-batches of
+        :attr:`physical_rows` rows (:mod:`pl_dp.methods.precision`)."""
         refuse_batch_mixing_modules(self.net)
         examples, source = self._probe_examples()
         collate = private_data_of(self.trainer.train_dataloader)[1]
+        if self.fixed_shapes:
+            refuse_varying_batch_shapes(collate, examples)
         probe_independence(
-            self.net, self.loss_fn, examples, self.private_loss_modes, source, collate=collate, transfer=self._to_device
+            self.net,
+            self.loss_fn,
+            examples,
+            self.private_loss_modes,
+            source,
+            collate=collate,
+            transfer=self._to_device,
+            context=self.precision_context,
+            compute_dtype=self.autocast_dtype,
+            rows=self.physical_rows,
+            release=self.probe_release(),
         )
         # a fixed example that is not private, to tell a net or loss that fails for every example from bad records
         self._reference = None if source == "private" else self._to_device(collate(examples[:1]))

@@ -16,8 +16,9 @@ from torch import nn
 from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
-from pl_dp.privacy.batches import batch_size_of, select_examples, split_batch
+from pl_dp.privacy.batches import batch_size_of, fill_rows, select_examples, split_batch
 from pl_dp.privacy.clip_functions import ClipFunction
+from pl_dp.privacy.independence import Release
 from pl_dp.privacy.losses import check_per_sample
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.seal import PassFailed, PlainAttributes, isolate_failures, sealed
@@ -58,6 +59,11 @@ class FirstOrderModule(PrivateModule):
     """
 
     private_loss_modes = ("train",)  # per-example gradients in training mode
+
+    @property
+    def private_passes_autocast(self) -> bool:  # type: ignore[override]
+        """Ghost clipping computes its two passes in fp32 with autocast off; per-example gradients run under it."""
+        return self.per_sample_mode != "ghost"
 
     @property
     def supports_sharding(self) -> bool:
@@ -135,17 +141,19 @@ class FirstOrderModule(PrivateModule):
         return self._gaussian(batch_size, sensitivity, auxiliary_noise_multiplier=count_noise)
 
     def on_train_start(self) -> None:
-        super().on_train_start()
         if self._per_sample is not None:  # a new fit may train another set of parameters
             self._per_sample.close()
             self._per_sample = None
-        if self.clip_function is not None:
+        if self.clip_function is not None:  # before the fit-start checks: the probe runs the step's clipped sum
             if self.per_sample_mode == "ghost":
                 self._per_sample = GhostClipping(self.net, self.loss_fn)
-                self._per_sample.padding = self._padding
                 self._per_sample.in_step = self.forwards_in_step
             else:
                 self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
+        super().on_train_start()
+        if self._per_sample is not None:
+            if isinstance(self._per_sample, GhostClipping):
+                self._per_sample.padding = self._padding
             if self.privacy is not None:  # each clipped row must be one example's whole gradient
                 attributes = PlainAttributes(self.net)  # what the net stores from the (maybe private) examples
                 with sealed():  # its examples may be private: whether they make the net speak is too
@@ -157,13 +165,51 @@ class FirstOrderModule(PrivateModule):
         if self._per_sample is not None:
             self._per_sample.clipped_sum(batch, self.clip_function)
 
+    def _clipped_sum(
+        self, examples: Any, watched: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The per-sample engine's clipped sum of a micro-batch (of its ``watched`` rows only, if given: the probe's);
+        in a run that keeps one batch shape, computed in the micro-batch filled to :attr:`physical_rows` rows, the
+        filling rows dropped (:mod:`pl_dp.methods.precision`; ghost clipping computes in fp32 and never fills)."""
+        physical = self.physical_rows
+        if physical is None or isinstance(self._per_sample, GhostClipping):
+            return self._per_sample.clipped_sum(examples, self.clip_function, rows=watched)
+        size = batch_size_of(examples)
+        rows = torch.arange(max(physical, size)) < size
+        if watched is not None:
+            rows[:size] &= watched.to(rows.device)
+        return self._per_sample.clipped_sum(fill_rows(examples, physical), self.clip_function, rows=rows)
+
+    def probe_release(self) -> Release | None:
+        """The clipped gradient sum of the kept examples, in units of C, through the step's micro-batches (see
+        :class:`~pl_dp.privacy.independence.Release`); not on a sharded net, whose ranks hold different blocks of it."""
+        if self._per_sample is None or self.sharded:
+            return None
+        clip = self.clip_function.sensitivity
+
+        def clipped_gradient(batch: Any, keep: torch.Tensor) -> list[torch.Tensor]:
+            total: list[torch.Tensor] = []
+            start = 0
+            for part in split_batch(batch, self.physical_rows or self.max_physical_batch_size):
+                size = batch_size_of(part)
+                watched, start = keep[start : start + size], start + size
+                if not bool(watched.any()):  # a micro-batch of the outlier alone: nothing watched in it
+                    continue
+                with torch.enable_grad():
+                    sums = self._clipped_sum(part, watched)[0]
+                total = sums if not total else [t + s for t, s in zip(total, sums)]
+            return [torch.cat([t.reshape(-1) for t in total]) / clip]
+
+        return Release(clipped_gradient, "the clipped gradient sum a step releases")
+
     def private_gradient(
         self, batch: Any, batch_size: int, mechanism: SubsampledGaussian
     ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """(Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I)) / expected batch size, one tensor per parameter."""
         params = self.trainable_parameters()
         sums = [torch.zeros_like(local(p)) for p in params]
-        parts = split_batch(batch, self.max_physical_batch_size) if batch_size > 0 else []
+        physical = self.physical_rows or self.max_physical_batch_size
+        parts = split_batch(batch, physical) if batch_size > 0 else []
         blocks = [block(p) for p in params] if self.sharded else None
         if self.clip_function is None:  # non-private baseline: the plain mean gradient
 
@@ -186,7 +232,7 @@ class FirstOrderModule(PrivateModule):
             if padding:  # sharded, hence ghost clipping (supports_sharding)
                 assert isinstance(self._per_sample, GhostClipping)
                 return self._per_sample.clipped_sum(examples, self.clip_function, padding=True)
-            return self._per_sample.clipped_sum(examples, self.clip_function)
+            return self._clipped_sum(examples)
 
         # one physical micro-batch at a time, clipped sums added up (one noise draw below); an example whose pass
         # raises is left out (weight 0) and counted: no record-dependent crash

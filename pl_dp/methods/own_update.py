@@ -28,11 +28,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pl_dp.methods.base import PrivateModule
-from pl_dp.zo.estimator import per_sample_evaluator
+from pl_dp.privacy.batches import batch_size_of
+from pl_dp.privacy.clip_functions import clip_per_example
+from pl_dp.privacy.independence import Release
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
+from pl_dp.zo.engine import Direction, PerturbationEngine
+from pl_dp.zo.estimator import clipped_differences, per_sample_evaluator
 from pl_dp.zo.master import MasterWeights, ShardedMasters
 
 #: the checkpoint entry holding the fp32 master weights of half-precision parameters, by parameter name
 MASTER_WEIGHTS_KEY = "pl_dp_master_weights"
+#: random directions along which the fit-start probe compares a step's release (:meth:`OwnUpdateModule.probe_release`)
+PROBE_DIRECTIONS = 3
 
 
 def refuse_unless_plain_sgd(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -74,6 +81,8 @@ class OwnUpdateModule(PrivateModule):
     #: one refuses a method that does not (its term would be dropped silently)
     applies_proximal_term: bool = True
     private_loss_modes = ("eval",)  # private_losses
+    #: whether a step releases clipped per-example losses (PAZO-S) rather than two-point differences
+    releases_losses: bool = False
 
     def __init__(self, net: nn.Module, *, master_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(net, **kwargs)
@@ -90,8 +99,9 @@ class OwnUpdateModule(PrivateModule):
         (:func:`~pl_dp.privacy.seal.isolate_failures`; sharded, by passes every rank runs:
         :func:`~pl_dp.zo.estimator.per_sample_evaluator`)."""
         forwards = agree = None
+        rows = self.physical_rows  # a run in half precision: every forward of one shape (pl_dp.methods.precision)
         if self.sharded:  # forwards are collectives: every rank runs as many (see per_sample_evaluator)
-            physical = self.max_physical_batch_size or batch_size or 1
+            physical = rows or self.max_physical_batch_size or batch_size or 1
             forwards = self.forwards_on_every_rank(math.ceil(batch_size / physical))
             agree = self.forwards_on_every_rank
         return per_sample_evaluator(
@@ -105,7 +115,45 @@ class OwnUpdateModule(PrivateModule):
             agree=agree,
             padding=self._padding,
             in_step=self.forwards_in_step,
+            rows=rows,
         )
+
+    def probe_release(self) -> Release | None:
+        """What a step releases of each example, as the fit-start probe compares it (:class:`~pl_dp.privacy.
+        independence.Release`), in units of C: by default its two-point difference [f(θ+λu) − f(θ−λu)]/(2λ) clipped
+        to C (λ = ``smoothing``), along :data:`PROBE_DIRECTIONS` Gaussian directions over every trained coordinate —
+        not only a mask's or a subspace's, which change during training — through :meth:`private_losses` (the
+        step's micro-batches, in the precision context the probe enters). Methods that release clipped losses
+        (PAZO-S) set ``releases_losses``. θ is left bit for bit as it was (restored by the engine, then from a copy
+        of the trained parameters: one copy, at fit start)."""
+        clip = getattr(self, "clip", None)
+        if self.privacy is None or clip is None:
+            return None
+        if self.releases_losses:
+
+            def losses(batch: Any, keep: torch.Tensor) -> list[torch.Tensor]:
+                values = self.private_losses(batch, batch_size_of(batch))()
+                return [clip_per_example(values, clip)[0][keep.to(values.device)].sum().reshape(1) / clip]
+
+            return Release(losses, "the clipped losses a step releases")
+        params = self.trainable_parameters()
+        direction = Direction("gaussian", math.sqrt(sum(p.numel() for p in params)))
+        seed = derive_seed(self.direction_seed, SeedDomain.PROBE_DIRECTIONS)
+
+        def differences(batch: Any, keep: torch.Tensor) -> list[torch.Tensor]:
+            saved = [p.detach().clone() for p in params]
+            try:
+                engine = PerturbationEngine(params, seed, direction, masters=self.masters)
+                evaluate = self.private_losses(batch, batch_size_of(batch))
+                keys = [(0, j) for j in range(PROBE_DIRECTIONS)]
+                values = clipped_differences(engine, keys, self.smoothing, evaluate, clip)
+            finally:
+                with torch.no_grad():
+                    for p, s in zip(params, saved):
+                        p.copy_(s)
+            return [column.reshape(1) / clip for column in values[keep.to(values.device)].sum(dim=0)]
+
+        return Release(differences, "the clipped two-point differences a step releases")
 
     def on_train_start(self) -> None:
         refuse_unless_plain_sgd(self, self.optimizers(use_pl_optimizer=False))

@@ -179,6 +179,9 @@ class PAZOS(PublicDataMixin, OwnUpdateModule):
     come from the cryptographic generator by default.
     """
 
+    #: a step releases clipped per-example losses (Algorithm 3, lines 6 and 10), which the fit-start probe compares
+    releases_losses = True
+
     def __init__(
         self,
         net: nn.Module,

@@ -351,16 +351,20 @@ class GhostClipping:
         self._lookups = BroadcastLookups(net)
 
     def clipped_sum(
-        self, batch: Any, clip_fn: ClipFunction, padding: bool = False
+        self, batch: Any, clip_fn: ClipFunction, padding: bool = False, rows: torch.Tensor | None = None
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Σ_i c(‖g_i‖)·g_i per parameter (fp32), the per-example norms ‖g_i‖ (fp32) and the non-finite count.
 
         The same three values as :func:`~pl_dp.per_sample.clipped_sum` of the per-example gradients. Sharded,
         ``padding`` runs ``batch`` (:attr:`padding`) at weight 0: the passes, collectives included, without a sum.
+        ``rows`` (a boolean mask over the batch) sums those rows only, the others at weight 0 (the fit-start probe's
+        watched examples).
         """
         size = batch_size_of(batch)
         norms, losses = self._sharded_norms(batch, size, padding) if self.sharded else self._norms(batch, size)
         weights, finite = clip_fn.finite_weights(norms)
+        if rows is not None:
+            weights = weights * rows.to(weights.device)
         if padding:
             weights, finite = torch.zeros_like(weights), torch.ones_like(finite)
         nonfinite = (~finite).sum()
@@ -371,7 +375,8 @@ class GhostClipping:
             del losses
             keep = finite.nonzero().squeeze(1)
             if keep.numel():
-                sums, _, more = self.clipped_sum(select_examples(batch, keep), clip_fn)
+                kept = None if rows is None else rows[keep.to(rows.device)]
+                sums, _, more = self.clipped_sum(select_examples(batch, keep), clip_fn, rows=kept)
                 nonfinite = nonfinite + more
             else:
                 sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]

@@ -59,6 +59,20 @@ def split_batch(batch: Any, size: int | None) -> list[Any]:
     return [_take(batch, slice(start, min(start + size, total)), total) for start in range(0, total, size)]
 
 
+def fill_rows(batch: Any, rows: int) -> Any:
+    """``batch`` with its first example repeated until it has ``rows`` examples (the batch as it is when it has
+    that many or more, or none).
+
+    A run that must keep one batch shape (half precision: the rounding of every example's result depends on the
+    shape of the batch it is computed in) runs every micro-batch filled to the same number of rows and drops the
+    results of the filling rows; per-example independence makes what they hold irrelevant to the others.
+    """
+    size = batch_size_of(batch)
+    if size == 0 or size >= rows:
+        return batch
+    return select_examples(batch, torch.cat([torch.arange(size), torch.zeros(rows - size, dtype=torch.long)]))
+
+
 def select_examples(batch: Any, index: torch.Tensor) -> Any:
     """The examples of ``batch`` at positions ``index`` (a 1-d integer tensor), in that order, same structure."""
     return _take(batch, index, batch_size_of(batch))

@@ -20,24 +20,34 @@ on which other examples were sampled, exactly as a mixing layer does. So the pro
 private loader's own ``collate_fn`` and changes them the way Poisson sampling does: an example replaced, and one
 added — a long or outlying one.
 
-Two checks, both at fit start and before any private step:
+Precision is part of the path too: in bf16 or fp16 the rounding of an example's result depends on the shape of the
+batch it is computed in, so a record that changes the padded length moves every other example's result — by ~1e-4
+in a loss, which a zeroth-order step divides by 2λ. A half-precision run keeps one batch shape
+(:mod:`pl_dp.methods.precision`), and the probe runs in the run's precision and compares what a step *releases*.
+
+Three checks, all at fit start and before any private step:
 
 * :func:`refuse_batch_mixing_modules` refuses, by type, every known mixing module anywhere in the net,
   whether or not it has parameters: all errors are collected and raised once, each with the module's
   qualified name, its type and a replacement (the shape of Opacus' ``ModuleValidator.validate(strict=True)``).
+* :func:`refuse_varying_batch_shapes`, for a run that computes in half precision, refuses a private collate that
+  gives batches of different examples different shapes (padding to the longest of each batch).
 * :func:`probe_independence` tests behaviour, for any collate, net and callable loss: it computes the per-example
   losses of a batch of examples (the expected batch size, up to ``PROBE_MAX``), then of the same batch with one
   example replaced and with one added, in eval mode with an outlier and, for methods that take gradients, in
   training mode with autograd, and refuses if another example's loss (or, with autograd, the other examples'
-  summed gradient) moves, or if the forward pass writes a buffer or a parameter. Its message says whether the
-  collate is what mixes. :func:`probe_examples` picks its examples: public data, else validation data, else
-  private data by index.
+  summed gradient) moves, or if the forward pass writes a buffer or a parameter; given the method's
+  :class:`Release`, it also refuses when the other examples' part of what a step releases (clipped two-point
+  differences, clipped gradients) moves by more than ``RELEASE_TOLERANCE``·C. Every pass runs in the trainer's
+  precision context. Its message says whether the collate is what mixes. :func:`probe_examples` picks its
+  examples: public data, else validation data, else private data by index.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -45,7 +55,7 @@ import torch
 from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
-from pl_dp.privacy.batches import batch_size_of
+from pl_dp.privacy.batches import batch_size_of, fill_rows, split_batch
 from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.seal import PlainAttributes, sealed
 
@@ -64,6 +74,11 @@ TRAIN_POSITIONS = 4
 #: dtype's machine epsilon a watched loss may move by when the batch is padded to another length (see
 #: probe_independence)
 HALF_PRECISION_ULPS = 1 / 8
+#: the most the other examples' part of one release may move when one example is replaced or added, in units of the
+#: clip bound C (a record's presence then moves a release by at most (1 + RELEASE_TOLERANCE)·C; see probe_independence)
+RELEASE_TOLERANCE = 0.01
+#: the dtypes whose rounding depends on the shape of the batch a result is computed in, at the scale a private step sees
+HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 Mode = Literal["train", "eval"]
 _MODE_WORDS: dict[str, str] = {
@@ -93,6 +108,27 @@ _INSTANCE_NORMS = (
 class IndependenceError(ValueError):
     """A net or loss in which one example's loss or gradient depends on other examples, or which writes a
     statistic of its input into a buffer: it breaks every per-example sensitivity bound."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """What a method's private step releases, for :func:`probe_independence` to compare between neighbouring batches.
+
+    ``compute(batch, keep)`` runs the method's own private computation on a collated batch (on the net's device) and
+    returns the releases that the examples of ``keep`` (a boolean mask over the batch's rows, on the CPU) contribute
+    to, one tensor per release, in units of the clip bound C: for a zeroth-order method, each direction's sum of the
+    kept examples' clipped two-point differences; for a first-order one, the sum of their clipped gradients. It must
+    leave the net's parameters as it found them. ``what`` names them in a refusal.
+    """
+
+    compute: Callable[[Any, torch.Tensor], list[torch.Tensor]]
+    what: str
+
+
+def has_half_precision_parameters(net: nn.Module) -> bool:
+    """Whether a floating-point parameter of ``net`` is bf16 or fp16: its layers then round to 8 or 11 bits, whatever
+    the trainer's precision."""
+    return any(p.dtype in HALF_PRECISION for p in net.parameters())
 
 
 def batch_mixing_modules(net: nn.Module) -> list[str]:
@@ -135,6 +171,30 @@ def refuse_batch_mixing_modules(net: nn.Module) -> None:
             "per-example independence: the net contains modules that mix the examples of a batch "
             "or record statistics of private data, which clipping does not bound, so the reported epsilon "
             "would not hold:\n  - " + "\n  - ".join(found)
+        )
+
+
+def refuse_varying_batch_shapes(collate: Callable[[list[Any]], Any], examples: Sequence[Any]) -> None:
+    """For a run that computes in half precision: raise :class:`IndependenceError` unless ``collate`` (the private
+    loader's) gives a batch of each of ``examples`` (the probe's, the longest last) the same shapes.
+
+    In bf16 or fp16 the rounding of every example's result depends on the shape of the batch it is computed in (a
+    longer padded length groups the sums over positions differently), so a collate that pads each batch to its own
+    longest example lets one long record move every other example's contribution — whatever the probe's examples
+    show: its batches are a few, and their longest may be short. The message holds no value of the examples.
+    """
+    shapes = [_shapes(collate([example])) for example in examples]
+    if any(shape != shapes[0] for shape in shapes):
+        collate = getattr(collate, "collate_fn", collate)
+        name = getattr(collate, "__qualname__", None) or type(collate).__qualname__
+        raise IndependenceError(
+            "per-example independence in half precision: the run computes in bf16 or fp16, where the rounding of "
+            "every example's result depends on the shape of the batch it is computed in, but the private loader's "
+            f"collate_fn ({name}) gives batches of different examples different shapes (it pads each batch to its "
+            "longest example), so one long record would move every other example's contribution. Pad the private "
+            "batches to one fixed length: fixed_length=True on the data module (TextDataModule and "
+            "TextGenerationDataModule pad to their max_length, by default in half precision), or "
+            "collate_fn=PaddingCollate(length=...); or train in fp32."
         )
 
 
@@ -209,6 +269,11 @@ def probe_independence(
     source: str = "probe",
     collate: Callable[[list[Any]], Any] = default_collate,
     transfer: Callable[[Any], Any] | None = None,
+    *,
+    context: Callable[[], AbstractContextManager[Any]] | None = None,
+    compute_dtype: torch.dtype | None = None,
+    rows: int | None = None,
+    release: Release | None = None,
 ) -> None:
     """Refuse ``net`` and ``loss_fn`` — with the loader's ``collate`` — if one example's loss depends on another
     example, or if the forward writes state.
@@ -251,6 +316,22 @@ def probe_independence(
     machine epsilon (1e-3 for bf16, 1.2e-4 for fp16), a weaker check that still catches a BatchNorm or a batch
     mean; every variant of the reference's shapes (and every fp32 net) keeps 1e-5.
 
+    **Precision and shape.** ``context`` is entered around every pass: the trainer's precision context (autocast for
+    ``bf16-mixed``/``16-mixed``), so the probe rounds as the steps do; ``compute_dtype`` is the dtype the passes round
+    in when it is not the net's (autocast's). With ``rows`` (a run whose private batches keep one shape), every batch
+    is cut into micro-batches of ``rows`` examples, each filled to ``rows`` rows (:func:`~pl_dp.privacy.batches.
+    fill_rows`), as the method's private passes are.
+
+    **What is released.** Loss values are not what a private step releases: a zeroth-order step releases each
+    example's two-point difference [f(θ+λu) − f(θ−λu)]/(2λ), clipped to C, which turns a loss change of 1e-4 (bf16
+    rounding that depends on the padded length) into 0.05·C at λ = 1e-3, and a mixing tiny in value but steep in θ
+    (a gated batch statistic ``h + g·mean(h)`` with ``g`` near 0) into an O(1) change. With ``release`` the probe
+    also runs the method's own release (:class:`Release`) in eval mode on the reference batch (twice: the jitter),
+    with the outlier in place of the middle example, added at the end and inserted first (which moves every other
+    example one row down), and refuses when the watched examples' part of a release moved by more than
+    ``RELEASE_TOLERANCE``·C (1 %, plus ``NOISE_MARGIN`` times the jitter), in the largest release. A record's presence
+    then moves a release by at most (1 + RELEASE_TOLERANCE)·C, on the probe batch.
+
     **State.** Every buffer and parameter is watched (version counter and identity): a forward that writes
     one stores something computed from the batch, which every checkpoint would release un-noised. Any
     write is refused, even one that looks data-independent on a few examples (a counter, a running maximum
@@ -274,10 +355,16 @@ def probe_independence(
     problems: list[str] = []
     try:
         with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # its examples may be private
-            probe = _Probe(net, loss_fn, list(examples), collate, transfer or (lambda batch: batch), state)
+            probe = _Probe(
+                net, loss_fn, list(examples), collate, transfer or (lambda batch: batch), state, context, rows
+            )
+            if compute_dtype is not None:
+                probe.repadded_tolerance = _repadded_tolerance(compute_dtype)
             problems += probe.findings("eval", source)
             if "train" in modes:
                 problems += probe.findings("train", source)
+            if release is not None:
+                problems += probe.release_findings(release, source)
     finally:
         state.reset()
     if problems:
@@ -316,14 +403,18 @@ class _Probe:
         collate: Callable[[list[Any]], Any],
         transfer: Callable[[Any], Any],
         state: NetState,
+        context: Callable[[], AbstractContextManager[Any]] | None = None,
+        rows: int | None = None,
     ) -> None:
         self.net, self.loss_fn, self.collate, self.transfer, self.state = net, loss_fn, collate, transfer, state
+        self.context = context or nullcontext
+        self.rows = rows
         self.examples = examples
         self.size = len(examples) - 1  # k; position k of a variant is the stand-in
         self.middle = self.size // 2
         self.reference = list(range(self.size))
         self.params = [p for p in net.parameters() if p.requires_grad]
-        self.repadded_tolerance = max(RELATIVE_TOLERANCE, HALF_PRECISION_ULPS * torch.finfo(_trained_dtype(net)).eps)
+        self.repadded_tolerance = _repadded_tolerance(_trained_dtype(net))
         self.rng = _RandomState(state.cuda_devices)
         self.watched: list[int] = []  # the positions compared, set for each mode by findings()
 
@@ -399,16 +490,9 @@ class _Probe:
 
     def _blame(self, reference: Any, other: Any) -> str:
         """Which part mixes: the collate (an example's own row changed) or what follows it (the net or the loss)."""
-        fields = _changed_rows(reference, other, self.watched, self.size, batch_size_of(other))
-        collate = getattr(self.collate, "collate_fn", self.collate)  # EmptySafeCollate wraps the user's
-        name = getattr(collate, "__qualname__", None) or type(collate).__qualname__
-        if fields:
-            return (
-                f". The private loader's collate_fn ({name}) mixes them: the watched examples' own rows of "
-                f"{', '.join(fields)} changed, so it computes each row from the whole batch (per-batch statistics "
-                "such as standardization, or left padding). Compute such statistics once before training, in the "
-                "Dataset, and pad on the right with an attention mask (pl_dp.data.PaddingCollate)"
-            )
+        collate = self._collate_blame(reference, other, self.watched)
+        if collate:
+            return collate
         if _shapes(reference) != _shapes(other):
             return (
                 ". The collate kept each example's row but padded the batches to different lengths, so the net or "
@@ -416,6 +500,20 @@ class _Probe:
                 "examples; TinyTransformerClassifier treats pad_token_id as padding)"
             )
         return ""
+
+    def _collate_blame(self, reference: Any, other: Any, watched: list[int]) -> str:
+        """The message when the collate mixes (a watched example's own row changed between two batches), else ""."""
+        fields = _changed_rows(reference, other, watched, self.size, batch_size_of(other))
+        if not fields:
+            return ""
+        collate = getattr(self.collate, "collate_fn", self.collate)  # EmptySafeCollate wraps the user's
+        name = getattr(collate, "__qualname__", None) or type(collate).__qualname__
+        return (
+            f". The private loader's collate_fn ({name}) mixes them: the watched examples' own rows of "
+            f"{', '.join(fields)} changed, so it computes each row from the whole batch (per-batch statistics "
+            "such as standardization, or left padding). Compute such statistics once before training, in the "
+            "Dataset, and pad on the right with an attention mask (pl_dp.data.PaddingCollate)"
+        )
 
     def _run(self, rows: list[int], stand_in: Any, mode: Mode) -> _Pass:
         """One pass over a freshly collated batch of ``rows``, from the same net state and the same random draws."""
@@ -425,16 +523,89 @@ class _Probe:
         batch = self.transfer(collated)
         if mode == "eval":
             self.net.eval()
-            with torch.inference_mode():
-                losses = check_per_sample(self.loss_fn(self.net, batch), len(rows))
+            with torch.inference_mode(), self.context():
+                losses = self._losses(batch, len(rows))
             return _Pass(collated, losses.detach().cpu(), None, self.state.written())
-        with torch.enable_grad():
-            losses = check_per_sample(self.loss_fn(self.net, batch), len(rows))
+        with torch.enable_grad(), self.context():
+            losses = self._losses(batch, len(rows))
             summed = losses[self.watched].sum()
             gradient = None
             if self.params and summed.requires_grad:
                 gradient = torch.autograd.grad(summed, self.params, allow_unused=True, materialize_grads=True)
         return _Pass(collated, losses.detach().cpu(), gradient, self.state.written())
+
+    def _losses(self, batch: Any, count: int) -> torch.Tensor:
+        """The per-example losses of ``batch``, in micro-batches of ``rows`` filled to ``rows`` rows if set."""
+        if self.rows is None:
+            return check_per_sample(self.loss_fn(self.net, batch), count)
+        parts = split_batch(batch, self.rows)
+        return torch.cat(
+            [
+                check_per_sample(self.loss_fn(self.net, fill_rows(part, self.rows)), self.rows)[: batch_size_of(part)]
+                for part in parts
+            ]
+        )
+
+    def release_findings(self, release: Release, source: str) -> list[str]:
+        """Message lines for the releases (see :func:`probe_independence`): eval mode, the outlier in place of the
+        middle example, added at the end and inserted first; the watched examples are all the others."""
+        outlier = self.examples[-1]
+        watched = [i for i in self.reference if i != self.middle]
+        variants = {
+            f"replacing only the example at position {self.middle} by": [
+                self.size if i == self.middle else i for i in self.reference
+            ],
+            f"adding at position {self.size}": [*self.reference, self.size],
+            "inserting at position 0 (every other example one row down)": [self.size, *self.reference],
+        }
+        base, base_batch = self._released(release, self.reference, outlier, watched)
+        jitter = _release_shift(base, self._released(release, self.reference, outlier, watched)[0])
+        tolerance = RELEASE_TOLERANCE + NOISE_MARGIN * jitter
+        found = []
+        for variant, rows in variants.items():
+            changed, changed_batch = self._released(release, rows, outlier, watched)
+            if _release_shift(base, changed) > tolerance:
+                blame = self._release_blame(base_batch, changed_batch, rows, watched)
+                found.append(
+                    f"in eval mode, on a probe batch of {self.size} {source} examples, {variant} a long or outlying "
+                    f"example moved {release.what} of the {len(watched)} other examples by more than "
+                    f"{RELEASE_TOLERANCE:.0%} of the clip bound{blame}"
+                )
+        return found
+
+    def _released(
+        self, release: Release, rows: list[int], stand_in: Any, watched: list[int]
+    ) -> tuple[list[torch.Tensor], Any]:
+        """The releases of the ``watched`` examples in a freshly collated batch of ``rows``, from the same net state
+        and random draws (float64, on the CPU), and the collated batch."""
+        self.state.reset()
+        self.rng.reset()
+        collated = self.collate([stand_in if i == self.size else self.examples[i] for i in rows])
+        keep = torch.tensor([i in watched for i in rows])
+        self.net.eval()
+        with self.context():
+            released = release.compute(self.transfer(collated), keep)
+        return [r.detach().double().cpu().flatten() for r in released], collated
+
+    def _release_blame(self, reference: Any, other: Any, rows: list[int], watched: list[int]) -> str:
+        """Why a release moved: the padded length changed the rounding, the collate mixes, or what follows it does."""
+        if _shapes(reference) != _shapes(other):
+            return (
+                ". The batches were padded to different lengths, and the rounding of every example's result depends "
+                "on the padded length (sums over positions, in attention and in the loss, are grouped differently: "
+                "in bf16 or fp16 that moves a loss by ~1e-4, and a two-point difference divides it by 2λ). Pad the "
+                "private batches to one fixed length: fixed_length=True on the data module (TextDataModule and "
+                "TextGenerationDataModule pad to their max_length, automatically when the run computes in half "
+                "precision), or PaddingCollate(length=...) as its collate_fn; or train in fp32 with a larger smoothing"
+            )
+        if rows[0] != self.size and (collate := self._collate_blame(reference, other, watched)):  # rows aligned
+            return collate
+        return (
+            ", though the batches have the same shapes: the release depends on the other examples — a mixing "
+            "small in value but steep in the parameters (a gated batch statistic such as h + g·mean(h) with g near "
+            "0, which a loss comparison cannot see), or rounding that depends on an example's row. Remove the batch "
+            "statistic from the net"
+        )
 
     def _changes(self, reference: _Pass, other: _Pass) -> tuple[torch.Tensor, float]:
         """Watched examples' loss changes, and the norm of the change of their summed gradient (0 without one)."""
@@ -502,6 +673,17 @@ def _changed_rows(
             for f in _changed_rows(a, b, watched, size, other_size, f"{where}[{key}]")
         ]
     return []
+
+
+def _release_shift(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """The largest L2 change of one release between two runs (inf when one is not finite and the other is)."""
+    shifts = [float(_differences(a, b).norm()) for a, b in zip(reference, other)]
+    return max(shifts, default=0.0) if len(reference) == len(other) else math.inf
+
+
+def _repadded_tolerance(dtype: torch.dtype) -> float:
+    """The relative tolerance of a watched loss in a batch padded to another length, for a net rounding in ``dtype``."""
+    return max(RELATIVE_TOLERANCE, HALF_PRECISION_ULPS * torch.finfo(dtype).eps)
 
 
 def _trained_dtype(net: nn.Module) -> torch.dtype:

@@ -15,6 +15,7 @@ import torch
 from dp_accounting import NeighboringRelation
 
 from pl_dp.privacy.accountants import STATE_NAME_KEY, accountant_class, load_accountant
+from pl_dp.privacy.independence import RELEASE_TOLERANCE
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 
 #: how the report words each neighbouring relation an accountant declares (``Accountant.adjacency``)
@@ -55,6 +56,8 @@ class PrivacyReport:
     user_seeded: tuple[str, ...]
     secure_rng: bool
     charged_steps: int = 0  # the steps the accountant composes: these and what the lineage's journal adds
+    #: how far one record may move the other examples' part of a release, in units of C (checked at fit start)
+    release_tolerance: float = RELEASE_TOLERANCE
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> PrivacyReport:
@@ -138,6 +141,13 @@ class PrivacyReport:
                 "  secrets       noise and sampling drawn from OS entropy, held in memory only, fresh at every resume"
             )
         lines.append(f"  noise         {noise}" + ("" if self.secure_rng else " (not cryptographic)"))
+        lines.append(
+            "  independence  each example's part of a release depends on that example alone, checked at every private "
+            "fit's start through the private loader, in the run's precision: one example replaced, added or inserted "
+            f"moves the others' part of a release by at most {self.release_tolerance:.0%} of C on the probe batch, so "
+            f"one record moves a release by at most {1 + self.release_tolerance:g}·C (half-precision runs pad their "
+            "private batches to one shape)"
+        )
         lines.append(f"  protects      {PROTECTED}")
         not_protected = list(NOT_PROTECTED)
         if not self.secure_rng:

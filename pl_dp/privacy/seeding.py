@@ -43,6 +43,8 @@ class SeedDomain(enum.IntEnum):
     PRUNING_STAGE = 0x9A0E
     #: O2NC's directions and query points per round
     O2NC_ROUNDS = 0x0A2C
+    #: the directions along which the fit-start probe compares a zeroth-order step's release
+    PROBE_DIRECTIONS = 0x9B0E
 
 
 def derive_seed(base_seed: int, *counters: int) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.privacy.batches import batch_size_of, device_of, select_examples, split_batch
+from pl_dp.privacy.batches import batch_size_of, device_of, fill_rows, select_examples, split_batch
 from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.mechanisms import SubsampledGaussian
@@ -61,11 +61,15 @@ def per_sample_evaluator(
     agree: Callable[[int], int] | None = None,
     padding: Any = None,
     in_step: ForwardsInStep | None = None,
+    rows: int | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
 
     With ``max_physical_batch_size`` the forward passes run micro-batch by micro-batch and the losses
-    are concatenated: memory is bounded by the physical batch, the released sums are the same.
+    are concatenated: memory is bounded by the physical batch, the released sums are the same. With ``rows`` (a run
+    whose private batches keep one shape: half precision) every forward runs exactly ``rows`` rows: the batch is cut
+    into micro-batches of ``rows`` examples and each is filled to ``rows`` rows (:func:`~pl_dp.privacy.batches.
+    fill_rows`; the filling rows' losses are dropped), so no example's rounding depends on how many were sampled.
     With ``isolate`` (private runs), an example whose loss raises gets a NaN loss instead of ending the step
     (:func:`~pl_dp.privacy.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
     the release and is counted with the other non-finite values.
@@ -78,13 +82,16 @@ def per_sample_evaluator(
     and each that raises again gets NaN. Each pass runs in ``in_step``'s guard, so that a forward that raises between
     two layers' all-gathers on one rank still issues the rest of them (:class:`~pl_dp.privacy.seal.ForwardsInStep`).
     """
-    micro_batches = split_batch(batch, max_physical_batch_size) if batch_size else []
+    micro_batches = split_batch(batch, rows or max_physical_batch_size) if batch_size else []
     real = len(micro_batches)
     if forwards is not None:
         micro_batches += [padding] * (forwards - real)
 
     def losses_of(part: Any) -> torch.Tensor:
-        return check_per_sample(loss_fn(net, part), batch_size_of(part))
+        size = batch_size_of(part)
+        if rows is None or size >= rows:
+            return check_per_sample(loss_fn(net, part), size)
+        return check_per_sample(loss_fn(net, fill_rows(part, rows)), rows)[:size]
 
     def isolated(part: Any) -> torch.Tensor:
         done, failed = isolate_failures(losses_of, part)
@@ -133,6 +140,25 @@ def per_sample_evaluator(
         return losses[0] if len(losses) == 1 else torch.cat(losses)
 
     return evaluate
+
+
+def clipped_differences(
+    engine: PerturbationEngine,
+    keys: Sequence[Key],
+    smoothing: float,
+    evaluate: Callable[[], torch.Tensor],
+    clip: float,
+) -> torch.Tensor:
+    """``[B, len(keys)]``: each example's two-point difference [f(θ+λu) − f(θ−λu)]/(2λ) along each key's direction,
+    clipped to [−``clip``, ``clip``] (0 where not finite) — what a step releases of each example, before the sum and
+    the noise (the fit-start probe compares it between neighbouring batches). θ is restored after each direction:
+    exactly for parameters trained through fp32 masters, to the rounding of ``θ − λu + λu`` otherwise."""
+    columns = []
+    for key in keys:
+        diffs = engine.two_point(key, smoothing, evaluate)
+        engine.perturb(key, smoothing)
+        columns.append(clip_per_example(diffs, clip)[0])
+    return torch.stack(columns, dim=1)
 
 
 def privatize_sum(

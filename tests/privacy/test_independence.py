@@ -14,7 +14,9 @@ from pl_dp.nets import MLP
 from pl_dp.nets.transformer import TinyTransformerClassifier
 from pl_dp.privacy import poisson_loader
 from pl_dp.privacy.independence import (
+    RELEASE_TOLERANCE,
     IndependenceError,
+    Release,
     batch_mixing_modules,
     probe_examples,
     probe_independence,
@@ -261,3 +263,77 @@ def test_training_mode_keeps_the_batch_shape_when_the_middle_example_is_the_only
     torch.manual_seed(0)
     transformer = TinyTransformerClassifier(vocab_size=50, width=16, depth=1, heads=2, max_length=10, dropout=0.1)
     probe_independence(transformer, cross_entropy, examples, ("train", "eval"), "private", collate=PaddingCollate())
+
+
+# ---- what a step releases, in its precision and shape -------------------------------------------------------------
+class GatedBatchMean(nn.Module):
+    """``h + g·mean_batch(h)`` with a learnable gate initialised at 1e-9 (ReZero/LayerScale-style): no loss moves, but
+    a direction that moves ``g`` makes every example's two-point difference depend on the batch mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.tensor(1e-9))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.gate * h.mean(dim=0, keepdim=True)
+
+
+def _two_point_release(net: nn.Module, loss_fn, smoothing: float = 1e-3, clip: float = 1.0) -> Release:
+    """Each kept example's clipped two-point difference along one fixed Gaussian direction, θ restored from a copy."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    direction = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+
+    def compute(batch, keep: torch.Tensor) -> list[torch.Tensor]:
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            losses = []
+            for sign in (1.0, -1.0):
+                for p, s, u in zip(params, saved, direction):
+                    p.copy_(s + sign * smoothing * u)
+                losses.append(loss_fn(net, batch))
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        differences = ((losses[0] - losses[1]) / (2 * smoothing)).clamp(-clip, clip)
+        return [differences[keep].sum().reshape(1) / clip]
+
+    return Release(compute, "the clipped two-point differences")
+
+
+def test_a_gated_batch_statistic_moves_no_loss_but_the_release_and_is_refused():
+    net = _net(GatedBatchMean())
+    examples = _examples()
+    examples[-1] = (examples[-1][0] * 50, examples[-1][1])  # a large, finite outlier
+    probe_independence(net, _squared_error, examples, ("eval",), "public")  # loss values: nothing moves
+    with pytest.raises(IndependenceError, match=r"moved the clipped two-point differences.*same shapes.*h \+ g·mean"):
+        probe_independence(
+            net, _squared_error, examples, ("eval",), "public", release=_two_point_release(net, _squared_error)
+        )
+    probe_independence(  # without the gate: a per-example net's release does not move
+        _net(nn.Identity()), _squared_error, examples, ("eval",), "public",
+        release=_two_point_release(_net(nn.Identity()), _squared_error),
+    )
+
+
+def test_every_pass_runs_in_the_given_context_and_in_micro_batches_of_the_given_rows():
+    seen: list[tuple[bool, int]] = []
+    net = _net(nn.Identity())
+    net.register_forward_pre_hook(lambda module, args: seen.append((torch.is_autocast_enabled("cpu"), len(args[0]))))
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    release = _two_point_release(net, _squared_error)
+    probe_independence(net, _squared_error, _examples(), ("train", "eval"), "public", context=autocast, rows=4)
+    assert seen and all(autocast_on for autocast_on, _ in seen) and {rows for _, rows in seen} == {4}
+    seen.clear()
+    probe_independence(net, _squared_error, _examples(), ("eval",), "public", context=autocast, release=release)
+    assert seen and all(autocast_on for autocast_on, _ in seen)
+
+
+def test_the_privacy_report_states_the_release_tolerance():
+    from pl_dp.privacy.report import PrivacyReport
+
+    model_state = {"method": "DPZero", "privacy": {"epsilon": 1.0}, "delta": 1e-5}
+    report = PrivacyReport.from_state(model_state)
+    assert report.to_dict()["release_tolerance"] == RELEASE_TOLERANCE == 0.01
+    assert "at most 1.01·C" in str(report)

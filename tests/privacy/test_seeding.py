@@ -15,6 +15,7 @@ def test_the_domains_keep_the_values_seeded_runs_were_drawn_with():
         "PRUNING_SCORES": 0x5C0E,
         "PRUNING_STAGE": 0x9A0E,
         "O2NC_ROUNDS": 0x0A2C,
+        "PROBE_DIRECTIONS": 0x9B0E,
     }
     assert derive_seed(7, SeedDomain.DIRECTIONS) == derive_seed(7, 0xD1EC)
 

@@ -1,0 +1,81 @@
+"""The precision a private step computes in, and the batch shape it must then keep (mixed into every method).
+
+In half precision the rounding of an example's result depends on the shape of the batch it is computed in: a longer
+padded length groups the sums over positions (attention, the loss) differently, and a bf16 loss moves by ~1e-4. A
+zeroth-order step divides that by 2λ (0.05·C per example at λ = 1e-3), so one long record joining the batch moved
+the other examples' clipped differences, and the released sum, by several C; a first-order step under autocast moved
+the others' clipped gradient sum by 0.05·C at b = 256. Padding every private batch to one length makes each example's
+result bit-identical whoever else was sampled (measured on CPU in fp32, bf16 and bf16-mixed, and whatever the number
+of rows: docs/privacy-model.md). So a private run that computes in half precision keeps one shape:
+
+* its private loader pads to one length — the data module's ``fixed_length`` (:class:`~pl_dp.data.
+  PrivatePublicDataModule` reads :attr:`PrecisionMixin.fixed_shapes`; the text modules pad to their ``max_length``);
+* every forward of its private passes runs :attr:`PrecisionMixin.physical_rows` rows: the batch is cut into
+  micro-batches of that many examples, and the last is filled with copies of its first example whose results are
+  dropped (:func:`~pl_dp.privacy.batches.fill_rows`), so that no kernel is chosen by how many records were sampled
+  (a GPU library may pick another algorithm for another number of rows; a CPU's did not);
+* the fit-start checks run in the trainer's precision context (:meth:`PrecisionMixin.precision_context`), and the
+  probe compares what a step releases in it (:func:`~pl_dp.privacy.independence.probe_independence`).
+
+fp32 runs are unchanged: their rounding moves an example by about one fp32 ulp, ~2e-4·C after the division by 2λ.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from pl_dp.privacy.independence import has_half_precision_parameters
+
+#: the most rows a private forward runs in a run with fixed shapes, when ``max_physical_batch_size`` is not set
+FIXED_ROWS = 32
+#: the dtype a trainer's precision autocasts to, by the prefix of Lightning's precision name
+_AUTOCAST = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+class PrecisionMixin:
+    """Which precision the private passes compute in, and what follows from it (see the module docstring)."""
+
+    #: whether the method's private passes run under the trainer's autocast (ghost clipping turns it off: False)
+    private_passes_autocast: bool = True
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The half-precision dtype the trainer autocasts the private passes to (``bf16-mixed``, ``16-mixed``), or
+        None (fp32, true-precision trainers, and methods whose passes turn autocast off)."""
+        trainer = getattr(self, "_trainer", None)
+        precision = str(getattr(trainer, "precision", "32-true"))
+        if not self.private_passes_autocast or not precision.endswith("-mixed"):
+            return None
+        return _AUTOCAST.get(precision.split("-")[0])
+
+    @property
+    def computes_in_half_precision(self) -> bool:
+        """Whether the private passes round in bf16 or fp16: the trainer autocasts them, or a parameter of the net is
+        in half precision (its own dtype, ``bf16-true``/``16-true``, or a frozen half-precision base under a LoRA)."""
+        return self.autocast_dtype is not None or has_half_precision_parameters(self.net)  # type: ignore[attr-defined]
+
+    @property
+    def fixed_shapes(self) -> bool:
+        """Whether the private batches must keep one shape: a private run that computes in half precision."""
+        return self.privacy is not None and self.computes_in_half_precision  # type: ignore[attr-defined]
+
+    @property
+    def physical_rows(self) -> int | None:
+        """The rows of every forward of a private pass when :attr:`fixed_shapes`: ``max_physical_batch_size``, else the
+        expected batch size up to :data:`FIXED_ROWS`; None otherwise (micro-batches of ``max_physical_batch_size``, or
+        the whole batch)."""
+        if not self.fixed_shapes:
+            return None
+        given = self.max_physical_batch_size  # type: ignore[attr-defined]
+        expected = self.expected_batch_size or 1  # type: ignore[attr-defined]
+        return given or min(math.ceil(expected), FIXED_ROWS)
+
+    def precision_context(self) -> AbstractContextManager[Any]:
+        """The trainer's precision context of a training step (autocast under ``bf16-mixed``), for what runs outside
+        one and must compute as a step does: the fit-start checks, the audit."""
+        trainer = getattr(self, "_trainer", None)
+        return trainer.precision_plugin.train_step_context() if trainer is not None else nullcontext()
