@@ -23,12 +23,19 @@ above the claim means the implementation adds less noise than it accounts for.
 
 Audit on small models: the canary construction scales float inputs, and each trial is one step. Both
 neighbouring batches are built by the run's own private loader's ``collate_fn``, so what batching does (padding
-to the longest example, a user's per-batch transform) is part of what is audited.
+to the longest example, a user's per-batch transform) is part of what is audited, and every trial runs inside the
+trainer's precision context (autocast for ``bf16-mixed``/``16-mixed``, the half default dtype for ``bf16-true``), as
+Lightning runs a training step: a half-precision run is audited in the precision it trains in.
+
+:func:`release_shift` measures the noise-free part alone: how far one record moves the release (‖v‖ in units of
+the clip bound, which may be exactly 0), e.g. for a canary whose own contribution is 0, where anything that moves
+is the other examples' contributions.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -166,6 +173,90 @@ def _choose_threshold(null: torch.Tensor, alternative: torch.Tensor, delta: floa
     return best_threshold
 
 
+class _NeighbouringReleases:
+    """A method's release on D and on D′ = D ∪ {canary}, each from the same state, as a training step computes it.
+
+    Built inside a fit, once the method is set up exactly as for training. D is the datamodule's first
+    ``reference_size`` private examples, and the canary is row ``canary_row`` of D′'s batch (None: the last); both
+    batches are built by the run's own private loader's ``collate_fn``
+    (padding, masks and all) and converted and moved as Lightning moves a training batch. Every release runs inside
+    the trainer's precision context (``precision_plugin.train_step_context()``: autocast for ``bf16-mixed`` and
+    ``16-mixed``, the half default dtype for ``bf16-true``), where Lightning runs ``training_step``; afterwards the
+    parameters (and fp32 masters), the public data's position and an adaptive clip threshold are restored, so that
+    releases differ only by their batch and their noise.
+    """
+
+    def __init__(
+        self,
+        module: PrivateModule,
+        datamodule: Any,
+        reference_size: int,
+        canary: Any,
+        input_scale: float,
+        canary_row: int | None = None,
+    ) -> None:
+        self.module = module
+        self.datamodule = datamodule
+        private = getattr(datamodule, "private", None)
+        needed = reference_size + (canary is None)  # the default canary is made of private example reference_size
+        if private is None or len(private) < needed:
+            raise ValueError(
+                f"the audit needs a datamodule with a private dataset of at least {needed} examples "
+                f"(reference_size{' + 1' if canary is None else ''})."
+            )
+        examples = [private[i] for i in range(reference_size)]
+        trainer = module.trainer
+        collate = trainer.train_dataloader.collate_fn  # the run's own batching: padding, masks and all
+        if canary is None:
+            with trainer.precision_plugin.train_step_context():
+                canary = make_canary(module.net, private[reference_size], input_scale, collate)
+
+        def prepare(batch: list[Any]) -> Any:  # as Lightning prepares a training batch
+            converted = trainer.precision_plugin.convert_input(collate(batch))
+            return module.transfer_batch_to_device(converted, module.device, 0)
+
+        row = reference_size if canary_row is None else canary_row
+        self.without, self.with_canary = prepare(examples), prepare(examples[:row] + [canary] + examples[row:])
+        # the parameters and, where the method trains half-precision ones through fp32 masters, the masters
+        params = module.trainable_parameters()
+        self.params = params + [m for m in module.master_parameters() if all(m is not p for p in params)]
+        self.start = [p.detach().clone() for p in self.params]
+        self.public_state = copy.deepcopy(datamodule.state_dict()) if hasattr(datamodule, "state_dict") else None
+        # adaptive clipping moves the threshold after each step (a function of the released count)
+        self.clip_function = getattr(module, "clip_function", None)
+        self.noise_multiplier = module.noise_multiplier
+        self._counters = itertools.count(-1, -1)  # noise counters no training step uses
+
+    def release(self, batch: Any, noise_multiplier: float) -> tuple[torch.Tensor, _RecordingMechanism]:
+        """What one private step on ``batch`` releases with multiplier ``noise_multiplier`` (fresh noise each call)."""
+        module = self.module
+        module.noise_multiplier = noise_multiplier
+        try:
+            with module.trainer.precision_plugin.train_step_context():  # the precision the run trains in
+                mechanism = _RecordingMechanism(module.mechanism(batch_size_of(batch)))
+                module.noise.start_step(next(self._counters))
+                module.private_step(batch, batch_size_of(batch), mechanism)
+        finally:  # every release starts from the same state; only the batch and the noise differ
+            with torch.no_grad():
+                for p, s in zip(self.params, self.start):
+                    p.copy_(s)
+                    p.grad = None
+            if self.public_state is not None:
+                self.datamodule.load_state_dict(copy.deepcopy(self.public_state))
+            if self.clip_function is not None:
+                module.clip_function = self.clip_function
+            module.noise_multiplier = self.noise_multiplier
+        return mechanism.vector(), mechanism
+
+    def shift(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(base, v, shift)``: the noise-free release on D, its change v on D′, and ‖v‖ in units of the clip bound
+        (‖v‖·b/(C·√releases), b the expected batch size: 1 when the canary alone saturates C in every release)."""
+        base, mechanism = self.release(self.without, 0.0)
+        v = self.release(self.with_canary, 0.0)[0] - base
+        bound = mechanism.sensitivity * math.sqrt(mechanism.releases)
+        return base, v, float(v.norm()) * mechanism.expected_batch_size / bound
+
+
 class _StepTrials:
     """Runs the trials inside a fit, once the method is set up exactly as for training."""
 
@@ -176,65 +267,18 @@ class _StepTrials:
         self.input_scale = input_scale
         self.confidence = confidence
 
-    def _batches(self, module: PrivateModule, datamodule: Any) -> tuple[Any, Any]:
-        private = getattr(datamodule, "private", None)
-        if private is None or len(private) < self.reference_size + 1:
-            raise ValueError(
-                f"the audit needs a datamodule with a private dataset of at least reference_size + 1 = "
-                f"{self.reference_size + 1} examples."
-            )
-        examples = [private[i] for i in range(self.reference_size)]
-        collate = module.trainer.train_dataloader.collate_fn  # the run's own batching: padding, masks and all
-        canary = self.canary
-        if canary is None:
-            canary = make_canary(module.net, private[self.reference_size], self.input_scale, collate)
-        batches = (examples, examples + [canary])
-        return tuple(module.transfer_batch_to_device(collate(batch), module.device, 0) for batch in batches)
-
     def run(self, module: PrivateModule, datamodule: Any) -> AuditResult:
-        without, with_canary = self._batches(module, datamodule)
-        # the parameters and, where the method trains half-precision ones through fp32 masters, the masters
-        params = module.trainable_parameters()
-        params += [m for m in module.master_parameters() if all(m is not p for p in params)]
-        start = [p.detach().clone() for p in params]
-        public_state = copy.deepcopy(datamodule.state_dict()) if hasattr(datamodule, "state_dict") else None
-        # adaptive clipping moves the threshold after each step (a function of the released count)
-        clip_function = getattr(module, "clip_function", None)
-        sigma = module.noise_multiplier
-
-        trial_counter = iter(range(-1, -(4 * self.trials + 16), -1))  # noise counters no training step uses
-
-        def release(batch: Any, noise_multiplier: float) -> tuple[torch.Tensor, Any]:
-            module.noise_multiplier = noise_multiplier
-            mechanism = _RecordingMechanism(module.mechanism(batch_size_of(batch)))
-            module.noise.start_step(next(trial_counter))  # fresh noise for every trial
-            try:
-                module.private_step(batch, batch_size_of(batch), mechanism)
-            finally:  # every trial starts from the same state; only the noise differs
-                with torch.no_grad():
-                    for p, s in zip(params, start):
-                        p.copy_(s)
-                        p.grad = None
-                if public_state is not None:
-                    datamodule.load_state_dict(copy.deepcopy(public_state))
-                if clip_function is not None:
-                    module.clip_function = clip_function
-                module.noise_multiplier = sigma
-            return mechanism.vector(), mechanism
-
-        base, reference_mechanism = release(without, 0.0)
-        shifted, _ = release(with_canary, 0.0)
-        v = shifted - base
+        releases = _NeighbouringReleases(module, datamodule, self.reference_size, self.canary, self.input_scale)
+        base, v, influence = releases.shift()
         norm = float(v.norm())
         if norm == 0.0:
             raise ValueError("the canary does not change the step's release: nothing to audit (check the loss/clip).")
         direction = v / norm
-        bound = reference_mechanism.sensitivity * math.sqrt(reference_mechanism.releases)
-        influence = norm * reference_mechanism.expected_batch_size / bound
-        stats = {0: [], 1: []}
+        sigma = releases.noise_multiplier
+        stats: dict[int, list[float]] = {0: [], 1: []}
         for _ in range(self.trials):
-            for world, batch in ((0, without), (1, with_canary)):
-                stats[world].append(float((release(batch, sigma)[0] - base) @ direction))
+            for world, batch in ((0, releases.without), (1, releases.with_canary)):
+                stats[world].append(float((releases.release(batch, sigma)[0] - base) @ direction))
         null, alternative = torch.tensor(stats[0]), torch.tensor(stats[1])
         half = self.trials // 2
         delta = module.delta
@@ -260,16 +304,18 @@ class _StepTrials:
         )
 
 
-class _AuditCallback(Callback):
-    def __init__(self, trials: _StepTrials) -> None:
-        self.trials = trials
-        self.result: AuditResult | None = None
+class _AtFirstBatch(Callback):
+    """Measures ``measure(module, datamodule)`` at the fit's first training batch, before its step, then stops."""
+
+    def __init__(self, measure: Callable[[Any, Any], Any]) -> None:
+        self.measure = measure
+        self.result: Any = None
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.result is None:
-            self.result = self.trials.run(pl_module, trainer.datamodule)
+            self.result = self.measure(pl_module, trainer.datamodule)
             trainer.should_stop = True
 
 
@@ -316,21 +362,94 @@ def audit(
         input_scale: how much the default canary's float inputs are scaled up to saturate C.
         confidence: the Clopper–Pearson confidence of the lower bound.
     """
-    if getattr(model, "privacy", None) is None:
-        raise ValueError("the audit needs a private model (privacy=PrivacySpec(...)).")
-    if not issubclass(model.release, SubsampledGaussian):
-        raise ValueError("the audit covers Poisson-sampled Gaussian steps; O2NC's tree mechanism is not supported.")
+    _check_auditable(model)
     trials = positive_integer("trials", trials)
     if trials < 20:
         raise ValueError(f"trials must be >= 20 for a meaningful bound, got {trials}.")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}.")
     reference_size = positive_integer("reference_size", reference_size)
-    callback = _AuditCallback(_StepTrials(trials, reference_size, canary, float(input_scale), confidence))
+    step_trials = _StepTrials(trials, reference_size, canary, float(input_scale), confidence)
+    return _measure_in_fit(model, datamodule, trainer, step_trials.run)
+
+
+def release_shift(
+    model: PrivateModule,
+    datamodule: L.LightningDataModule,
+    canary: Any = None,
+    *,
+    reference_size: int = 8,
+    trainer: L.Trainer | None = None,
+    input_scale: float = 100.0,
+    canary_row: int | None = None,
+) -> float:
+    """How far one record moves what ``model``'s private step releases, without noise, in units of the clip bound.
+
+    Runs the method's own ``private_step`` twice from the same state, σ set to 0: on D, the datamodule's first
+    ``reference_size`` private examples, and on D′ = D ∪ {``canary``}, both batches built by the run's own private
+    loader's ``collate_fn`` and computed inside the trainer's precision context, as a training step is. Returns
+    ‖v‖·b/(C·√releases), v the change of the released vector (the q noisy scalars of a zeroth-order step, the
+    noisy gradient sum of a first-order one, …), b the expected batch size, C the clip bound — the quantity
+    :attr:`AuditResult.canary_influence` reports, here allowed to be exactly 0 (the audit refuses a canary that
+    moves nothing).
+
+    Privacy meaning: under add/remove-one adjacency, a record's presence may move the release by at most its own
+    clipped contribution, C in these units; the accountant's ε rests on that bound. A record whose own contribution
+    is 0 (e.g. a sequence whose labels are all −100) should move it by 0: anything it moves is the *other* examples'
+    contributions changing with the batch (mixing through a layer, or rounding that depends on the batch's padded
+    length in half precision), which no noise was calibrated for.
+
+    Args:
+        model: a private pl_dp method (``privacy`` set); O2NC (tree accountant) is not supported.
+        datamodule: a :class:`~pl_dp.data.PrivatePublicDataModule` with at least ``reference_size`` private
+            examples (one more without a ``canary``); public batches come from it as in training.
+        canary: one example in the private dataset's format; by default :func:`make_canary` of private example
+            ``reference_size`` (float inputs × ``input_scale``, the least likely label), which saturates C.
+        reference_size: |D|. With a sample rate of 1 (``batch_size`` ≥ the private set's size) b = |D| is the
+            batch a step would see.
+        trainer: the Trainer of the run (its precision, its plan); by default a quiet one-step CPU Trainer. The
+            fit refuses to start as training would (e.g. :class:`~pl_dp.privacy.independence.IndependenceError`
+            from the fit-start probe); otherwise one real training step runs after the measurement.
+        input_scale: how much the default canary's float inputs are scaled up.
+        canary_row: the canary's row in D′'s batch, 0 to ``reference_size``; ``None`` appends it (as
+            :func:`audit` does). 0 moves every other example one row down, as Poisson sampling does when a record of
+            a low index joins the batch (a private loader keeps the dataset's order): rounding or micro-batch
+            boundaries that depend on an example's row then count too.
+    """
+    _check_auditable(model)
+    size = positive_integer("reference_size", reference_size)
+    if canary_row is not None and not 0 <= canary_row <= size:
+        raise ValueError(f"canary_row must lie in [0, reference_size = {size}] or be None, got {canary_row!r}.")
+
+    def measure(module: PrivateModule, data: Any) -> float:
+        return _NeighbouringReleases(module, data, size, canary, float(input_scale), canary_row).shift()[2]
+
+    return _measure_in_fit(model, datamodule, trainer, measure)
+
+
+def _check_auditable(model: PrivateModule) -> None:
+    if getattr(model, "privacy", None) is None:
+        raise ValueError("the audit needs a private model (privacy=PrivacySpec(...)).")
+    if not issubclass(model.release, SubsampledGaussian):
+        raise ValueError("the audit covers Poisson-sampled Gaussian steps; O2NC's tree mechanism is not supported.")
+
+
+def _measure_in_fit(
+    model: PrivateModule,
+    datamodule: L.LightningDataModule,
+    trainer: L.Trainer | None,
+    measure: Callable[[PrivateModule, Any], Any],
+) -> Any:
+    """``measure(module, datamodule)`` at the first training batch of a fit of ``model`` (set up as for training)."""
+    callback = _AtFirstBatch(measure)
     if trainer is None:
         trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     trainer.callbacks.append(callback)
-    trainer.fit(model, datamodule)
+    try:
+        trainer.fit(model, datamodule)
+    finally:  # a Trainer used again fits without it
+        if callback in trainer.callbacks:
+            trainer.callbacks.remove(callback)
     if callback.result is None:
         raise RuntimeError("the fit ended before its first private step: nothing was audited.")
     return callback.result

@@ -5,15 +5,16 @@ import math
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from pl_dp import PrivacySpec
-from pl_dp.audit import audit, clopper_pearson_upper
+from pl_dp.audit import audit, clopper_pearson_upper, release_shift
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD, O2NC, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 from pl_dp.privacy.accountants import create_accountant
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from tests.conftest import blobs
+from tests.conftest import blobs, make_trainer
 
 SIGMA = 1.5
 TRIALS = 300
@@ -111,3 +112,40 @@ def test_claimed_epsilon_is_one_full_batch_step_of_the_accountant():
         create_accountant("rdp").epsilon_after(1 / 40, 1, noise_multiplier=SIGMA, sample_rate=1.0)
     )
     assert math.isfinite(result.epsilon_lower_bound)
+
+
+def test_release_shift_measures_the_canary_influence_and_may_be_zero():
+    torch.manual_seed(0)
+    assert release_shift(_model(), _data()) == pytest.approx(1.0, abs=0.02)  # the default canary saturates C
+    # logits 0 at every θ (no bias, input 0): a canary whose own contribution is 0, and nothing else moves
+    silent = (torch.zeros(4), torch.tensor(0))
+    model = DPZero(nn.Linear(4, 3, bias=False), clip=1.0, queries=2, privacy=_spec(), noise_seed=0)
+    assert release_shift(model, _data(), silent) == 0.0
+    assert model.private_steps == 1  # measured at the first batch, before its step
+    # first in the batch, it moves every other example one row down: the sums add in another order (fp32 rounding)
+    assert release_shift(model, _data(), silent, canary_row=0) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="canary_row"):
+        release_shift(model, _data(), silent, canary_row=9)
+    model = DPZero(nn.Linear(4, 3, bias=False), clip=1.0, queries=2, privacy=_spec(), noise_seed=0)
+    with pytest.raises(ValueError, match="does not change the step's release"):
+        audit(model, _data(), canary=silent, trials=20)
+
+
+@pytest.mark.parametrize("name", ["dpzero", "dpsgd-constant"])
+def test_the_trials_run_in_the_precision_the_run_trains_in(name):
+    """Lightning runs ``training_step`` inside the precision plugin's context (autocast for bf16-mixed); the audit's
+    trials, run from a callback before it, must run in the same context, or a bf16-mixed run is audited in fp32."""
+    torch.manual_seed(0)
+    cls, kwargs = METHODS[name]
+    model = _model(cls, **kwargs)
+    armed, outputs = [], []
+
+    class Arm(Callback):  # runs before the audit's callback: from then on every forward is a trial's (or the step's)
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            armed.append(True)
+
+    model.net.register_forward_hook(lambda module, inputs, out: outputs.append(out.dtype) if armed else None)
+    trainer = make_trainer(max_steps=1, precision="bf16-mixed", callbacks=[Arm()])
+    result = audit(model, _data(), trainer=trainer, trials=20)
+    assert outputs and set(outputs) == {torch.bfloat16}, outputs  # every private forward ran under autocast
+    assert result.canary_influence == pytest.approx(1.0, abs=0.05)

@@ -1,0 +1,162 @@
+"""Half precision, black box: a record may move what a private step releases by its own clipped contribution only.
+
+Each test runs the public API — a method, a data module, a quiet Trainer with the run's ``precision`` — and measures
+with :func:`pl_dp.audit.release_shift` how far the noise-free release of one step moves between D (the whole
+private set, b = |D| = 256 at sample rate 1) and D ∪ {canary}, the canary in the first row, in units of the clip
+bound C (issue 37).
+
+The canary trick. The silent canary is a long sequence (44 tokens; the others have 6 to 9) whose labels are all
+−100: its loss is 0 at every θ, so its own contribution — clipped two-point difference, clipped gradient — is
+exactly 0, yet it changes the batch's padded length. Whatever the release moves is then the *other* examples'
+contributions moving with the batch's shape: in bf16 (weights, or ``bf16-mixed`` autocast) every other sequence's
+loss rounds differently when the batch is padded to another length, by ~1e-4, and a zeroth-order step divides that
+by 2λ = 2e-3.
+
+The tolerance. The others may move by at most ``TOLERANCE`` = 0.01·C, the tolerance the privacy report states.
+Measured here with dynamic padding: 2e-3·C in fp32, 0.06 to 0.8·C in half precision; padded to one fixed length:
+0 (5e-6·C for ghost clipping, which computes in fp32). A canary with labels moves the release by its own clipped
+contribution as well: at most C, so at most ``1 + TOLERANCE`` in all. The zeroth-order steps use q = 4 directions,
+and the shift is the root mean square of the q released scalars' moves (‖v‖·b/(C·√q)): one direction along which
+the others happen to be clipped matters less.
+
+Nets and data that cannot meet this are refused at fit start, before any private step, with an
+:class:`~pl_dp.privacy.independence.IndependenceError` that names the cause and the fix.
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from pl_dp import PrivacySpec
+from pl_dp.audit import release_shift
+from pl_dp.data import PrivatePublicDataModule, TextGenerationDataModule
+from pl_dp.data.collate import PaddingCollate
+from pl_dp.data.generation import tokenize_sequences
+from pl_dp.methods import DPSGD, DPZero
+from pl_dp.nets import CausalLM
+from pl_dp.privacy.independence import IndependenceError
+from pl_dp.privacy.losses import IGNORE_INDEX
+from tests.conftest import blobs, make_trainer
+from tests.tiny_hf import tiny_model
+
+#: how far a record whose own contribution is 0 may move the release, in units of C
+TOLERANCE = 0.01
+#: the private set, all of it in every batch (sample rate 1): b = 256
+SIZE = 256
+MAX_LENGTH = 48
+_PHRASES = ["the movie was great", "the plot was terrible", "a fine film", "an awful film", "the actors were great"]
+TEXTS = [f"{_PHRASES[i % 5]} {i}" for i in range(SIZE)]  # 5 to 9 tokens with the end token
+SPEC = PrivacySpec(epsilon=100.0, noise_multiplier=1.0, accountant="rdp")
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """The tiny GPT-2, without dropout: a first-order step runs in training mode, where dropout masks would depend
+    on the batch's shape too; the measurement isolates rounding."""
+    path = tiny_model(tmp_path_factory.mktemp("gpt2"), "gpt2")
+    config = json.loads((path / "config.json").read_text())
+    config.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _texts(gpt2_dir) -> TextGenerationDataModule:
+    return TextGenerationDataModule(
+        data=TEXTS, tokenizer=gpt2_dir, max_length=MAX_LENGTH, val_fraction=0.0, test_fraction=0.0, batch_size=SIZE
+    )
+
+
+def _long_sequence(tokenizer, labelled: bool) -> dict[str, torch.Tensor]:
+    """One item as :class:`~pl_dp.data.generation.TokenSequences` gives it: " great" 43 times and the end token; with
+    ``labelled=False`` every label is −100 (no target: loss 0 and gradient 0 at every θ). With labels, its clipped
+    differences are ±C along most directions (one token, predicted 43 times: a steep loss)."""
+    ids = torch.tensor(tokenizer(" great" * 43)["input_ids"] + [tokenizer.eos_token_id])
+    labels = ids.clone() if labelled else torch.full_like(ids, IGNORE_INDEX)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def _dpzero(net: nn.Module, loss="causal_lm") -> DPZero:
+    torch.manual_seed(0)  # the directions: seeded from torch's initial seed
+    return DPZero(net, loss=loss, clip=1.0, smoothing=1e-3, queries=4, privacy=SPEC, noise_seed=0)
+
+
+def _dpsgd(net: nn.Module, per_sample: str) -> DPSGD:
+    return DPSGD(net, loss="causal_lm", clip=1.0, per_sample=per_sample, privacy=SPEC, noise_seed=0)
+
+
+def _shift(model, data, canary, precision: str) -> float:
+    """The release's move when ``canary`` joins the whole private set as its first row (every other example one row
+    down, as in a Poisson batch, which keeps the dataset's order), in units of C."""
+    trainer = make_trainer(max_steps=1, precision=precision)
+    return release_shift(model, data, canary, reference_size=len(data.private), trainer=trainer, canary_row=0)
+
+
+def _assert_others_still(model, shift: float) -> None:
+    assert model.private_steps == 1  # the fit-start checks let the run through, and it trained
+    assert shift <= TOLERANCE, f"a record with no contribution of its own moved the others' release by {shift:.4f}·C"
+
+
+@pytest.mark.parametrize(
+    "weights, precision", [(torch.bfloat16, "32-true"), (None, "bf16-mixed")], ids=["bf16-weights", "bf16-mixed"]
+)
+def test_dpzero_in_half_precision_a_longer_record_moves_no_other(gpt2_dir, weights, precision):
+    data = _texts(gpt2_dir)
+    model = _dpzero(CausalLM(model_path=gpt2_dir, dtype=weights))
+    shift = _shift(model, data, _long_sequence(data.tokenizer, labelled=False), precision)
+    _assert_others_still(model, shift)
+
+
+@pytest.mark.parametrize("per_sample", ["ghost", "hooks"])
+def test_dpsgd_under_bf16_mixed_a_longer_record_moves_no_other(gpt2_dir, per_sample):
+    data = _texts(gpt2_dir)
+    model = _dpsgd(CausalLM(model_path=gpt2_dir), per_sample)
+    shift = _shift(model, data, _long_sequence(data.tokenizer, labelled=False), "bf16-mixed")
+    _assert_others_still(model, shift)
+
+
+def test_dpzero_with_bf16_weights_a_longer_record_moves_the_release_by_at_most_c(gpt2_dir):
+    data = _texts(gpt2_dir)
+    model = _dpzero(CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16))
+    shift = _shift(model, data, _long_sequence(data.tokenizer, labelled=True), "32-true")
+    assert model.private_steps == 1
+    # its own clipped differences count (the measurement sees a record), and nothing else does
+    assert 0.5 < shift <= 1 + TOLERANCE, f"one record moved the release by {shift:.4f}·C"
+
+
+class GatedBatchContext(nn.Module):
+    """An MLP with a ReZero/LayerScale-style gated batch-context branch, ``h + g·mean_batch(h)``, ``g`` learnable and
+    initialised at 1e-9: the mixing is invisible in the losses' values, but steep along any direction that moves g."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.gate = nn.Parameter(torch.tensor(1e-9))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.out(h + self.gate * h.mean(dim=0, keepdim=True))
+
+
+def test_dpzero_refuses_a_gated_batch_context_branch_at_fit_start():
+    data = PrivatePublicDataModule(blobs(64), batch_size=64)
+    model = _dpzero(GatedBatchContext(), loss="cross_entropy")
+    outlier = (torch.full((4,), 1e3), torch.tensor(0))  # large, finite
+    with pytest.raises(IndependenceError):
+        shift = _shift(model, data, outlier, "32-true")
+        pytest.fail(f"trained; one outlier moved the release by {shift:.3f}·C")
+    assert model.private_steps == 0
+
+
+def test_half_precision_with_a_collate_that_pads_to_the_batch_is_refused_at_fit_start(gpt2_dir):
+    net = CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16)
+    tokenizer = net.tokenizer
+    sequences = tokenize_sequences([""] * SIZE, TEXTS, tokenizer, MAX_LENGTH, add_eos=True)
+    data = PrivatePublicDataModule(sequences, batch_size=SIZE, collate_fn=PaddingCollate())  # the user's own: dynamic
+    model = _dpzero(net)
+    with pytest.raises(IndependenceError, match="fixed length"):
+        shift = _shift(model, data, _long_sequence(tokenizer, labelled=False), "32-true")
+        pytest.fail(f"trained; a record with no contribution of its own moved the others' release by {shift:.4f}·C")
+    assert model.private_steps == 0
