@@ -213,19 +213,30 @@ class PrivatePublicDataModule(L.LightningDataModule):
         """The private loader's ``collate_fn``: ``collate_fn``, padding to one length under ``fixed_length`` (or, with
         ``fixed_length=None``, when the method needs ``fixed_shapes``). A collate that pads to one length already is
         used as it is; one that cannot (not a PaddingCollate, or no length known) is refused under
-        ``fixed_length=True`` and left to the fit-start probe otherwise, which refuses it where it matters."""
+        ``fixed_length=True`` and left to the fit-start checks otherwise, which refuse it where it matters."""
         collate = self.collate_fn
         wanted = fixed_shapes if self.fixed_length is None else self.fixed_length
+        fixed = self.fixed_length_collate()
         if not wanted or (isinstance(collate, PaddingCollate) and collate.length is not None):
             return collate
-        if isinstance(collate, PaddingCollate) and self.max_length is not None:
-            return collate.fixed(self.max_length)
+        if fixed is not None:
+            return fixed
         if self.fixed_length:
             raise ValueError(
                 f"fixed_length=True needs a PaddingCollate that knows the length: got {type(collate).__name__}, and "
                 "this data module cuts its sequences at no max_length. Pass collate_fn=PaddingCollate(length=...)."
             )
         return collate
+
+    def fixed_length_collate(self) -> Callable[[list], Any] | None:
+        """``collate_fn`` padding every batch to ``max_length`` — the most positions a record may have — when it is a
+        :class:`~pl_dp.data.collate.PaddingCollate` without a length of its own and the length is known, else None.
+        The fit-start probe pads a batch with it to see how far a record as long as any may be moves the other
+        examples' rounding when the private batches are padded dynamically."""
+        collate = self.collate_fn
+        if isinstance(collate, PaddingCollate) and collate.length is None and self.max_length is not None:
+            return collate.fixed(self.max_length)
+        return None
 
     def _loader(self, dataset: Dataset | None) -> DataLoader | list:
         if dataset is None:

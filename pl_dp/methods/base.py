@@ -472,7 +472,14 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         chunk = self.max_physical_batch_size or math.ceil(self.expected_batch_size or 1)
         with self.precision_context():  # a loss finite in fp32 may overflow in fp16
             return check_private_set(
-                dataset, collate, self.net, self.loss_fn, chunk, transfer=self._to_device, values=self.preflight
+                dataset,
+                collate,
+                self.net,
+                self.loss_fn,
+                chunk,
+                transfer=self._to_device,
+                values=self.preflight,
+                one_shape=self.fixed_shapes,  # in half precision, a collate that pads to each batch is refused
             )
 
     def _seal_batching(self, report: PreflightReport) -> None:
@@ -504,6 +511,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         collate = private_data_of(self.trainer.train_dataloader)[1]
         if self.fixed_shapes:
             refuse_varying_batch_shapes(collate, examples)
+        # the private collate padding to the data module's max_length, when the run's pads each batch to its longest
+        longest = getattr(getattr(self.trainer, "datamodule", None), "fixed_length_collate", lambda: None)()
         probe_independence(
             self.net,
             self.loss_fn,
@@ -516,6 +525,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             compute_dtype=self.autocast_dtype,
             rows=self.physical_rows,
             release=self.probe_release(),
+            longest=longest,
+            batch_size=self.expected_batch_size,
         )
         # a fixed example that is not private, to tell a net or loss that fails for every example from bad records
         self._reference = None if source == "private" else self._to_device(collate(examples[:1]))

@@ -170,9 +170,9 @@ class FirstOrderModule(PrivateModule):
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The per-sample engine's clipped sum of a micro-batch (of its ``watched`` rows only, if given: the probe's);
         in a run that keeps one batch shape, computed in the micro-batch filled to :attr:`physical_rows` rows, the
-        filling rows dropped (:mod:`pl_dp.methods.precision`; ghost clipping computes in fp32 and never fills)."""
+        filling rows at weight 0 (:mod:`pl_dp.methods.precision`)."""
         physical = self.physical_rows
-        if physical is None or isinstance(self._per_sample, GhostClipping):
+        if physical is None:
             return self._per_sample.clipped_sum(examples, self.clip_function, rows=watched)
         size = batch_size_of(examples)
         rows = torch.arange(max(physical, size)) < size
@@ -205,9 +205,13 @@ class FirstOrderModule(PrivateModule):
     def private_gradient(
         self, batch: Any, batch_size: int, mechanism: SubsampledGaussian
     ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """(Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I)) / expected batch size, one tensor per parameter."""
+        """(Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I)) / expected batch size, one tensor per parameter, in fp32 (or the
+        parameter's dtype if wider): the sums and the noise are never rounded to a half-precision parameter's dtype
+        before the noise is added — a bf16 running sum rounds the micro-batches' sums in an order that depends on
+        which examples were sampled (0.67·C at b = 256, found by an independent review); :meth:`set_gradients`
+        rounds the privatized gradient."""
         params = self.trainable_parameters()
-        sums = [torch.zeros_like(local(p)) for p in params]
+        sums = [torch.zeros_like(local(p), dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
         physical = self.physical_rows or self.max_physical_batch_size
         parts = split_batch(batch, physical) if batch_size > 0 else []
         blocks = [block(p) for p in params] if self.sharded else None

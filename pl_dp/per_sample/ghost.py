@@ -25,9 +25,13 @@ Memory is that of a non-private step (the forward graph and one gradient) plus o
 time is about one forward, one backward and the input-gradient half of another (plus the norms' own work).
 Up to pl_dp 0.2 the first pass also computed, and dropped, every parameter gradient: about half of a backward
 (``benchmarks/ghost_first_pass.py``). Examples whose norm is not finite are dropped: the two passes are
-run again on the other examples (a zero weight alone would not do: 0·NaN is NaN in the second backward), and
-they are counted. Both passes run in fp32 with autocast disabled, whatever the trainer's precision, so that each
-weight is applied to the very gradient whose norm it was computed from; trainable parameters must be fp32.
+run again on the other examples (a zero weight alone would not do: 0·NaN is NaN in the second backward), in a batch
+of the same shape (filled with copies of one of them, at weight 0), and they are counted. ``rows`` sums only some
+rows of a batch, the others at weight 0: the copies that fill a micro-batch to a fixed shape, the examples the
+fit-start probe does not watch. Both passes run in fp32 with autocast disabled, whatever the trainer's precision,
+so that each weight is applied to the very gradient whose norm it was computed from; trainable parameters must be
+fp32 (frozen ones may be bf16 — a half-precision base under LoRA adapters — which computes in bf16 and keeps one
+batch shape like any half-precision run).
 
 A parameter tied across modules (a language model's output projection reusing its input embedding: GPT-2, OPT,
 Llama-style models) gets the norm of the *sum* of its uses' gradients, cross term included
@@ -67,7 +71,7 @@ from pl_dp.per_sample.gradients import (
     unsupported_layers,
 )
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
-from pl_dp.privacy.batches import batch_size_of, select_examples
+from pl_dp.privacy.batches import batch_size_of, fill_rows, select_examples
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.seal import PADDING_FAILED, ForwardsInStep, PassFailed
@@ -363,27 +367,27 @@ class GhostClipping:
         size = batch_size_of(batch)
         norms, losses = self._sharded_norms(batch, size, padding) if self.sharded else self._norms(batch, size)
         weights, finite = clip_fn.finite_weights(norms)
-        if rows is not None:
-            weights = weights * rows.to(weights.device)
+        counted = torch.ones_like(finite) if rows is None else rows.to(finite.device)
+        weights = weights * counted
         if padding:
             weights, finite = torch.zeros_like(weights), torch.ones_like(finite)
-        nonfinite = (~finite).sum()
+        nonfinite = (~finite & counted).sum()
         if self.sharded:
-            sums, norms, nonfinite = self._sharded_sum(batch, clip_fn, norms, losses, weights, finite)
-            return sums, norms[:0] if padding else norms, nonfinite
-        if bool(nonfinite):  # 0·NaN is NaN: the others' sum is computed again without them
+            sums, norms, nonfinite = self._sharded_sum(batch, clip_fn, norms, losses, weights, finite, counted)
+            return sums, norms[:0] if padding else norms[counted], nonfinite
+        if not bool(finite.all()):  # 0·NaN is NaN: the others' sum is computed again without them
             del losses
             keep = finite.nonzero().squeeze(1)
             if keep.numel():
-                kept = None if rows is None else rows[keep.to(rows.device)]
-                sums, _, more = self.clipped_sum(select_examples(batch, keep), clip_fn, rows=kept)
+                part, kept = _finite_rows(batch, keep, counted, size)
+                sums, _, more = self.clipped_sum(part, clip_fn, rows=kept)
                 nonfinite = nonfinite + more
             else:
                 sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         else:
             sums = self._weighted_sum(losses, weights)
         self._lookups.check(self.loss_fn, batch, size)
-        return sums, norms, nonfinite
+        return sums, norms[counted], nonfinite
 
     def per_example_norms(self, batch: Any) -> torch.Tensor:
         """The per-example gradient norms ‖g_i‖ (fp32) that the first pass computes, and nothing else."""
@@ -520,17 +524,20 @@ class GhostClipping:
         losses: torch.Tensor,
         weights: torch.Tensor,
         finite: torch.Tensor,
+        counted: torch.Tensor,
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Second pass, sharded: this rank's shard of Σ_i c_i·g_i over every rank's examples. Whether any rank saw a
         non-finite norm is agreed first (one all-reduce), so that all run the pass again without those examples."""
-        nonfinite = (~finite).sum()
-        flag = nonfinite.reshape(1).float()
+        nonfinite = (~finite & counted).sum()
+        flag = (~finite).sum().reshape(1).float()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if bool(flag):  # 0·NaN is NaN: every rank runs the passes again, without its non-finite examples
             del losses
             keep = finite.nonzero().squeeze(1)
-            part = select_examples(batch, keep) if keep.numel() else self.padding
-            sums, _, more = self.clipped_sum(part, clip_fn, padding=not keep.numel())
+            part, kept = (self.padding, None)
+            if keep.numel():
+                part, kept = _finite_rows(batch, keep, counted, batch_size_of(batch))
+            sums, _, more = self.clipped_sum(part, clip_fn, padding=not keep.numel(), rows=kept)
             return sums, norms, nonfinite + more
         for p in self.params:
             p.grad = None
@@ -552,6 +559,15 @@ class GhostClipping:
         return [
             torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for p, g in zip(self.params, grads)
         ]
+
+
+def _finite_rows(batch: Any, keep: torch.Tensor, counted: torch.Tensor, size: int) -> tuple[Any, torch.Tensor]:
+    """The rows ``keep`` of ``batch`` (its finite ones), filled back to ``size`` rows with copies of the first — the
+    passes keep the batch's shape, whose rounding in half precision every row's result depends on — and the mask of
+    the rows to sum: the ``counted`` among them, not the copies."""
+    rows = torch.zeros(size, dtype=torch.bool, device=counted.device)
+    rows[: keep.numel()] = counted[keep.to(counted.device)]
+    return fill_rows(select_examples(batch, keep), size), rows
 
 
 def _full_precision(device: torch.device) -> torch.autocast:

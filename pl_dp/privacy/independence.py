@@ -174,28 +174,34 @@ def refuse_batch_mixing_modules(net: nn.Module) -> None:
         )
 
 
-def refuse_varying_batch_shapes(collate: Callable[[list[Any]], Any], examples: Sequence[Any]) -> None:
+def refuse_varying_batch_shapes(collate: Callable[[list[Any]], Any], examples: Iterable[Any]) -> None:
     """For a run that computes in half precision: raise :class:`IndependenceError` unless ``collate`` (the private
-    loader's) gives a batch of each of ``examples`` (the probe's, the longest last) the same shapes.
+    loader's) gives a batch of each of ``examples`` the same shapes (the pre-flight pass checks the whole private set
+    so, the probe its own examples).
 
     In bf16 or fp16 the rounding of every example's result depends on the shape of the batch it is computed in (a
     longer padded length groups the sums over positions differently), so a collate that pads each batch to its own
-    longest example lets one long record move every other example's contribution — whatever the probe's examples
-    show: its batches are a few, and their longest may be short. The message holds no value of the examples.
+    longest example lets one long record move every other example's contribution. The check is on every example of
+    the private set because the probe's few examples may all be of one length. The message holds no value of the
+    examples.
     """
-    shapes = [_shapes(collate([example])) for example in examples]
-    if any(shape != shapes[0] for shape in shapes):
-        collate = getattr(collate, "collate_fn", collate)
-        name = getattr(collate, "__qualname__", None) or type(collate).__qualname__
-        raise IndependenceError(
-            "per-example independence in half precision: the run computes in bf16 or fp16, where the rounding of "
-            "every example's result depends on the shape of the batch it is computed in, but the private loader's "
-            f"collate_fn ({name}) gives batches of different examples different shapes (it pads each batch to its "
-            "longest example), so one long record would move every other example's contribution. Pad the private "
-            "batches to one fixed length: fixed_length=True on the data module (TextDataModule and "
-            "TextGenerationDataModule pad to their max_length, by default in half precision), or "
-            "collate_fn=PaddingCollate(length=...); or train in fp32."
-        )
+    first: Any = None
+    for example in examples:
+        shapes = batch_shapes(collate([example]))
+        if first is None:
+            first = shapes
+        elif shapes != first:
+            collate = getattr(collate, "collate_fn", collate)
+            name = getattr(collate, "__qualname__", None) or type(collate).__qualname__
+            raise IndependenceError(
+                "per-example independence in half precision: the run computes in bf16 or fp16, where the rounding "
+                "of every example's result depends on the shape of the batch it is computed in, but the private "
+                f"loader's collate_fn ({name}) gives batches of different examples different shapes (it pads each "
+                "batch to its longest example), so one long record would move every other example's contribution. "
+                "Pad the private batches to one fixed length: fixed_length=True on the data module (TextDataModule "
+                "and TextGenerationDataModule pad to their max_length, by default in half precision), or "
+                "collate_fn=PaddingCollate(length=...); or train in fp32."
+            )
 
 
 def probe_examples(
@@ -274,6 +280,8 @@ def probe_independence(
     compute_dtype: torch.dtype | None = None,
     rows: int | None = None,
     release: Release | None = None,
+    longest: Callable[[list[Any]], Any] | None = None,
+    batch_size: float | None = None,
 ) -> None:
     """Refuse ``net`` and ``loss_fn`` — with the loader's ``collate`` — if one example's loss depends on another
     example, or if the forward writes state.
@@ -330,7 +338,13 @@ def probe_independence(
     with the outlier in place of the middle example, added at the end and inserted first (which moves every other
     example one row down), and refuses when the watched examples' part of a release moved by more than
     ``RELEASE_TOLERANCE``·C (1 %, plus ``NOISE_MARGIN`` times the jitter), in the largest release. A record's presence
-    then moves a release by at most (1 + RELEASE_TOLERANCE)·C, on the probe batch.
+    then moves a release by at most (1 + RELEASE_TOLERANCE)·C. Two things make the check reach past the probe's own
+    examples: ``longest`` (the private collate padding to the most positions a record may have, the data module's
+    ``max_length``, when the run's pads each batch to its longest) adds the variant of the reference batch padded to
+    that length — a record as long as any moves the others' rounding so, whatever the probe's examples' lengths; and
+    with ``batch_size`` (the run's expected batch size b) a move measured on the probe's k examples counts
+    √(b/k) times when b > k — rounding moves of independent signs, which grow as √b (fp32 with dynamic padding and a
+    small smoothing: 0.012·C at k = 256 was 0.024·C at b = 1024, measured by an independent review).
 
     **State.** Every buffer and parameter is watched (version counter and identity): a forward that writes
     one stores something computed from the batch, which every checkpoint would release un-noised. Any
@@ -364,7 +378,7 @@ def probe_independence(
             if "train" in modes:
                 problems += probe.findings("train", source)
             if release is not None:
-                problems += probe.release_findings(release, source)
+                problems += probe.release_findings(release, source, longest, batch_size)
     finally:
         state.reset()
     if problems:
@@ -434,7 +448,7 @@ class _Probe:
                 f"replacing only the example at position {self.middle} by": replaced,
                 f"adding at position {self.size}": [*self.reference, self.size],
             }
-        shapes = _shapes(self.collate([self.examples[i] for i in self.reference]))
+        shapes = batch_shapes(self.collate([self.examples[i] for i in self.reference]))
         tries = [
             (position, stand_in)
             for position in sorted(self.reference, key=lambda p: (abs(p - self.middle), p))[:TRAIN_POSITIONS]
@@ -444,7 +458,7 @@ class _Probe:
             ]
         ]
         position, stand_in = next(
-            ((p, c) for p, c in tries if _shapes(self._collate(p, c[0])) == shapes), (self.middle, outlier)
+            ((p, c) for p, c in tries if batch_shapes(self._collate(p, c[0])) == shapes), (self.middle, outlier)
         )
         replaced = [self.size if i == position else i for i in self.reference]
         return position, *stand_in, {f"replacing only the example at position {position} by": replaced}
@@ -462,7 +476,7 @@ class _Probe:
         for variant, rows in variants.items():
             changed = self._run(rows, stand_in, mode)
             loss_shift, gradient_shift = self._changes(base, changed)
-            repadded = _shapes(changed.batch) != _shapes(base.batch)
+            repadded = batch_shapes(changed.batch) != batch_shapes(base.batch)
             relative = self.repadded_tolerance if repadded else RELATIVE_TOLERANCE
             tolerance = relative * _finite_max(base.losses[self.watched].abs()) + NOISE_MARGIN * _finite_max(loss_noise)
             where = f"{_MODE_WORDS[mode]}, on a probe batch of {self.size} {source} examples, {variant} {described}"
@@ -493,7 +507,7 @@ class _Probe:
         collate = self._collate_blame(reference, other, self.watched)
         if collate:
             return collate
-        if _shapes(reference) != _shapes(other):
+        if batch_shapes(reference) != batch_shapes(other):
             return (
                 ". The collate kept each example's row but padded the batches to different lengths, so the net or "
                 "the loss reads padding: give it the attention mask and honour it (PaddingCollate adds one to dict "
@@ -546,41 +560,71 @@ class _Probe:
             ]
         )
 
-    def release_findings(self, release: Release, source: str) -> list[str]:
+    def release_findings(
+        self,
+        release: Release,
+        source: str,
+        longest: Callable[[list[Any]], Any] | None = None,
+        batch_size: float | None = None,
+    ) -> list[str]:
         """Message lines for the releases (see :func:`probe_independence`): eval mode, the outlier in place of the
-        middle example, added at the end and inserted first; the watched examples are all the others."""
+        middle example, added at the end and inserted first, and the batch padded by ``longest``; the watched examples
+        are all the others, a move counts √(``batch_size``/k) times."""
         outlier = self.examples[-1]
         watched = [i for i in self.reference if i != self.middle]
-        variants = {
-            f"replacing only the example at position {self.middle} by": [
-                self.size if i == self.middle else i for i in self.reference
-            ],
-            f"adding at position {self.size}": [*self.reference, self.size],
-            "inserting at position 0 (every other example one row down)": [self.size, *self.reference],
+        variants: dict[str, tuple[list[int], Callable[[list[Any]], Any]]] = {
+            f"replacing only the example at position {self.middle} by a long or outlying example": (
+                [self.size if i == self.middle else i for i in self.reference],
+                self.collate,
+            ),
+            f"adding a long or outlying example at position {self.size}": ([*self.reference, self.size], self.collate),
+            "inserting a long or outlying example at position 0 (every other example one row down)": (
+                [self.size, *self.reference],
+                self.collate,
+            ),
         }
         base, base_batch = self._released(release, self.reference, outlier, watched)
+        first = self.examples[:1]
+        if longest is not None and batch_shapes(longest(first)) != batch_shapes(self.collate(first)):
+            # the run pads dynamically: a record as long as any may be moves the others' rounding so
+            variants["padding it to the most positions a record may have (the data module's max_length)"] = (
+                self.reference,
+                longest,
+            )
         jitter = _release_shift(base, self._released(release, self.reference, outlier, watched)[0])
         tolerance = RELEASE_TOLERANCE + NOISE_MARGIN * jitter
+        scale = math.sqrt(max(1.0, (batch_size or 0.0) / self.size))
         found = []
-        for variant, rows in variants.items():
-            changed, changed_batch = self._released(release, rows, outlier, watched)
-            if _release_shift(base, changed) > tolerance:
+        for variant, (rows, collate) in variants.items():
+            changed, changed_batch = self._released(release, rows, outlier, watched, collate)
+            if scale * _release_shift(base, changed) > tolerance:
                 blame = self._release_blame(base_batch, changed_batch, rows, watched)
+                extrapolated = f" (at the expected batch size, {scale:.2g} times the move on the probe batch)"
                 found.append(
-                    f"in eval mode, on a probe batch of {self.size} {source} examples, {variant} a long or outlying "
-                    f"example moved {release.what} of the {len(watched)} other examples by more than "
-                    f"{RELEASE_TOLERANCE:.0%} of the clip bound{blame}"
+                    f"in eval mode, on a probe batch of {self.size} {source} examples, {variant} moved {release.what} "
+                    f"of the {len(watched)} other examples by more than {RELEASE_TOLERANCE:.0%} of the clip bound"
+                    f"{extrapolated if scale > 1 else ''}{blame}"
                 )
         return found
 
+    def _rows(self, rows: list[int], stand_in: Any) -> list[Any]:
+        """The examples of ``rows`` (row k: ``stand_in``), uncollated."""
+        return [stand_in if i == self.size else self.examples[i] for i in rows]
+
     def _released(
-        self, release: Release, rows: list[int], stand_in: Any, watched: list[int]
+        self,
+        release: Release,
+        rows: list[int],
+        stand_in: Any,
+        watched: list[int],
+        collate: Callable[[list[Any]], Any] | None = None,
     ) -> tuple[list[torch.Tensor], Any]:
-        """The releases of the ``watched`` examples in a freshly collated batch of ``rows``, from the same net state
-        and random draws (float64, on the CPU), and the collated batch."""
+        """The releases of the ``watched`` examples in a freshly collated batch of ``rows`` (by ``collate``, the
+        private loader's by default), from the same net state and random draws (float64, on the CPU), and the
+        collated batch."""
         self.state.reset()
         self.rng.reset()
-        collated = self.collate([stand_in if i == self.size else self.examples[i] for i in rows])
+        collated = (collate or self.collate)(self._rows(rows, stand_in))
         keep = torch.tensor([i in watched for i in rows])
         self.net.eval()
         with self.context():
@@ -589,7 +633,7 @@ class _Probe:
 
     def _release_blame(self, reference: Any, other: Any, rows: list[int], watched: list[int]) -> str:
         """Why a release moved: the padded length changed the rounding, the collate mixes, or what follows it does."""
-        if _shapes(reference) != _shapes(other):
+        if batch_shapes(reference) != batch_shapes(other):
             return (
                 ". The batches were padded to different lengths, and the rounding of every example's result depends "
                 "on the padded length (sums over positions, in attention and in the loss, are grouped differently: "
@@ -696,14 +740,14 @@ def _trained_dtype(net: nn.Module) -> torch.dtype:
     return max(counts, key=lambda dtype: counts[dtype]) if counts else torch.float32
 
 
-def _shapes(batch: Any) -> Any:
+def batch_shapes(batch: Any) -> Any:
     """The tensor shapes of a collated batch but for the batch dimension, in its structure."""
     if isinstance(batch, torch.Tensor):
         return tuple(batch.shape[1:])
     if isinstance(batch, Mapping):
-        return {key: _shapes(value) for key, value in batch.items()}
+        return {key: batch_shapes(value) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return [_shapes(value) for value in batch]
+        return [batch_shapes(value) for value in batch]
     return None
 
 

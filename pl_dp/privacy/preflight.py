@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from pl_dp.privacy.batches import batch_size_of
-from pl_dp.privacy.independence import NetState
+from pl_dp.privacy.independence import NetState, refuse_varying_batch_shapes
 from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.sampling import structure_of
 from pl_dp.privacy.seal import isolate_failures, sealed
@@ -94,6 +94,7 @@ def check_private_set(
     chunk_size: int,
     transfer: Callable[[Any], Any] = lambda batch: batch,
     values: bool = True,
+    one_shape: bool = False,
 ) -> PreflightReport:
     """Check every example of ``dataset`` (see the module docstring); raise :class:`DataError` listing the bad ones.
 
@@ -104,7 +105,9 @@ def check_private_set(
     are known to batch together too. When every example of the first batch scored makes the loss raise, the fault
     is the net's or the loss's, not a record's: that error is raised as it is (e.g. the per-example loss contract
     of :func:`~pl_dp.privacy.losses.check_per_sample`). The net is left as it was found (train/eval flags,
-    buffers: :class:`~pl_dp.privacy.independence.NetState`), and so are the random generators.
+    buffers: :class:`~pl_dp.privacy.independence.NetState`), and so are the random generators. With ``one_shape`` (a
+    run that computes in half precision) every example is also batched alone, and a collate that gives two examples
+    batches of different shapes is refused (:func:`~pl_dp.privacy.independence.refuse_varying_batch_shapes`).
     """
     start = time.perf_counter()
     problems: dict[int, str] = {}
@@ -112,6 +115,7 @@ def check_private_set(
     chunk_size = max(1, int(chunk_size))
     reference: tuple[int, Any] | None = None  # the first good example: every chunk is batched with it
     structure: Any = None  # what every example must be shaped like (a collate batches by the first example's)
+    shaped: Any = None  # one_shape: the example whose batch's shapes every other's must have (the first read)
     state = NetState(net)  # a forward that writes a buffer is the probe's to refuse; here it is undone
     try:
         with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # whether a record warns is private
@@ -122,6 +126,9 @@ def check_private_set(
                     found = [structure_of(example) for _, example in loaded]
                     structure = max(found, key=found.count)
                 loaded = _of_structure(loaded, structure, problems)
+                if one_shape and loaded:  # in half precision, every batch of one shape
+                    shaped = loaded[0][1] if shaped is None else shaped
+                    refuse_varying_batch_shapes(collate, [shaped] + [example for _, example in loaded])
                 rows = ([reference] if reference is not None else []) + loaded
                 rows, batch = _batch(collate, rows, reference, problems, values)
                 if batch is None:

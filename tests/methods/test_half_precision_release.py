@@ -160,3 +160,52 @@ def test_half_precision_with_a_collate_that_pads_to_the_batch_is_refused_at_fit_
         shift = _shift(model, data, _long_sequence(tokenizer, labelled=False), "32-true")
         pytest.fail(f"trained; a record with no contribution of its own moved the others' release by {shift:.4f}·C")
     assert model.private_steps == 0
+
+
+# ---- found by an independent review (each failed on 45557a9) ------------------------------------------------------
+def _refused_or_still(model, data, canary, precision: str) -> None:
+    """Either refused at fit start, before any step, or the others move by at most the tolerance."""
+    try:
+        shift = _shift(model, data, canary, precision)
+    except IndependenceError:
+        assert model.private_steps == 0
+        return
+    _assert_others_still(model, shift)
+
+
+@pytest.mark.parametrize(
+    "weights, precision", [(None, "bf16-true"), (torch.bfloat16, "32-true")], ids=["bf16-true", "bf16-weights"]
+)
+def test_dpsgd_hooks_on_bf16_parameters_a_longer_record_moves_no_other(gpt2_dir, weights, precision):
+    """The micro-batches' clipped sums were added into bf16 running sums (the parameters' dtype) and the noise drawn
+    in bf16: a record in row 0 moves every other example to another micro-batch, hence the rounding (0.67·C)."""
+    data = _texts(gpt2_dir)
+    model = _dpsgd(CausalLM(model_path=gpt2_dir, dtype=weights), "hooks")
+    _refused_or_still(model, data, _long_sequence(data.tokenizer, labelled=False), precision)
+
+
+def test_half_precision_dynamic_collate_is_refused_even_when_the_validation_texts_share_one_length(gpt2_dir):
+    """The probe's examples come from the validation set first: all of one length, they showed no padding change,
+    and the run trained (0.25·C); the pre-flight pass now batches every private example alone."""
+    net = CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16)
+    private = tokenize_sequences([""] * SIZE, TEXTS, net.tokenizer, MAX_LENGTH, add_eos=True)
+    val = tokenize_sequences([""] * 16, ["the movie was great"] * 16, net.tokenizer, MAX_LENGTH, add_eos=True)
+    data = PrivatePublicDataModule(private, val=val, batch_size=SIZE, collate_fn=PaddingCollate())
+    _refused_or_still(_dpzero(net), data, _long_sequence(net.tokenizer, labelled=False), "32-true")
+
+
+def test_fp32_dpzero_with_a_small_smoothing_is_refused_or_moves_no_other(gpt2_dir):
+    """fp32 with dynamic padding at λ = 1e-5, b = 1024: the probe's outlier was the longest text in the data and its
+    batch 256 examples, so it saw nothing while a 44-token record moved the others by 0.44·C. It now pads a batch to
+    the data module's max_length too and scales the move by √(b/k)."""
+    data = TextGenerationDataModule(
+        data=[f"{text} {i}" for i, text in enumerate(TEXTS * 4)],
+        tokenizer=gpt2_dir,
+        max_length=MAX_LENGTH,
+        val_fraction=0.0,
+        test_fraction=0.0,
+        batch_size=4 * SIZE,
+    )
+    torch.manual_seed(0)
+    model = DPZero(CausalLM(model_path=gpt2_dir), loss="causal_lm", smoothing=1e-5, queries=4, privacy=SPEC)
+    _refused_or_still(model, data, _long_sequence(data.tokenizer, labelled=False), "32-true")
