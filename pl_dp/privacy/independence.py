@@ -221,11 +221,12 @@ def probe_examples(
     Private examples are read only when neither public nor validation data exists, and then by index —
     never through the private loader or its sampler, whose randomness is a secret of the run and whose
     position is checkpointed. Reading them is acceptable because the probe's only output is pass or refuse,
-    before any training step: for a net in which each example's loss depends on that example alone, the
-    probe passes whatever the data, so its output is a constant and reveals nothing about any example. It
-    can refuse only a net that breaks per-example independence — and then nothing is trained, logged or checkpointed,
-    the refusal goes only to whoever runs the job (who holds the data already), and its message names
-    positions in the probe batch, never values computed from the data.
+    before any training step: for a net in which each example's result depends on that example alone, bit for
+    bit, the probe passes whatever the data, so its output is a constant and reveals nothing about any example. It
+    refuses a net that breaks per-example independence — and also one whose rounding moves the others near the
+    tolerance (fp32 with dynamic padding and a small smoothing), where the outcome can depend on the examples. Either
+    way nothing is trained, logged or checkpointed, the refusal goes only to whoever runs the job (who holds the data
+    already), and its message names positions in the probe batch, never values computed from the data.
     """
     candidates = (
         ("public", getattr(datamodule, "public", None) if public else None),
