@@ -636,12 +636,14 @@ class _Probe:
         """Why a release moved: the padded length changed the rounding, the collate mixes, or what follows it does."""
         if batch_shapes(reference) != batch_shapes(other):
             return (
-                ". The batches were padded to different lengths, and the rounding of every example's result depends "
-                "on the padded length (sums over positions, in attention and in the loss, are grouped differently: "
-                "in bf16 or fp16 that moves a loss by ~1e-4, and a two-point difference divides it by 2λ). Pad the "
-                "private batches to one fixed length: fixed_length=True on the data module (TextDataModule and "
-                "TextGenerationDataModule pad to their max_length, automatically when the run computes in half "
-                "precision), or PaddingCollate(length=...) as its collate_fn; or train in fp32 with a larger smoothing"
+                ". The batches were padded to different lengths, and the other examples' results moved with the padded "
+                "length: rounding that depends on it (sums over positions, in attention and in the loss, are grouped "
+                "differently: in bf16 or fp16 that moves a loss by ~1e-4, and a two-point difference divides it by "
+                "2λ), or a net that reads the padding (a max_length beyond the model's positions). Pad the private "
+                "batches to one fixed length the model supports: fixed_length=True on the data module "
+                "(TextDataModule and TextGenerationDataModule pad to their max_length, automatically when the run "
+                "computes in half precision), or PaddingCollate(length=...) as its collate_fn; or train in fp32 with a "
+                "larger smoothing"
             )
         if rows[0] != self.size and (collate := self._collate_blame(reference, other, watched)):  # rows aligned
             return collate
