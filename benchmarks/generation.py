@@ -191,14 +191,12 @@ def emoji_descriptions() -> list[str]:
     return [line.split("\t")[1].strip() for line in path.read_text(encoding="utf-8").splitlines() if "\t" in line]
 
 
-def pretrain(workdir: Path, sentences: list[str], epochs: int, seed: int = 0) -> Path:
-    """Train the tokenizer and the GPT-2 on the public ``sentences`` (non-private: public data); save at workdir."""
+def random_gpt2(path: Path, sentences: list[str], width: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A byte-level BPE tokenizer (2,048 tokens) trained on ``sentences`` and a random GPT-2 (``layers`` × ``width``, 4
+    heads, 64 positions, tied embeddings), saved at ``path``."""
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    path = workdir / "public_gpt2"
-    if (path / "config.json").is_file():
-        return path
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -210,9 +208,18 @@ def pretrain(workdir: Path, sentences: list[str], epochs: int, seed: int = 0) ->
     fast.save_pretrained(path)
     torch.manual_seed(seed)
     config = tf.GPT2Config(
-        vocab_size=len(fast), n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=1
+        vocab_size=len(fast), n_embd=width, n_layer=layers, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=1
     )
     tf.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def pretrain(workdir: Path, sentences: list[str], epochs: int, seed: int = 0) -> Path:
+    """Train the tokenizer and the GPT-2 on the public ``sentences`` (non-private: public data); save at workdir."""
+    path = workdir / "public_gpt2"
+    if (path / "config.json").is_file():
+        return path
+    random_gpt2(path, sentences, seed=seed)
     net = CausalLM(model_path=path)
     data = TextGenerationDataModule(
         data=sentences, tokenizer=path, batch_size=64, max_length=48, test_fraction=0.02, val_fraction=0.0

@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _measure import StepTimer, quiet_trainer  # noqa: E402
-from generation import docstring_sentences, emoji_descriptions  # noqa: E402
+from generation import docstring_sentences, emoji_descriptions, random_gpt2  # noqa: E402
 
 from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import TextGenerationDataModule, VaderSentimentDataModule  # noqa: E402
@@ -125,25 +125,7 @@ def method_class(cls: type, variant: Variant) -> type:
 
 def tiny_gpt2(workdir: Path, quick: bool) -> Path:
     """A byte-level BPE tokenizer (2,048 tokens, public docstrings) and a random GPT-2 (4 layers, width 128)."""
-    import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    sentences = docstring_sentences()[: 2000 if quick else None]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=2048, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(sentences, trainer)
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>")
-    fast.save_pretrained(workdir)
-    torch.manual_seed(0)
-    config = tf.GPT2Config(
-        vocab_size=len(fast), n_embd=128, n_layer=4, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=1
-    )
-    tf.GPT2LMHeadModel(config).save_pretrained(workdir)
-    return workdir
+    return random_gpt2(workdir, docstring_sentences()[: 2000 if quick else None], width=128, layers=4)
 
 
 @dataclass

@@ -130,6 +130,7 @@ class TextGenerationDataModule(SplitsDataModule):
     """
 
     data_arguments = ("data", "public", "val", "test", "tokenizer")
+    max_length: int  # every sequence is cut to it: the padded length of a private batch under fixed_length
 
     def __init__(
         self,
