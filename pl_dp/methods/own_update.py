@@ -131,16 +131,16 @@ class OwnUpdateModule(PrivateModule):
             return None
         if self.releases_losses:
 
-            def losses(batch: Any, keep: torch.Tensor) -> list[torch.Tensor]:
+            def losses(batch: Any, keep: torch.Tensor) -> torch.Tensor:
                 values = self.private_losses(batch, batch_size_of(batch))()
-                return [clip_per_example(values, clip)[0][keep.to(values.device)].sum().reshape(1) / clip]
+                return clip_per_example(values, clip)[0][keep.to(values.device)].reshape(-1, 1) / clip
 
-            return Release(losses, "the clipped losses a step releases")
+            return Release(losses, "the clipped losses a step releases", per_example=True)
         params = self.trainable_parameters()
         direction = Direction("gaussian", math.sqrt(sum(p.numel() for p in params)))
         seed = derive_seed(self.direction_seed, SeedDomain.PROBE_DIRECTIONS)
 
-        def differences(batch: Any, keep: torch.Tensor) -> list[torch.Tensor]:
+        def differences(batch: Any, keep: torch.Tensor) -> torch.Tensor:
             saved = [p.detach().clone() for p in params]
             try:
                 engine = PerturbationEngine(params, seed, direction, masters=self.masters)
@@ -151,9 +151,9 @@ class OwnUpdateModule(PrivateModule):
                 with torch.no_grad():
                     for p, s in zip(params, saved):
                         p.copy_(s)
-            return [column.reshape(1) / clip for column in values[keep.to(values.device)].sum(dim=0)]
+            return values[keep.to(values.device)] / clip
 
-        return Release(differences, "the clipped two-point differences a step releases")
+        return Release(differences, "the clipped two-point differences a step releases", per_example=True)
 
     def on_train_start(self) -> None:
         refuse_unless_plain_sgd(self, self.optimizers(use_pl_optimizer=False))

@@ -114,15 +114,17 @@ class IndependenceError(ValueError):
 class Release:
     """What a method's private step releases, for :func:`probe_independence` to compare between neighbouring batches.
 
-    ``compute(batch, keep)`` runs the method's own private computation on a collated batch (on the net's device) and
-    returns the releases that the examples of ``keep`` (a boolean mask over the batch's rows, on the CPU) contribute
-    to, one tensor per release, in units of the clip bound C: for a zeroth-order method, each direction's sum of the
-    kept examples' clipped two-point differences; for a first-order one, the sum of their clipped gradients. It must
-    leave the net's parameters as it found them. ``what`` names them in a refusal.
+    ``compute(batch, keep)`` runs the method's own private computation on a collated batch (on the net's device), for
+    the examples of ``keep`` (a boolean mask over the batch's rows, on the CPU), in units of the clip bound C. With
+    ``per_example`` it returns each kept example's contribution to each scalar release, ``[kept, releases]`` (a
+    zeroth-order method: its clipped two-point difference along each direction); otherwise the kept examples' summed
+    contribution to each release, one tensor per release (a first-order method: the sum of their clipped gradients).
+    It must leave the net's parameters as it found them. ``what`` names the releases in a refusal.
     """
 
-    compute: Callable[[Any, torch.Tensor], list[torch.Tensor]]
+    compute: Callable[[Any, torch.Tensor], Any]
     what: str
+    per_example: bool = False
 
 
 def has_half_precision_parameters(net: nn.Module) -> bool:
@@ -343,9 +345,12 @@ def probe_independence(
     examples: ``longest`` (the private collate padding to the most positions a record may have, the data module's
     ``max_length``, when the run's pads each batch to its longest) adds the variant of the reference batch padded to
     that length — a record as long as any moves the others' rounding so, whatever the probe's examples' lengths; and
-    with ``batch_size`` (the run's expected batch size b) a move measured on the probe's k examples counts
-    √(b/k) times when b > k — rounding moves of independent signs, which grow as √b (fp32 with dynamic padding and a
-    small smoothing: 0.012·C at k = 256 was 0.024·C at b = 1024, measured by an independent review).
+    with ``batch_size`` (the run's expected batch size b) a move measured on the probe's k watched examples is
+    extrapolated to b examples when b > k. Per-example releases (zeroth-order) give each watched example's move δ_j,
+    and the move at b is taken as b·|mean δ| + 2·√b·sd(δ): a part of one sign grows as b (a term that reads the padded
+    length through a parameter near 0 moves every example alike), rounding of independent signs as √b (fp32 with
+    dynamic padding and a small smoothing: 0.012·C at k = 256 was 0.024·C at b = 1024; both found by independent
+    reviews). Summed releases (first-order) count b/k times their move.
 
     **State.** Every buffer and parameter is watched (version counter and identity): a forward that writes
     one stores something computed from the batch, which every checkpoint would release un-noised. Any
@@ -592,19 +597,23 @@ class _Probe:
                 self.reference,
                 longest,
             )
-        jitter = _release_shift(base, self._released(release, self.reference, outlier, watched)[0])
+        size = max(float(batch_size or 0.0), float(len(watched)))  # the batch a move is extrapolated to
+
+        def shift(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+            return _release_shift(a, b, size / len(watched), release.per_example)
+
+        jitter = shift(base, self._released(release, self.reference, outlier, watched)[0])
         tolerance = RELEASE_TOLERANCE + NOISE_MARGIN * jitter
-        scale = math.sqrt(max(1.0, (batch_size or 0.0) / self.size))
+        extrapolated = f" (extrapolated to the expected batch of {size:.0f})" if size > len(watched) else ""
         found = []
         for variant, (rows, collate) in variants.items():
             changed, changed_batch = self._released(release, rows, outlier, watched, collate)
-            if scale * _release_shift(base, changed) > tolerance:
+            if shift(base, changed) > tolerance:
                 blame = self._release_blame(base_batch, changed_batch, rows, watched)
-                extrapolated = f" (at the expected batch size, {scale:.2g} times the move on the probe batch)"
                 found.append(
                     f"in eval mode, on a probe batch of {self.size} {source} examples, {variant} moved {release.what} "
                     f"of the {len(watched)} other examples by more than {RELEASE_TOLERANCE:.0%} of the clip bound"
-                    f"{extrapolated if scale > 1 else ''}{blame}"
+                    f"{extrapolated}{blame}"
                 )
         return found
 
@@ -621,8 +630,8 @@ class _Probe:
         collate: Callable[[list[Any]], Any] | None = None,
     ) -> tuple[list[torch.Tensor], Any]:
         """The releases of the ``watched`` examples in a freshly collated batch of ``rows`` (by ``collate``, the
-        private loader's by default), from the same net state and random draws (float64, on the CPU), and the
-        collated batch."""
+        private loader's by default), from the same net state and random draws (float64, on the CPU; per-example
+        releases as one tensor per release, the watched examples in their order), and the collated batch."""
         self.state.reset()
         self.rng.reset()
         collated = (collate or self.collate)(self._rows(rows, stand_in))
@@ -630,6 +639,8 @@ class _Probe:
         self.net.eval()
         with self.context():
             released = release.compute(self.transfer(collated), keep)
+        if release.per_example:  # [kept, releases] → one tensor of per-example contributions per release
+            released = released.detach().reshape(int(keep.sum()), -1).T
         return [r.detach().double().cpu().flatten() for r in released], collated
 
     def _release_blame(self, reference: Any, other: Any, rows: list[int], watched: list[int]) -> str:
@@ -722,10 +733,28 @@ def _changed_rows(
     return []
 
 
-def _release_shift(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
-    """The largest L2 change of one release between two runs (inf when one is not finite and the other is)."""
-    shifts = [float(_differences(a, b).norm()) for a, b in zip(reference, other)]
-    return max(shifts, default=0.0) if len(reference) == len(other) else math.inf
+def _release_shift(reference: list[torch.Tensor], other: list[torch.Tensor], growth: float, per_example: bool) -> float:
+    """The largest change of one release between two runs over the k watched examples, extrapolated to b = ``growth``·k
+    examples (``growth`` ≥ 1; inf when a value is finite in one run only): of a summed release, its L2 change times
+    b/k; of a release given per example (moves δ_j), b·|mean δ| + 2·√b·sd(δ) — or |Σ δ| when b = k."""
+    if len(reference) != len(other):
+        return math.inf
+    shifts = []
+    for a, b in zip(reference, other):
+        if not per_example:
+            shifts.append(float(_differences(a, b).norm()) * growth)
+            continue
+        same = (a == b) | (a.isnan() & b.isnan())
+        moves = torch.where(same, torch.zeros_like(a), b - a)
+        if not bool(moves.isfinite().all()):
+            shifts.append(math.inf)
+        elif growth <= 1.0:
+            shifts.append(abs(float(moves.sum())))
+        else:
+            size = growth * moves.numel()
+            spread = float(moves.std()) if moves.numel() > 1 else 0.0
+            shifts.append(size * abs(float(moves.mean())) + 2 * math.sqrt(size) * spread)
+    return max(shifts, default=0.0)
 
 
 def _repadded_tolerance(dtype: torch.dtype) -> float:

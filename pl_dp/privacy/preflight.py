@@ -126,13 +126,13 @@ def check_private_set(
                     found = [structure_of(example) for _, example in loaded]
                     structure = max(found, key=found.count)
                 loaded = _of_structure(loaded, structure, problems)
-                if one_shape and loaded:  # in half precision, every batch of one shape
-                    shaped = loaded[0][1] if shaped is None else shaped
-                    refuse_varying_batch_shapes(collate, [shaped] + [example for _, example in loaded])
                 rows = ([reference] if reference is not None else []) + loaded
                 rows, batch = _batch(collate, rows, reference, problems, values)
                 if batch is None:
                     continue
+                if one_shape:  # in half precision, every batch of one shape (of the examples that batch at all)
+                    shaped = rows[0][1] if shaped is None else shaped
+                    refuse_varying_batch_shapes(collate, [shaped] + [example for _, example in rows])
                 if not values:
                     reference = reference or rows[0]
                     continue

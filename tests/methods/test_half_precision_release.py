@@ -209,3 +209,56 @@ def test_fp32_dpzero_with_a_small_smoothing_is_refused_or_moves_no_other(gpt2_di
     torch.manual_seed(0)
     model = DPZero(CausalLM(model_path=gpt2_dir), loss="causal_lm", smoothing=1e-5, queries=4, privacy=SPEC)
     _refused_or_still(model, data, _long_sequence(data.tokenizer, labelled=False), "32-true")
+
+
+class _MaxLength48(PrivatePublicDataModule):
+    max_length = 48  # as the text modules: the probe also pads a batch to it
+
+
+class _MaskedMean(nn.Module):
+    """A masked mean of token embeddings (per example, whatever the padding) and a parameter ``g`` at 0 that the loss
+    multiplies by the padded length: every example's two-point difference moves alike with the padded length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding, self.out, self.g = nn.Embedding(20, 8), nn.Linear(8, 2), nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).float()
+        return self.out((self.embedding(input_ids) * mask).sum(1) / mask.sum(1))
+
+
+def _padded_length_loss(net: _MaskedMean, batch) -> torch.Tensor:
+    ids, labels = batch["input_ids"], batch["label"]
+    mask = batch.get("attention_mask", torch.ones_like(ids))  # PaddingCollate adds one to a batch it pads
+    losses = nn.functional.cross_entropy(net(ids, mask), labels, reduction="none", ignore_index=-100)
+    return losses + (labels != -100).float() * net.g * 1e-6 * ids.shape[1]  # the same sign for every example
+
+
+def _token_record(seed: int, length: int, label: int | None = None) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, 20, (length,), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "label": torch.tensor(seed % 2 if label is None else label)}
+
+
+def test_a_move_of_one_sign_is_extrapolated_to_the_batch_linearly():
+    """A move measured on the probe's k examples was extrapolated to the run's b as √(b/k), which holds for rounding
+    of independent signs only: a move of one sign grows as b/k. At b = 4096 this net passed the probe and a silent
+    48-token record moved the others by 0.020·C (found by an independent review)."""
+    size = 4096
+    private = [_token_record(i, 4 + i % 5) for i in range(size)]
+    val = [_token_record(10**6 + i, 4 + i % 5) for i in range(300)]
+    model = DPZero(
+        _MaskedMean(), loss=_padded_length_loss, lr=1e-3, clip=10.0, queries=4, privacy=SPEC, noise_seed=0
+    )
+    silent = _token_record(7, 48, label=-100)  # its own contribution is exactly 0
+    trainer = make_trainer(max_steps=1)
+    try:
+        shift = release_shift(
+            model, _MaxLength48(private, val=val, batch_size=size), silent, reference_size=size, trainer=trainer,
+            canary_row=0,
+        )
+    except IndependenceError:
+        assert model.private_steps == 0
+        return
+    _assert_others_still(model, shift)

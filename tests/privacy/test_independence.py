@@ -294,9 +294,9 @@ def _two_point_release(net: nn.Module, loss_fn, smoothing: float = 1e-3, clip: f
             for p, s in zip(params, saved):
                 p.copy_(s)
         differences = ((losses[0] - losses[1]) / (2 * smoothing)).clamp(-clip, clip)
-        return [differences[keep].sum().reshape(1) / clip]
+        return differences[keep].reshape(-1, 1) / clip
 
-    return Release(compute, "the clipped two-point differences")
+    return Release(compute, "the clipped two-point differences", per_example=True)
 
 
 def test_a_gated_batch_statistic_moves_no_loss_but_the_release_and_is_refused():
