@@ -25,18 +25,18 @@ def _params(result):
 
 @pytest.mark.parametrize("name", SEEDED)
 def test_two_sharded_processes_end_where_one_process_ends(runs, name):
-    """Gaussian directions on one linear layer: bit for bit (the clipped sums of 2 ranks add up exactly there);
-    elsewhere within float summation order of the clipped sums and of a sphere's or a basis' norms. Ghost DP-SGD and
-    Coupling: the noise of each shard is its slice of the one whole-tensor draw, the clipped sums are FSDP's
-    reduce-scatter of both ranks' (padded with empty micro-batches where a rank has fewer)."""
+    """Within float rounding, not bit for bit: a rank runs the forward on its rows only (a BLAS may choose its
+    kernel by the row count, so an example's loss can round differently: 2,955 of 24,800 splits of a batch through
+    ``nn.Linear(12, 4)`` on one CPU) and the ranks' partial sums add in another order. DPZero ended bit for bit on
+    the machine it was written on, up to 5.2e-7 away on another. Ghost DP-SGD and Coupling: the noise of each shard
+    is its slice of the one whole-tensor draw, the clipped sums are FSDP's reduce-scatter of both ranks' (padded
+    with empty micro-batches where a rank has fewer)."""
     (rank0, rank1), single = runs
     assert rank0[name]["world_size"] == 2
     assert [rank0[name]["sampler"], rank1[name]["sampler"]] == [
         {"num_replicas": 2, "rank": 0},
         {"num_replicas": 2, "rank": 1},
     ]
-    if name == "dpzero":
-        assert torch.equal(_params(rank0[name]), _params(single[name]))
     assert rank0[name]["nonfinite_total"] == single[name]["nonfinite_total"]
     torch.testing.assert_close(_params(rank0[name]), _params(single[name]), rtol=0, atol=1e-5)
     assert rank0[name]["epsilon"] == single[name]["epsilon"]  # accounting does not see the layout
@@ -86,10 +86,10 @@ def test_a_non_finite_gradient_on_one_rank_is_dropped_by_all(runs):
 
 @pytest.mark.slow
 def test_lora_adapters_of_a_hugging_face_model_train_sharded(tmp_path):
-    """A peft LoRA model (frozen base, trainable adapters and head copy) under FSDP2: DPZero ends where one process
-    ends bit for bit, ghost DP-SGD within float summation order."""
+    """A peft LoRA model (frozen base, trainable adapters and head copy) under FSDP2: DPZero and ghost DP-SGD end
+    where one process ends within float rounding (each rank's rows alone through the net, partial sums added)."""
     rank0, _ = worker.launch("lora", tmp_path)
-    for name, tolerance in (("dpzero", 0.0), ("ghost", 1e-6)):
+    for name, tolerance in (("dpzero", 1e-6), ("ghost", 1e-6)):
         single = worker.run_lora(name, 1, tmp_path)
         assert any(".lora_A." in n for n in rank0[name]["trained"])
         torch.testing.assert_close(_params(rank0[name]), _params(single), rtol=0, atol=tolerance)
