@@ -226,7 +226,7 @@ def pretrain(workdir: Path, sentences: list[str], epochs: int, seed: int = 0) ->
     )
     loader = torch.utils.data.DataLoader(data.private, batch_size=64, shuffle=True, collate_fn=data.collate_fn)
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    from pl_dp.privacy.losses import causal_lm
+    from pl_dp.step.losses import causal_lm
 
     for epoch in range(epochs):
         for batch in loader:

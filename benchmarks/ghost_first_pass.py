@@ -41,7 +41,7 @@ from _measure import peak_rss_supported, reset_peak_rss, status_kb  # noqa: E402
 from pl_dp.nets import MLP, TinyTransformerClassifier  # noqa: E402
 from pl_dp.per_sample import GhostClipping  # noqa: E402
 from pl_dp.privacy import ClipFunction  # noqa: E402
-from pl_dp.privacy.losses import cross_entropy  # noqa: E402
+from pl_dp.step.losses import cross_entropy  # noqa: E402
 
 
 class FullFirstPass(GhostClipping):

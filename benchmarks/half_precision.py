@@ -98,7 +98,7 @@ def unprobed(cls: type, rows: bool = True) -> type:
     """``cls`` with the fit-start checks that refuse dynamic padding in half precision bypassed — the probe
     (``check_independence``) and the pre-flight pass's shape check — and, with ``rows=False``, without row filling
     either: the path before the fix. Timing only (the step is what is timed; these runs are refused)."""
-    from pl_dp.privacy import preflight
+    from pl_dp.step import preflight
 
     class Unprobed(cls):
         if not rows:

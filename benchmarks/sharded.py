@@ -35,7 +35,7 @@ from pl_dp import PrivacySpec  # noqa: E402
 from pl_dp.data import VaderSentimentDataModule  # noqa: E402
 from pl_dp.methods import DPSGD, PAZOM, DPZero  # noqa: E402
 from pl_dp.nets import MiniLMClassifier  # noqa: E402
-from pl_dp.privacy.shards import local  # noqa: E402
+from pl_dp.step.shards import local  # noqa: E402
 
 warnings.filterwarnings("ignore")
 BATCH = 16
@@ -113,10 +113,14 @@ def main() -> None:
     table, thetas = {d: both[d][0] for d in both}, {d: both[d][1] for d in both}
     for name in table[2]:
         table[2][name]["max_abs_difference_vs_1_process"] = float((thetas[2][name] - thetas[1][name]).abs().max())
-    print(f"MiniLM ({table[1]['dpzero']['parameters']:,} parameters) on VADER, expected batch {BATCH}, "
-          f"{args.steps} timed steps, 1 process vs 2 FSDP2 ranks on {os.cpu_count()} CPU cores")
-    print(f"{'method':8} {'param MB/rank 1|2':>18} {'ratio':>6} {'s/step 1|2':>14} {'pl_dp B/step':>13} "
-          f"{'max |Δθ|':>10} {'ε 1|2':>12}")
+    print(
+        f"MiniLM ({table[1]['dpzero']['parameters']:,} parameters) on VADER, expected batch {BATCH}, "
+        f"{args.steps} timed steps, 1 process vs 2 FSDP2 ranks on {os.cpu_count()} CPU cores"
+    )
+    print(
+        f"{'method':8} {'param MB/rank 1|2':>18} {'ratio':>6} {'s/step 1|2':>14} {'pl_dp B/step':>13} "
+        f"{'max |Δθ|':>10} {'ε 1|2':>12}"
+    )
     for name in table[1]:
         one, two = table[1][name], table[2][name]
         print(

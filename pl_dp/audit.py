@@ -50,10 +50,10 @@ from torch.utils.data import default_collate
 
 from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.accountants import create_accountant
-from pl_dp.privacy.batches import batch_size_of
-from pl_dp.privacy.losses import forward, split_inputs_targets
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.validation import positive_integer
+from pl_dp.step.batches import batch_size_of
+from pl_dp.step.losses import forward, split_inputs_targets
+from pl_dp.step.validation import positive_integer
 
 
 @dataclass(frozen=True)
@@ -408,7 +408,7 @@ def release_shift(
         reference_size: |D|. With a sample rate of 1 (``batch_size`` ≥ the private set's size) b = |D| is the
             batch a step would see.
         trainer: the Trainer of the run (its precision, its plan); by default a quiet one-step CPU Trainer. The
-            fit refuses to start as training would (e.g. :class:`~pl_dp.privacy.independence.IndependenceError`
+            fit refuses to start as training would (e.g. :class:`~pl_dp.step.independence.IndependenceError`
             from the fit-start probe); otherwise one real training step runs after the measurement.
         input_scale: how much the default canary's float inputs are scaled up.
         canary_row: the canary's row in D′'s batch, 0 to ``reference_size``; ``None`` appends it (as

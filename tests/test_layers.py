@@ -1,5 +1,5 @@
-"""The package's layering (ARCHITECTURE.md, "Layers"): each layer imports only the layers below it, and the
-privacy core (privacy, zo, per_sample) is plain torch — no Lightning, so it can be tested and reused alone."""
+"""The package's layering (docs/architecture.md, "Layers"): each layer imports only the layers below it, and the
+privacy core (step, privacy, zo, per_sample) is plain torch — no Lightning, so it can be tested and reused alone."""
 
 import ast
 import subprocess
@@ -11,17 +11,18 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pl_dp"
 #: the pl_dp layers each layer may import (besides itself)
 LAYERS = {
-    "privacy": set(),
-    "zo": {"privacy"},
-    "per_sample": {"privacy"},
-    "methods": {"privacy", "zo", "per_sample"},
+    "step": set(),
+    "privacy": {"step"},
+    "zo": {"privacy", "step"},
+    "per_sample": {"privacy", "step"},
+    "methods": {"privacy", "step", "zo", "per_sample"},
     # PruningSchedule computes the data-free pruning scores and holds the mask it checkpoints (zo.pruning, zo.mask)
-    "callbacks": {"privacy", "zo"},
+    "callbacks": {"privacy", "step", "zo"},  # step.losses: how a batch splits into inputs and targets
     # text: prompt templates (nets.prompt); vader: the MiniLM embeddings of VaderEmbeddingDataModule (nets.hf)
-    "data": {"privacy", "nets"},
-    "nets": {"privacy"},  # a causal LM's perplexity is its causal-LM loss per token (privacy.losses, torch only)
+    "data": {"privacy", "step", "nets"},
+    "nets": {"step"},  # a causal LM's perplexity is its causal-LM loss per token (step.losses, torch only)
 }
-LIGHTNING_FREE = ("privacy", "zo", "per_sample")
+LIGHTNING_FREE = ("step", "privacy", "zo", "per_sample")
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 

@@ -16,7 +16,7 @@ from pl_dp.data import PrivatePublicDataModule, digits_splits
 from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 from pl_dp.nets import MLP, TinyTransformerClassifier
 from pl_dp.privacy import NoiseSource, SubsampledGaussian
-from pl_dp.privacy.losses import cross_entropy
+from pl_dp.step.losses import cross_entropy
 from pl_dp.zo import PerturbationEngine, PrivateTwoPointEstimator, per_sample_evaluator
 
 #: the entry point, which the suites that measure in fresh processes run with a probe option

@@ -22,8 +22,8 @@ import torch
 
 from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
 from pl_dp.callbacks.stagewise import StagewiseSchedule
-from pl_dp.privacy.losses import split_inputs_targets
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
+from pl_dp.step.losses import split_inputs_targets
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.pruning import importance_matrix, path_norm_scores
 

@@ -31,7 +31,7 @@ class PaddingCollate:
     else is sampled; only the padded length depends on the batch. A net that masks the padding (attention mask 0
     for keys, weight 0 in pooling; causal attention never reaches later positions) computes each example's loss
     from that example alone. One that does not — mean-pooling over padded positions, attending to them — makes
-    every loss depend on the longest example sampled: the fit-start probe (:mod:`pl_dp.privacy.independence`)
+    every loss depend on the longest example sampled: the fit-start probe (:mod:`pl_dp.step.independence`)
     refuses such a net, through this collate, before any step. In half precision even a masking net is not enough:
     a longer padded length changes the order of the sums over positions (attention, the loss), hence the bf16
     rounding of every example's result; a fixed ``length`` takes that away (the text data modules set it to their

@@ -3,7 +3,7 @@
 :class:`TextGenerationDataModule` reads texts (a list, a CSV/TSV or JSON Lines file, a mapping of columns or a
 Hugging Face ``datasets.Dataset``), optionally as prompt/completion pairs, tokenizes them with a local tokenizer and
 serves a Poisson-sampled private loader of right-padded batches with attention masks, for ``loss="causal_lm"``
-(:func:`pl_dp.privacy.losses.causal_lm`). One example is one sequence: ε protects each text (each pair) as a whole.
+(:func:`pl_dp.step.losses.causal_lm`). One example is one sequence: ε protects each text (each pair) as a whole.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.data.text import carve_splits, read_columns
-from pl_dp.privacy.losses import IGNORE_INDEX
-from pl_dp.privacy.seal import sealed
+from pl_dp.step.losses import IGNORE_INDEX
+from pl_dp.step.seal import sealed
 
 #: texts: a list of strings, a CSV/TSV/JSONL path, a mapping of columns or a ``datasets.Dataset``
 GenerationSource = Any
@@ -66,7 +66,7 @@ def tokenize_sequences(
     the prompt; its end-of-sequence token after the completion with ``add_eos``), cut to ``max_length`` tokens from
     the end; labels are −100 on the prompt's tokens, so the loss is on the completion (and its end) only.
 
-    Quiet: the tokenizer runs with ``verbose=False`` inside :func:`~pl_dp.privacy.seal.sealed` (a text longer than
+    Quiet: the tokenizer runs with ``verbose=False`` inside :func:`~pl_dp.step.seal.sealed` (a text longer than
     the model's maximum neither prints transformers' notice nor sets its flag in ``tokenizer.deprecation_warnings``),
     and a tokenizer that is not a fast (Rust) one is copied first: Python tokenizers may cache the words they read
     (the BPE word cache of CTRL's, XLM's, BioGPT's). The tokenizer given — which a net may hold, and a pickle of it
@@ -161,6 +161,7 @@ class TextGenerationDataModule(SplitsDataModule):
         else:
             self.tokenizer = tokenizer
         self.max_length = max_length
+
         def read(source: GenerationSource) -> tuple[list[str], list[str]]:
             return read_generation_texts(source, text_column, prompt_column, completion_column)
 

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.nets.prompt import MASK, TEXT, split_template
-from pl_dp.privacy.seal import sealed
+from pl_dp.step.seal import sealed
 
 #: texts and labels: a CSV/TSV/JSONL path, a mapping of columns, a pair (texts, labels), or a ``datasets.Dataset``
 TextSource = Union[str, Path, Mapping[str, Sequence[Any]], tuple[Sequence[str], Sequence[Any]], Any]
@@ -99,7 +99,7 @@ def tokenize_prompts(
     the end of its text only — never from the template or the special tokens (so with the template ``"{text}"``
     this is the tokenizer's own truncation). Needs a fast tokenizer (character offsets).
 
-    Quiet: the tokenizer runs with ``verbose=False`` inside :func:`~pl_dp.privacy.seal.sealed`, so a text longer
+    Quiet: the tokenizer runs with ``verbose=False`` inside :func:`~pl_dp.step.seal.sealed`, so a text longer
     than the model's maximum neither prints transformers' "Token indices sequence length is longer…" notice nor
     sets that notice's flag in ``tokenizer.deprecation_warnings`` — the tokenizer (which a net may hold, and a
     pickle of it carry) keeps no trace of the texts it read.

@@ -38,8 +38,15 @@ from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin
 from pl_dp.methods.precision import PrecisionMixin
 from pl_dp.privacy.accountants import Accountant, accountant_class, accountant_names
-from pl_dp.privacy.batches import batch_size_of
-from pl_dp.privacy.independence import (
+from pl_dp.privacy.ledger import PrivacyLedger
+from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.noise import NoiseSource
+from pl_dp.privacy.report import PrivacyReport
+from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
+from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.step.batches import batch_size_of
+from pl_dp.step.independence import (
     PROBE_MAX,
     PROBE_SIZE,
     Release,
@@ -48,17 +55,10 @@ from pl_dp.privacy.independence import (
     refuse_batch_mixing_modules,
     refuse_varying_batch_shapes,
 )
-from pl_dp.privacy.ledger import PrivacyLedger
-from pl_dp.privacy.losses import LossSpec, resolve_loss
-from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.noise import NoiseSource
-from pl_dp.privacy.preflight import PreflightReport, check_private_set
-from pl_dp.privacy.report import PrivacyReport
-from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
-from pl_dp.privacy.seal import PlainAttributes, sealed
-from pl_dp.privacy.seeding import SeedDomain, derive_seed
-from pl_dp.privacy.spec import PrivacySpec
-from pl_dp.privacy.validation import check_positive, positive_integer
+from pl_dp.step.losses import LossSpec, resolve_loss
+from pl_dp.step.preflight import PreflightReport, check_private_set
+from pl_dp.step.seal import PlainAttributes, sealed
+from pl_dp.step.validation import check_positive, positive_integer
 from pl_dp.zo.estimator import per_sample_evaluator
 
 #: where a lineage's privacy journal goes, inside the checkpoint directory (or the Trainer's root)
@@ -113,7 +113,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             release and its accounting are those of the logical batch. ``None``: one pass.
         preflight: at every private fit, before the first step, check every private example once — it loads,
             has the others' structure, batches with them through the loader's ``collate_fn``, its floating-point
-            values are finite and its loss is finite (:mod:`pl_dp.privacy.preflight`) — and refuse to train with an
+            values are finite and its loss is finite (:mod:`pl_dp.step.preflight`) — and refuse to train with an
             error naming the bad ones by index. Costs one inference pass over the private set. ``False`` skips the
             values and the loss (the forward passes): examples are still read, their structure and batching checked
             (the private loader's batching rule rests on it), and one whose values or loss are bad then contributes
@@ -210,7 +210,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
 
     def probe_release(self) -> Release | None:
         """What a private step releases, as the fit-start probe compares it between neighbouring batches
-        (:class:`~pl_dp.privacy.independence.Release`); None: the probe compares losses (and gradients) only."""
+        (:class:`~pl_dp.step.independence.Release`); None: the probe compares losses (and gradients) only."""
         return None
 
     def check_reference(self) -> None:
@@ -465,7 +465,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         """
 
     def check_private_data(self) -> PreflightReport:
-        """The pre-flight pass over the private set (:func:`~pl_dp.privacy.preflight.check_private_set`), once per
+        """The pre-flight pass over the private set (:func:`~pl_dp.step.preflight.check_private_set`), once per
         private fit before any step: through the private loader's own ``collate_fn``, in chunks of the expected
         batch size (or of ``max_physical_batch_size``), by index — never through the Poisson sampler."""
         dataset, collate = private_data_of(self.trainer.train_dataloader)
@@ -500,7 +500,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
 
     def check_independence(self) -> None:
         """Per-example independence, once per private fit before any step: refuse batch-mixing layers, then probe
-        the private loader's collate, the net and the loss together (:func:`~pl_dp.privacy.independence.
+        the private loader's collate, the net and the loss together (:func:`~pl_dp.step.independence.
         probe_independence`) on a batch of the expected size (public examples if the method uses them, else
         validation, else private by index) with one example replaced and one added, in eval mode and, for methods
         that take gradients, in training mode, and what a step releases (:meth:`probe_release`) — all in the
@@ -556,7 +556,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
 
     def probe_batch(self) -> tuple[Any, str]:
         """The probe's examples collated by the private loader, on this module's device, and where they come from
-        (:func:`~pl_dp.privacy.independence.probe_examples`: public, else validation, else private by index)."""
+        (:func:`~pl_dp.step.independence.probe_examples`: public, else validation, else private by index)."""
         examples, source = self._probe_examples()
         return self._to_device(private_data_of(self.trainer.train_dataloader)[1](examples)), source
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 
-from pl_dp.privacy.batches import batch_size_of, prediction_inputs
-from pl_dp.privacy.losses import check_per_sample, cross_entropy, forward, split_inputs_targets
+from pl_dp.step.batches import batch_size_of, prediction_inputs
+from pl_dp.step.losses import check_per_sample, cross_entropy, forward, split_inputs_targets
 
 
 class EvaluationMixin:

@@ -16,13 +16,13 @@ from torch import nn
 from pl_dp.methods.base import PrivateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
-from pl_dp.privacy.batches import batch_size_of, fill_rows, select_examples, split_batch
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.independence import Release
-from pl_dp.privacy.losses import check_per_sample
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.seal import PassFailed, PlainAttributes, isolate_failures, sealed
-from pl_dp.privacy.shards import as_gradient_of, block, local
+from pl_dp.step.batches import batch_size_of, fill_rows, select_examples, split_batch
+from pl_dp.step.independence import Release
+from pl_dp.step.losses import check_per_sample
+from pl_dp.step.seal import PassFailed, PlainAttributes, isolate_failures, sealed
+from pl_dp.step.shards import as_gradient_of, block, local
 
 T = TypeVar("T")
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -182,7 +182,7 @@ class FirstOrderModule(PrivateModule):
 
     def probe_release(self) -> Release | None:
         """The clipped gradient sum of the kept examples, in units of C, through the step's micro-batches (see
-        :class:`~pl_dp.privacy.independence.Release`), in a run that computes in half precision — where rounding that
+        :class:`~pl_dp.step.independence.Release`), in a run that computes in half precision — where rounding that
         depends on the batch's shape moves it (in fp32, by 1e-5·C at b = 256; the training-mode probe compares the
         other examples' summed gradient already, at 1e-5 of its norm, and the release check costs about three
         probes on MiniLM). Not on a sharded net, whose ranks hold different blocks of the sum."""
@@ -275,7 +275,7 @@ class FirstOrderModule(PrivateModule):
         ``compute(padding, True)`` — the fixed non-private padding example at weight 0, whose result is this rank's
         shard of the other ranks' sums (a reduce-scatter sums over ranks) and nothing of its own.
 
-        A pass whose loss raises on some rank is abandoned by all (:class:`~pl_dp.privacy.seal.PassFailed`, raised
+        A pass whose loss raises on some rank is abandoned by all (:class:`~pl_dp.step.seal.PassFailed`, raised
         by the ghost-clipping pass on every rank before its backward); the rank where it raised runs that part's
         examples one by one in a later round, and an example that raises alone is left out and counted; the others
         run their abandoned part again. Returns the results and the number of examples left out.

@@ -20,7 +20,7 @@ from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.tree import TreeAggregatedGaussian, TreeLeaf, tree_multiplicity
-from pl_dp.privacy.validation import check_positive, positive_integer
+from pl_dp.step.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
 
 _OUTPUTS = ("random_average", "last_average", "last_iterate")

@@ -28,10 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pl_dp.methods.base import PrivateModule
-from pl_dp.privacy.batches import batch_size_of
 from pl_dp.privacy.clip_functions import clip_per_example
-from pl_dp.privacy.independence import Release
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
+from pl_dp.step.batches import batch_size_of
+from pl_dp.step.independence import Release
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import clipped_differences, per_sample_evaluator
 from pl_dp.zo.master import MasterWeights, ShardedMasters
@@ -96,7 +96,7 @@ class OwnUpdateModule(PrivateModule):
         """A closure giving the fp32 per-example losses of the private ``batch`` at the current parameters (eval mode,
         inference mode, micro-batched by ``max_physical_batch_size``). In a private run an example whose loss raises
         gets NaN — it contributes 0, counted — instead of ending the run at the step that sampled it
-        (:func:`~pl_dp.privacy.seal.isolate_failures`; sharded, by passes every rank runs:
+        (:func:`~pl_dp.step.seal.isolate_failures`; sharded, by passes every rank runs:
         :func:`~pl_dp.zo.estimator.per_sample_evaluator`)."""
         forwards = agree = None
         rows = self.physical_rows  # a run in half precision: every forward of one shape (pl_dp.methods.precision)

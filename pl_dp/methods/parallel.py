@@ -5,7 +5,7 @@ contributions, and the sums are added across ranks *before* the noise; every ran
 same noise draw — one draw per logical step — and applies the same update. Only clipped sums and
 counts cross the network, never per-example values. Single device, DDP and — for the zeroth-order methods and
 ghost-clipped DP-SGD and Coupling — FSDP2 through Lightning's ``ModelParallelStrategy`` are supported (the method
-shards its net itself in ``configure_model``; :mod:`pl_dp.privacy.shards` says where each rank's block sits);
+shards its net itself in ``configure_model``; :mod:`pl_dp.step.shards` says where each rank's block sits);
 ``FSDPStrategy`` (FSDP1) and DeepSpeed are refused.
 """
 
@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.privacy.sampling import PoissonBatchSampler
-from pl_dp.privacy.seal import ForwardsInStep
-from pl_dp.privacy.shards import is_sharded, structure_of, whole
+from pl_dp.step.seal import ForwardsInStep
+from pl_dp.step.shards import is_sharded, meta_copy, whole
 
 
 def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
@@ -141,7 +141,7 @@ class DataParallelMixin:
         """Under ``ModelParallelStrategy``, shard the net with FSDP2 over the data-parallel ranks (:func:`shard`),
         unless it is sharded already (a net whose own ``configure_model`` did it: then all its trainable parameters
         must be, the net itself too, and its gradients are made to sum over ranks); then watch the net's forwards
-        (:class:`~pl_dp.privacy.seal.ForwardsInStep`), so that one that raises on one rank keeps the ranks in step.
+        (:class:`~pl_dp.step.seal.ForwardsInStep`), so that one that raises on one rank keeps the ranks in step.
         Otherwise nothing.
 
         Lightning calls this hook at every fit, test and predict; pl_dp applies the sharding, so that
@@ -153,7 +153,7 @@ class DataParallelMixin:
         params = list(self.net.parameters())
         if not is_sharded(params):
             # in a tuple, not registered as a submodule: the structure has no state and never trains
-            self._net_structure = (structure_of(self.net),)
+            self._net_structure = (meta_copy(self.net),)
             shard(self.net, self.device_mesh["data_parallel"])
         else:
             whole = [n for n, p in self.net.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
@@ -171,7 +171,7 @@ class DataParallelMixin:
     def whole_net(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
         """The net and the values of its parameters and buffers, for a computation that needs the whole parameters
         (DP-ZOPO's pruning score): sharded by FSDP2, the net's structure as it was before sharding
-        (:func:`~pl_dp.privacy.shards.structure_of`) and its parameters gathered whole (a collective: every rank
+        (:func:`~pl_dp.step.shards.meta_copy`) and its parameters gathered whole (a collective: every rank
         calls it; memory: the whole parameters on every rank while they are used); otherwise the net and None (its
         own values)."""
         if not self.sharded:

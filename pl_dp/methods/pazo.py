@@ -27,8 +27,8 @@ from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.shards import local
-from pl_dp.privacy.validation import check_positive, positive_integer
+from pl_dp.step.shards import local
+from pl_dp.step.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import privatize_sum
 from pl_dp.zo.subspace import SubspaceEngine

@@ -12,11 +12,11 @@ of rows: docs/privacy-model.md). So a private run that computes in half precisio
   PrivatePublicDataModule` reads :attr:`PrecisionMixin.fixed_shapes`; the text modules pad to their ``max_length``);
 * every forward of its private passes runs :attr:`PrecisionMixin.physical_rows` rows: the batch is cut into
   micro-batches of that many examples, and the last is filled with copies of its first example whose results are
-  dropped (:func:`~pl_dp.privacy.batches.fill_rows`), so that no kernel is chosen by how many records were sampled
+  dropped (:func:`~pl_dp.step.batches.fill_rows`), so that no kernel is chosen by how many records were sampled
   (on this machine's CPU a bf16 matmul 768 wide rounds its rows differently for 30 of 63 row counts; a GPU library
   picks its algorithm by shape too);
 * the fit-start checks run in the trainer's precision context (:meth:`PrecisionMixin.precision_context`), and the
-  probe compares what a step releases in it (:func:`~pl_dp.privacy.independence.probe_independence`).
+  probe compares what a step releases in it (:func:`~pl_dp.step.independence.probe_independence`).
 
 fp32 runs keep dynamic padding: their rounding moves an example by about one fp32 ulp, ~2e-4·C after the division by
 2λ = 2e-3; the probe refuses an fp32 run whose moves pass the tolerance (a small ``smoothing`` at a large batch), and
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pl_dp.privacy.independence import has_half_precision_parameters
+from pl_dp.step.independence import has_half_precision_parameters
 
 #: the most rows a private forward runs in a run with fixed shapes, when ``max_physical_batch_size`` is not set
 FIXED_ROWS = 32

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from pl_dp.privacy.batches import batch_size_of
-from pl_dp.privacy.losses import check_per_sample
-from pl_dp.privacy.shards import replicated_gradient
+from pl_dp.step.batches import batch_size_of
+from pl_dp.step.losses import check_per_sample
+from pl_dp.step.shards import replicated_gradient
 
 
 class PublicDataMixin:
@@ -46,7 +46,7 @@ class PublicDataMixin:
         """∇ of the mean loss over a public batch at the current parameters: no clipping, no noise.
 
         Every rank draws the same public batches, so the gradient is the same on every rank; sharded (FSDP2),
-        each rank gets its shard of it (:func:`~pl_dp.privacy.shards.replicated_gradient`).
+        each rank gets its shard of it (:func:`~pl_dp.step.shards.replicated_gradient`).
         """
         params = self.trainable_parameters()
         with torch.enable_grad():

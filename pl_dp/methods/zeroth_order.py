@@ -14,7 +14,7 @@ from torch import nn
 
 from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.validation import check_positive, positive_integer
+from pl_dp.step.validation import check_positive, positive_integer
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import PrivateTwoPointEstimator, ZerothOrderEstimate
 from pl_dp.zo.mask import DirectionMask
@@ -76,7 +76,7 @@ class ZerothOrderModule(OwnUpdateModule):
 
     @property
     def supports_sharding(self) -> bool:
-        """Each rank perturbs its block of every parameter (:mod:`pl_dp.privacy.shards`)."""
+        """Each rank perturbs its block of every parameter (:mod:`pl_dp.step.shards`)."""
         return True
 
     @property

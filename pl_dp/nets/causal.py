@@ -1,7 +1,7 @@
 """A local Hugging Face causal language model for private fine-tuning and sampling (GPT-2, OPT, Llama, …).
 
 :class:`CausalLM` loads a local checkpoint with ``AutoModelForCausalLM`` (``local_files_only=True``) and its
-tokenizer, returns ``[B, T, V]`` next-token logits — what ``loss="causal_lm"`` (:func:`pl_dp.privacy.losses.causal_lm`)
+tokenizer, returns ``[B, T, V]`` next-token logits — what ``loss="causal_lm"`` (:func:`pl_dp.step.losses.causal_lm`)
 trains — and samples continuations with :meth:`CausalLM.generate`; :func:`perplexity` evaluates it.
 
 Privacy: sampling reads only the model's weights, so text sampled from a privately trained model is post-processing
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pl_dp.nets.hf import add_lora, local_model_dir, quiet_transformers, select_trainable
-from pl_dp.privacy.losses import causal_lm_token_losses
+from pl_dp.step.losses import causal_lm_token_losses
 
 
 class CausalLM(nn.Module):

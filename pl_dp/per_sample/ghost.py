@@ -42,9 +42,9 @@ parameters between shards and gathered copies); the first pass computes no param
 nothing to reduce-scatter (each rank's unclipped gradient never exists), and the second, a ``backward`` call,
 reduce-scatters and leaves each rank its shard of the clipped sum *over all ranks*: every rank runs the same passes
 (collectives) — a micro-batch with a non-finite norm on any rank is run again by all, without those examples, and a
-forward or loss that raises on any rank makes all abandon the pass (:class:`~pl_dp.privacy.seal.PassFailed`; a
+forward or loss that raises on any rank makes all abandon the pass (:class:`~pl_dp.step.seal.PassFailed`; a
 forward that raised between two layers first issues the other layers' all-gathers:
-:class:`~pl_dp.privacy.seal.ForwardsInStep`). Tied parameters are refused when sharded.
+:class:`~pl_dp.step.seal.ForwardsInStep`). Tied parameters are refused when sharded.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ from pl_dp.per_sample.gradients import (
     unsupported_layers,
 )
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
-from pl_dp.privacy.batches import batch_size_of, fill_rows, select_examples
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
-from pl_dp.privacy.seal import PADDING_FAILED, ForwardsInStep, PassFailed
-from pl_dp.privacy.shards import is_sharded, layout_of, local
+from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
+from pl_dp.step.losses import PerSampleLoss, check_per_sample
+from pl_dp.step.seal import PADDING_FAILED, ForwardsInStep, PassFailed
+from pl_dp.step.shards import is_sharded, layout_of, local
 
 
 class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
@@ -465,7 +465,7 @@ class GhostClipping:
         """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept and no reduce-scatter (the unclipped
         gradient stays on its rank and is dropped); the norms are read off the layers (and taken off them:
         un-noised per-example values). A loss that raises on any rank makes every rank raise
-        :class:`~pl_dp.privacy.seal.PassFailed` before the backward — or, raised by the padding example (a net or loss
+        :class:`~pl_dp.step.seal.PassFailed` before the backward — or, raised by the padding example (a net or loss
         broken for a fixed non-private example), a ``RuntimeError`` on every rank."""
         gsm = self._gsm
         holders = {

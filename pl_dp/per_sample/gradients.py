@@ -28,10 +28,10 @@ from opacus.utils.module_utils import trainable_modules
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from pl_dp.privacy.batches import batch_size_of, select_examples
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
-from pl_dp.privacy.shards import replicated_gradient, whole
+from pl_dp.step.batches import batch_size_of, select_examples
+from pl_dp.step.losses import PerSampleLoss, check_per_sample
+from pl_dp.step.shards import replicated_gradient, whole
 
 
 class _Functional(nn.Module):
@@ -337,7 +337,7 @@ def verify_per_example_gradients(
       norm (within ``rtol``) — a larger norm only clips harder.
 
     Modules run in eval mode (dropout off) during the check and get their modes back after it. ``examples``
-    comes from :func:`pl_dp.privacy.independence.probe_examples` (public or validation examples, private ones by
+    comes from :func:`pl_dp.step.independence.probe_examples` (public or validation examples, private ones by
     index only when neither exists); the check's only output is pass or refuse before training: for a net whose
     per-example gradients are right it passes whatever the data.
     """

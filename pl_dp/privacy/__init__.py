@@ -1,7 +1,8 @@
-"""Privacy core: spec, accountants, calibration, mechanisms, clipping, sampling, noise, per-example independence,
-the pre-flight pass over the private set and the seal around a private step.
+"""The privacy mathematics: spec, accountants (and the tree accountant), calibration, clip functions, mechanisms,
+noise, seeding, Poisson sampling, the ledger, journal and report.
 
-Plain torch, Opacus and dp-accounting; no Lightning imports.
+What a private step is made of besides (its batches, per-example losses, the seal, the pre-flight pass and the
+independence probe) is :mod:`pl_dp.step`, the layer below. Plain torch, Opacus and dp-accounting; no Lightning.
 """
 
 from pl_dp.privacy.accountants import (
@@ -15,23 +16,12 @@ from pl_dp.privacy.accountants import (
     load_accountant,
     register_accountant,
 )
-from pl_dp.privacy.batches import batch_size_of
 from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.clip_functions import ClipFunction, clip_per_example
-from pl_dp.privacy.independence import (
-    IndependenceError,
-    batch_mixing_modules,
-    probe_examples,
-    probe_independence,
-    refuse_batch_mixing_modules,
-)
-from pl_dp.privacy.losses import check_per_sample, resolve_loss
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
-from pl_dp.privacy.preflight import DataError, check_private_set
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
-from pl_dp.privacy.seal import isolate_failures, sealed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, TreeLeaf, tree_multiplicity, tree_nodes
 
@@ -41,10 +31,8 @@ __all__ = [
     "RDP",
     "Accountant",
     "ClipFunction",
-    "DataError",
     "EmptySafeCollate",
     "EpsilonTracker",
-    "IndependenceError",
     "NoiseSource",
     "PoissonBatchSampler",
     "PrivacyReport",
@@ -56,23 +44,13 @@ __all__ = [
     "SubsampledGaussian",
     "accountant_class",
     "accountant_names",
-    "batch_mixing_modules",
-    "batch_size_of",
     "calibrate_noise_multiplier",
-    "check_per_sample",
-    "check_private_set",
     "clip_per_example",
     "create_accountant",
     "load_accountant",
-    "isolate_failures",
     "poisson_loader",
     "poisson_sampler_of",
-    "probe_examples",
-    "probe_independence",
-    "refuse_batch_mixing_modules",
     "register_accountant",
-    "resolve_loss",
-    "sealed",
     "tree_multiplicity",
     "tree_nodes",
 ]

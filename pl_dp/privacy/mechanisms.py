@@ -105,7 +105,7 @@ class SubsampledGaussian:
     ) -> None:
         """In-place version for a vector release split into tensors (e.g. one gradient per parameter).
 
-        ``blocks``: the sums are this rank's blocks of sharded tensors (:func:`~pl_dp.privacy.shards.block`: each
+        ``blocks``: the sums are this rank's blocks of sharded tensors (:func:`~pl_dp.step.shards.block`: each
         one's whole shape and flat offset). Each rank adds its block of the whole tensor's draw — the draw one process
         makes, of which it draws only the chunks that meet its block (:meth:`NoiseSource.normal`): one draw per
         logical step, whatever the layout.

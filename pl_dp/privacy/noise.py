@@ -49,6 +49,8 @@ _KEY_BYTES = 32
 def _tag_counter(tag: bytes) -> tuple[int]:
     """A draw's domain (``b"noise"``, ``b"randomness"``) as a counter of the seed chain."""
     return (int.from_bytes(hashlib.sha256(tag).digest()[:8], "little"),)
+
+
 _CHUNK = 1 << 20
 _LOW53 = (1 << 53) - 1
 

@@ -15,8 +15,8 @@ import torch
 from dp_accounting import NeighboringRelation
 
 from pl_dp.privacy.accountants import STATE_NAME_KEY, accountant_class, load_accountant
-from pl_dp.privacy.independence import RELEASE_TOLERANCE
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.step.independence import RELEASE_TOLERANCE
 
 #: how the report words each neighbouring relation an accountant declares (``Accountant.adjacency``)
 ADJACENCY = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove-one", NeighboringRelation.REPLACE_ONE: "replace-one"}

@@ -21,7 +21,7 @@ sampling of the whole private set at rate q.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from pl_dp.privacy.seal import sealed
 from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, derive_seed, entropy_seed, secret_cpu_generator
+from pl_dp.step.batches import example_structure
+from pl_dp.step.seal import sealed
 
 
 class CountingBatchSampler(Sampler[list[int]]):
@@ -213,7 +214,7 @@ UNREADABLE = _Unreadable()
 
 class SealedReads(Dataset):
     """The private dataset as pl_dp's private loaders read it: sampled examples are read inside
-    :func:`~pl_dp.privacy.seal.sealed` (a warning a record's reading raises is not shown), and one whose reading
+    :func:`~pl_dp.step.seal.sealed` (a warning a record's reading raises is not shown), and one whose reading
     raises is replaced by :data:`UNREADABLE`, which :class:`EmptySafeCollate` leaves out of its batch — a record
     that fails to load (a truncated file, a random crop that does not fit) contributes nothing to that step
     instead of ending the run at the step that sampled it. ``dataset[i]`` reads directly (it raises). A dataset
@@ -246,33 +247,16 @@ class SealedReads(Dataset):
             return UNREADABLE
 
 
-def structure_of(example: Any) -> Any:
-    """What a collate reads to decide how to batch an example, without its values: the types, the keys of
-    mappings, the lengths of sequences, and the dtype and number of dimensions of arrays (not their sizes, which
-    padding may equalize). ``default_collate`` and :class:`~pl_dp.data.collate.PaddingCollate` take the batch's
-    keys and dtypes from its *first* example, so examples of another structure batch differently — or not at all —
-    depending on which example comes first."""
-    if isinstance(example, torch.Tensor):
-        return ("tensor", str(example.dtype), example.dim())
-    if isinstance(example, np.ndarray):
-        return ("ndarray", example.dtype.str, example.ndim)
-    if isinstance(example, Mapping):
-        return ("mapping", tuple(sorted((str(k), structure_of(v)) for k, v in example.items())))
-    if isinstance(example, (list, tuple)):
-        return (type(example).__name__, tuple(structure_of(v) for v in example))
-    return (type(example).__name__,)
-
-
 class EmptySafeCollate:
     """The collate of pl_dp's private loaders: an empty Poisson batch becomes zero-length tensors of the right
     shapes, and what a record does to its batch depends on that record alone.
 
     Examples that could not be read (:class:`SealedReads`) are left out, and — once the private set's structure is
     known (:meth:`expect`, at fit start: the structure the pre-flight pass found in every example) — so is every
-    example of another :func:`structure_of` (an extra key, an int64 array among float32 ones), always, whatever else
-    was sampled: both are rules about each example alone, so leaving it out changes no other example's part, and
-    it contributes 0 (the bound holds). The user's ``collate_fn`` then runs inside
-    :func:`~pl_dp.privacy.seal.sealed`; a failure left after that (a collate that fails on the values of examples
+    example of another :func:`~pl_dp.step.batches.example_structure` (an extra key, an int64 array among float32
+    ones), always, whatever else was sampled: both are rules about each example alone, so leaving it out changes
+    no other example's part, and it contributes 0 (the bound holds). The user's ``collate_fn`` then runs inside
+    :func:`~pl_dp.step.seal.sealed`; a failure left after that (a collate that fails on the values of examples
     of one structure) still raises. ``dropped`` counts the examples left out in this process: un-noised private
     information, kept in memory only. The pre-flight pass reports such examples before training.
     """
@@ -287,7 +271,7 @@ class EmptySafeCollate:
     def expect(self, example: Any) -> None:
         """From now on only examples of ``example``'s structure are batched, and an empty batch is ``example``'s
         batch sliced to 0 (built now, not at the step that samples nothing)."""
-        self.structure = structure_of(example)
+        self.structure = example_structure(example)
         self._empty = _slice_empty(self.collate_fn([example]))
 
     def __call__(self, items: Any) -> Any:
@@ -296,7 +280,7 @@ class EmptySafeCollate:
                 return self.collate_fn(items)
         kept = [item for item in items if item is not UNREADABLE]
         if self.structure is not None:
-            kept = [item for item in kept if structure_of(item) == self.structure]
+            kept = [item for item in kept if example_structure(item) == self.structure]
         self.dropped += len(items) - len(kept)
         with sealed():
             if kept:

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_dp.privacy.seeding import derive_seed
-from pl_dp.privacy.shards import local, shard_layouts
+from pl_dp.step.shards import local, shard_layouts
 from pl_dp.zo import threads
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.master import MasterWeights
@@ -155,7 +155,7 @@ class PerturbationEngine:
     parameter itself, or the fp32 master of a bf16/fp16 one). A caller that writes ``weights`` directly
     calls :meth:`sync` afterwards.
 
-    Sharded parameters (FSDP2 DTensors, see :mod:`pl_dp.privacy.shards`): ``params`` and ``weights`` are then
+    Sharded parameters (FSDP2 DTensors, see :mod:`pl_dp.step.shards`): ``params`` and ``weights`` are then
     this rank's local blocks (the masters are sharded like their parameters). Chunks are planned over the whole
     tensor and each rank draws those that meet its block, the ones across its edges in full (at most two per
     parameter), so that every rank writes exactly its slice of the direction one process would draw; d, the

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.privacy.batches import batch_size_of, device_of, fill_rows, select_examples, split_batch
 from pl_dp.privacy.clip_functions import clip_per_example
-from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
-from pl_dp.privacy.seal import PADDING_FAILED, ForwardsInStep, isolate_failures
+from pl_dp.step.batches import batch_size_of, device_of, fill_rows, select_examples, split_batch
+from pl_dp.step.losses import PerSampleLoss, check_per_sample
+from pl_dp.step.seal import PADDING_FAILED, ForwardsInStep, isolate_failures
 from pl_dp.zo.engine import Key, PerturbationEngine
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -68,10 +68,10 @@ def per_sample_evaluator(
     With ``max_physical_batch_size`` the forward passes run micro-batch by micro-batch and the losses
     are concatenated: memory is bounded by the physical batch, the released sums are the same. With ``rows`` (a run
     whose private batches keep one shape: half precision) every forward runs exactly ``rows`` rows: the batch is cut
-    into micro-batches of ``rows`` examples and each is filled to ``rows`` rows (:func:`~pl_dp.privacy.batches.
+    into micro-batches of ``rows`` examples and each is filled to ``rows`` rows (:func:`~pl_dp.step.batches.
     fill_rows`; the filling rows' losses are dropped), so no example's rounding depends on how many were sampled.
     With ``isolate`` (private runs), an example whose loss raises gets a NaN loss instead of ending the step
-    (:func:`~pl_dp.privacy.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
+    (:func:`~pl_dp.step.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
     the release and is counted with the other non-finite values.
 
     Sharded (``forwards``, ``agree``, ``padding`` and ``in_step`` given): a sharded net's forward is a collective
@@ -80,7 +80,7 @@ def per_sample_evaluator(
     whose losses are dropped; a net may not run an empty batch). Then the examples of micro-batches whose loss raised
     are run one by one, as many passes on every rank as the most any rank needs (``agree``: the maximum over ranks),
     and each that raises again gets NaN. Each pass runs in ``in_step``'s guard, so that a forward that raises between
-    two layers' all-gathers on one rank still issues the rest of them (:class:`~pl_dp.privacy.seal.ForwardsInStep`).
+    two layers' all-gathers on one rank still issues the rest of them (:class:`~pl_dp.step.seal.ForwardsInStep`).
     """
     micro_batches = split_batch(batch, rows or max_physical_batch_size) if batch_size else []
     real = len(micro_batches)

@@ -72,7 +72,7 @@ def path_norm_scores(
         smoothing: β for the ZO estimate (the released code's 1e-3).
         seed: seed of the ZO directions (data-independent).
         state: the values of ``net``'s parameters and buffers by name, whole, where ``net`` holds only its
-            structure (a net sharded by FSDP2: :func:`~pl_dp.privacy.shards.structure_of`); ``None``: its own.
+            structure (a net sharded by FSDP2: :func:`~pl_dp.step.shards.meta_copy`); ``None``: its own.
 
     Memory: three float64 copies of the trainable parameters (|θ|, the direction, the score).
     """

@@ -12,7 +12,7 @@ from pl_dp.data import PrivatePublicDataModule, TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import CausalLM
-from pl_dp.privacy.batches import fill_rows
+from pl_dp.step.batches import fill_rows
 from tests.conftest import blobs, make_trainer
 from tests.tiny_hf import CORPUS, tiny_model
 
@@ -46,8 +46,10 @@ def test_fill_rows_repeats_the_first_example_up_to_the_rows():
     assert fill_rows(batch, 3) is batch and fill_rows(batch, 2) is batch
 
 
-@pytest.mark.parametrize(("fixed_length", "half", "padded"), [(None, True, True), (None, False, False),
-                                                               (True, False, True), (False, True, False)])
+@pytest.mark.parametrize(
+    ("fixed_length", "half", "padded"),
+    [(None, True, True), (None, False, False), (True, False, True), (False, True, False)],
+)
 def test_the_private_loader_pads_to_max_length_in_half_precision_or_when_asked(gpt2_dir, fixed_length, half, padded):
     data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, max_length=40, fixed_length=fixed_length)
     collate = data.private_collate(half)

@@ -11,8 +11,8 @@ import torch
 from pl_dp.data import TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.nets import CausalLM, minilm_path
-from pl_dp.privacy.independence import IndependenceError, probe_examples, probe_independence
-from pl_dp.privacy.losses import causal_lm
+from pl_dp.step.independence import IndependenceError, probe_examples, probe_independence
+from pl_dp.step.losses import causal_lm
 from tests.tiny_hf import CORPUS, tiny_model
 
 TEXTS = [f"{text} number {i}" for i, text in enumerate(CORPUS)]

@@ -100,7 +100,7 @@ def test_a_loss_that_raises_for_one_record_inside_a_step_does_not_end_the_run(ru
     """A loss (or a net's forward, between its two sharded layers: ``_net``) that passes the pre-flight pass and
     raises for a record once training runs: every rank runs the same collectives, the record sits its step out and
     is counted, as on one process — whether the run ends does not depend on whether that record was sampled
-    (invariant 10). Before :class:`~pl_dp.privacy.seal.ForwardsInStep`, the ``_net`` runs aborted on a collective
+    (invariant 10). Before :class:`~pl_dp.step.seal.ForwardsInStep`, the ``_net`` runs aborted on a collective
     mismatch at the first step that sampled the record; with its first version (found by an independent review),
     PAZO-M hung at the public gradient after a step whose last pass failed on one rank only, a layer run twice that
     raised in its first call aborted, and so did a net whose training-mode forward gathers another layer."""

@@ -1,4 +1,4 @@
-"""The boundary of the private step (ARCHITECTURE invariant 10), black-box: what surrounds the mechanism — batching,
+"""The boundary of the private step (invariant 10), black-box: what surrounds the mechanism — batching,
 messages, failures, copies of the module — says nothing about which records were sampled.
 
 Each test runs the public API on D and on D′ (one record more) or on a copy of a trained module, for a
@@ -27,8 +27,8 @@ from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, DPZero
 from pl_dp.methods.base import PrivateModule
 from pl_dp.nets import TinyTransformerClassifier
-from pl_dp.privacy.independence import IndependenceError
-from pl_dp.privacy.preflight import DataError
+from pl_dp.step.independence import IndependenceError
+from pl_dp.step.preflight import DataError
 from tests.conftest import blobs, make_trainer
 
 METHODS = [DPSGD, DPZero]

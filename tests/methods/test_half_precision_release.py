@@ -20,7 +20,7 @@ and the shift is the root mean square of the q released scalars' moves (‖v‖�
 the others happen to be clipped matters less.
 
 Nets and data that cannot meet this are refused at fit start, before any private step, with an
-:class:`~pl_dp.privacy.independence.IndependenceError` that names the cause and the fix.
+:class:`~pl_dp.step.independence.IndependenceError` that names the cause and the fix.
 """
 
 import json
@@ -36,8 +36,8 @@ from pl_dp.data.collate import PaddingCollate
 from pl_dp.data.generation import tokenize_sequences
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import CausalLM
-from pl_dp.privacy.independence import IndependenceError
-from pl_dp.privacy.losses import IGNORE_INDEX
+from pl_dp.step.independence import IndependenceError
+from pl_dp.step.losses import IGNORE_INDEX
 from tests.conftest import blobs, make_trainer
 from tests.tiny_hf import tiny_model
 
@@ -248,14 +248,16 @@ def test_a_move_of_one_sign_is_extrapolated_to_the_batch_linearly():
     size = 4096
     private = [_token_record(i, 4 + i % 5) for i in range(size)]
     val = [_token_record(10**6 + i, 4 + i % 5) for i in range(300)]
-    model = DPZero(
-        _MaskedMean(), loss=_padded_length_loss, lr=1e-3, clip=10.0, queries=4, privacy=SPEC, noise_seed=0
-    )
+    model = DPZero(_MaskedMean(), loss=_padded_length_loss, lr=1e-3, clip=10.0, queries=4, privacy=SPEC, noise_seed=0)
     silent = _token_record(7, 48, label=-100)  # its own contribution is exactly 0
     trainer = make_trainer(max_steps=1)
     try:
         shift = release_shift(
-            model, _MaxLength48(private, val=val, batch_size=size), silent, reference_size=size, trainer=trainer,
+            model,
+            _MaxLength48(private, val=val, batch_size=size),
+            silent,
+            reference_size=size,
+            trainer=trainer,
             canary_row=0,
         )
     except IndependenceError:

@@ -9,7 +9,7 @@ from torch import nn
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD, O2NC, PAZOS, Coupling, DPZero
-from pl_dp.privacy.batches import batch_size_of
+from pl_dp.step.batches import batch_size_of
 from tests.conftest import blobs, make_trainer
 
 METHODS = {

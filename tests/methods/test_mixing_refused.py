@@ -13,7 +13,7 @@ from torch import nn
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD, DPZero
-from pl_dp.privacy.independence import IndependenceError
+from pl_dp.step.independence import IndependenceError
 from tests.conftest import RunningInputMean, SubtractBatchMean, blobs, make_trainer
 
 SPEC = PrivacySpec(epsilon=2.0, accountant="rdp")

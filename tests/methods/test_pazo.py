@@ -28,7 +28,11 @@ def _regression(n, seed, shift=0.0):
 
 def _dm(public_batch_size=4):
     return PrivatePublicDataModule(
-        _regression(12, 0), public=_regression(16, 1, 0.5), batch_size=6, public_batch_size=public_batch_size, seed=3,
+        _regression(12, 0),
+        public=_regression(16, 1, 0.5),
+        batch_size=6,
+        public_batch_size=public_batch_size,
+        seed=3,
         sampling_seed=3,
     )
 

@@ -9,8 +9,8 @@ from pl_dp.data import TextDataModule, minilm_embeddings, tokenize_prompts
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import PromptClassifier
-from pl_dp.privacy.independence import probe_independence
-from pl_dp.privacy.losses import cross_entropy
+from pl_dp.step.independence import probe_independence
+from pl_dp.step.losses import cross_entropy
 from tests.conftest import make_trainer
 from tests.tiny_hf import tiny_model
 

@@ -10,7 +10,7 @@ from torch import nn
 from pl_dp.nets import HFClassifier, TinyTransformerClassifier
 from pl_dp.per_sample import GhostClipping, PerSampleGradients
 from pl_dp.privacy import ClipFunction
-from pl_dp.privacy.losses import cross_entropy
+from pl_dp.step.losses import cross_entropy
 from tests.tiny_hf import tiny_model
 
 KINDS = ["constant", "automatic", "psac"]

@@ -13,8 +13,8 @@ from torch import nn
 from pl_dp.nets import CausalLM, HFClassifier, TinyTransformerClassifier
 from pl_dp.per_sample import GhostClipping, PerSampleGradients
 from pl_dp.privacy import ClipFunction
-from pl_dp.privacy.batches import select_examples
-from pl_dp.privacy.losses import causal_lm, cross_entropy
+from pl_dp.step.batches import select_examples
+from pl_dp.step.losses import causal_lm, cross_entropy
 from tests.tiny_hf import tiny_model
 
 

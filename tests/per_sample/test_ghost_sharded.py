@@ -13,7 +13,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from pl_dp.methods.parallel import shard
 from pl_dp.per_sample import GhostClipping
 from pl_dp.privacy.clip_functions import ClipFunction
-from pl_dp.privacy.losses import resolve_loss
+from pl_dp.step.losses import resolve_loss
 from tests.distributed import on_two_ranks
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from pl_dp.nets.transformer import _Block
 from pl_dp.per_sample import PerSampleGradients, clipped_sum
 from pl_dp.privacy import ClipFunction
-from pl_dp.privacy.losses import cross_entropy
+from pl_dp.step.losses import cross_entropy
 
 
 class _Attention(nn.Module):

@@ -10,8 +10,8 @@ from pl_dp.nets import CausalLM
 from pl_dp.per_sample import GhostClipping
 from pl_dp.per_sample.tied import tied_parameters
 from pl_dp.privacy import ClipFunction
-from pl_dp.privacy.batches import select_examples
-from pl_dp.privacy.losses import causal_lm
+from pl_dp.step.batches import select_examples
+from pl_dp.step.losses import causal_lm
 from tests.tiny_hf import tiny_model
 
 ARCHITECTURES = ["gpt2", "opt", "llama"]

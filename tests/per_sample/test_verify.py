@@ -16,7 +16,7 @@ from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD
 from pl_dp.per_sample import PerSampleGradients, verify_per_example_gradients
-from pl_dp.privacy.losses import cross_entropy
+from pl_dp.step.losses import cross_entropy
 
 
 class BiasUsedTwice(nn.Module):

@@ -13,12 +13,12 @@ from pl_dp.privacy import (
     PoissonBatchSampler,
     PrivacySpec,
     SubsampledGaussian,
-    check_per_sample,
     clip_per_example,
     poisson_loader,
     poisson_sampler_of,
 )
 from pl_dp.privacy.seeding import derive_seed
+from pl_dp.step import check_per_sample
 
 
 def test_poisson_inclusion_rate_and_variable_sizes():

@@ -152,9 +152,9 @@ def test_kept_directions_sweep_exactly_like_redrawn_ones(kind):
 def test_a_query_draws_once_with_kept_directions_and_three_times_without(monkeypatch):
     draws = []
     fill = PerturbationEngine._fill
-    monkeypatch.setattr(PerturbationEngine, "_fill", lambda self, key, chunk, out: draws.append(key) or fill(
-        self, key, chunk, out
-    ))
+    monkeypatch.setattr(
+        PerturbationEngine, "_fill", lambda self, key, chunk, out: draws.append(key) or fill(self, key, chunk, out)
+    )
     for cache, sweeps in ((True, 1), (False, 3)):
         net = _wide()
         engine = PerturbationEngine(net.parameters(), seed=0, cache_directions=cache)

@@ -1,4 +1,4 @@
-"""Sharded perturbation (pl_dp.privacy.shards): on 2 ranks holding FSDP-style Shard(0) blocks of each parameter, the
+"""Sharded perturbation (pl_dp.step.shards): on 2 ranks holding FSDP-style Shard(0) blocks of each parameter, the
 engine writes exactly the slice of the direction one process writes — bit for bit — for every direction kind, under
 a mask, with importance values and with fp32 masters, including chunks that straddle the edge of a block.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pl_dp.privacy.shards import layout_of
+from pl_dp.step.shards import layout_of
 from pl_dp.zo.engine import CPU_CHUNK, Direction, PerturbationEngine
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.master import MasterWeights
@@ -106,7 +106,7 @@ class _Counting(nn.Linear):
 def test_a_sharded_evaluation_runs_as_many_forwards_as_every_rank(size, physical, forwards):
     """A sharded forward is a collective: a rank with fewer (or no) examples pads with forwards on a fixed padding
     example (a net may not run an empty batch), and the losses are those of its examples."""
-    from pl_dp.privacy.losses import resolve_loss
+    from pl_dp.step.losses import resolve_loss
     from pl_dp.zo.estimator import per_sample_evaluator
 
     net, loss = _Counting(3, 2), resolve_loss("cross_entropy")

@@ -3,13 +3,13 @@
 A record that a private step cannot use — a NaN feature, a label the loss rejects, a text longer than the model's
 positions, a tensor of another shape — would otherwise show itself only when a Poisson batch samples it: a warning,
 a counted non-finite value or a crash at that step, each of which says whether (and when) the record was sampled
-(Invariant 10 of the architecture; :mod:`pl_dp.privacy.seal` keeps such events inside the step). The pre-flight
+(Invariant 10 of the architecture; :mod:`pl_dp.step.seal` keeps such events inside the step). The pre-flight
 pass finds them first, over the whole private set in index order — never through the Poisson sampler — and refuses
 to train with one :class:`DataError` that names every bad example by index and says what is wrong with it. For
 each example, in chunks through the run's own ``collate_fn``:
 
 1. it loads (``dataset[i]`` does not raise) and every floating-point value in it is finite;
-2. it has the structure of the others (:func:`~pl_dp.privacy.sampling.structure_of`: keys, types, dtypes) and
+2. it has the structure of the others (:func:`~pl_dp.step.batches.example_structure`: keys, types, dtypes) and
    collates together with them (shapes agree);
 3. its per-example loss, computed by the run's net and loss in eval mode under ``torch.inference_mode()``, does not
    raise and is finite at the initial parameters.
@@ -19,7 +19,7 @@ a refusal goes to whoever runs the job (who holds the data), and nothing is trai
 message names indices and the error each raised — which may quote a value of that record, so a refusal is not for
 publication. What it cannot foresee (a loss that becomes non-finite, or raises, only at later parameters) is handled
 inside the step: such an example contributes 0 and is counted privately — on a net sharded by FSDP2 too, where the
-rank it raised on still runs the collectives the others run (:class:`~pl_dp.privacy.seal.ForwardsInStep`).
+rank it raised on still runs the collectives the others run (:class:`~pl_dp.step.seal.ForwardsInStep`).
 
 Cost: one inference pass over the private set, once per fit (``benchmarks/fit_start_checks.py`` measures it);
 ``preflight=False`` on a method skips the values and the loss — examples are still read and their structure and
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +38,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from pl_dp.privacy.batches import batch_size_of
-from pl_dp.privacy.independence import NetState, refuse_varying_batch_shapes
-from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
-from pl_dp.privacy.sampling import structure_of
-from pl_dp.privacy.seal import isolate_failures, sealed
+from pl_dp.step.batches import batch_size_of, example_structure
+from pl_dp.step.independence import NetState, refuse_varying_batch_shapes
+from pl_dp.step.losses import PerSampleLoss, check_per_sample
+from pl_dp.step.seal import isolate_failures, sealed
 
 #: bad examples listed one by one in the error (the rest are counted)
 LISTED = 20
@@ -55,7 +54,7 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class PreflightReport:
     """What the pre-flight pass checked, how long it took, and a good example (what every example is shaped like:
-    its :func:`~pl_dp.privacy.sampling.structure_of` is every example's)."""
+    its :func:`~pl_dp.step.batches.example_structure` is every example's)."""
 
     examples: int
     chunks: int
@@ -77,6 +76,7 @@ def nonfinite_field(example: Any, where: str = "") -> str | None:
         return where or "the example" if example.dtype.kind == "f" and not np.isfinite(example).all() else None
     if isinstance(example, (float, np.floating)):
         return None if math.isfinite(example) else where or "the example"
+    items: Iterable[tuple[Any, Any]]
     if isinstance(example, Mapping):
         items = example.items()
     elif isinstance(example, Sequence) and not isinstance(example, (str, bytes)):
@@ -104,10 +104,10 @@ def check_private_set(
     Each chunk is batched together with the first good example (the *reference*), so examples of different chunks
     are known to batch together too. When every example of the first batch scored makes the loss raise, the fault
     is the net's or the loss's, not a record's: that error is raised as it is (e.g. the per-example loss contract
-    of :func:`~pl_dp.privacy.losses.check_per_sample`). The net is left as it was found (train/eval flags,
-    buffers: :class:`~pl_dp.privacy.independence.NetState`), and so are the random generators. With ``one_shape`` (a
+    of :func:`~pl_dp.step.losses.check_per_sample`). The net is left as it was found (train/eval flags,
+    buffers: :class:`~pl_dp.step.independence.NetState`), and so are the random generators. With ``one_shape`` (a
     run that computes in half precision) every example is also batched alone, and a collate that gives two examples
-    batches of different shapes is refused (:func:`~pl_dp.privacy.independence.refuse_varying_batch_shapes`).
+    batches of different shapes is refused (:func:`~pl_dp.step.independence.refuse_varying_batch_shapes`).
     """
     start = time.perf_counter()
     problems: dict[int, str] = {}
@@ -123,7 +123,7 @@ def check_private_set(
             for first in range(0, size, chunk_size):
                 loaded = _load(dataset, list(range(first, min(size, first + chunk_size))), problems)
                 if structure is None and loaded:  # the first chunk's most common structure
-                    found = [structure_of(example) for _, example in loaded]
+                    found = [example_structure(example) for _, example in loaded]
                     structure = max(found, key=found.count)
                 loaded = _of_structure(loaded, structure, problems)
                 rows = ([reference] if reference is not None else []) + loaded
@@ -156,7 +156,7 @@ def _of_structure(loaded: list[tuple[int, Any]], structure: Any, problems: dict[
     dtypes, so such an example changes, or breaks, the batch it comes first in)."""
     kept = []
     for i, example in loaded:
-        found = structure_of(example)
+        found = example_structure(example)
         if found == structure:
             kept.append((i, example))
         else:

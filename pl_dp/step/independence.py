@@ -55,9 +55,9 @@ import torch
 from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
-from pl_dp.privacy.batches import batch_size_of, fill_rows, split_batch
-from pl_dp.privacy.losses import PerSampleLoss, check_per_sample
-from pl_dp.privacy.seal import PlainAttributes, sealed
+from pl_dp.step.batches import batch_size_of, fill_rows, split_batch
+from pl_dp.step.losses import PerSampleLoss, check_per_sample
+from pl_dp.step.seal import PlainAttributes, sealed
 
 #: examples in the probe batch when no expected batch size is given (a BatchNorm-sized batch), and at most
 PROBE_SIZE = 8
@@ -330,7 +330,7 @@ def probe_independence(
     **Precision and shape.** ``context`` is entered around every pass: the trainer's precision context (autocast for
     ``bf16-mixed``/``16-mixed``), so the probe rounds as the steps do; ``compute_dtype`` is the dtype the passes round
     in when it is not the net's (autocast's). With ``rows`` (a run whose private batches keep one shape), every batch
-    is cut into micro-batches of ``rows`` examples, each filled to ``rows`` rows (:func:`~pl_dp.privacy.batches.
+    is cut into micro-batches of ``rows`` examples, each filled to ``rows`` rows (:func:`~pl_dp.step.batches.
     fill_rows`), as the method's private passes are.
 
     **What is released.** Loss values are not what a private step releases: a zeroth-order step releases each
@@ -450,10 +450,14 @@ class _Probe:
         outlier = (self.examples[-1], "a long or outlying example")
         if mode == "eval":
             replaced = [self.size if i == self.middle else i for i in self.reference]
-            return self.middle, *outlier, {
-                f"replacing only the example at position {self.middle} by": replaced,
-                f"adding at position {self.size}": [*self.reference, self.size],
-            }
+            return (
+                self.middle,
+                *outlier,
+                {
+                    f"replacing only the example at position {self.middle} by": replaced,
+                    f"adding at position {self.size}": [*self.reference, self.size],
+                },
+            )
         shapes = batch_shapes(self.collate([self.examples[i] for i in self.reference]))
         tries = [
             (position, stand_in)
@@ -820,7 +824,7 @@ class NetState:
     Writes are seen through each tensor's version counter (bumped by every in-place operation, also under
     ``torch.inference_mode()``) and identity (a reassigned attribute); buffers added by a forward are seen
     by name. Plain attributes (a cache a forward grows, a list it appends to) are put back too
-    (:class:`~pl_dp.privacy.seal.PlainAttributes`), so that nothing the checks computed from the examples stays on
+    (:class:`~pl_dp.step.seal.PlainAttributes`), so that nothing the checks computed from the examples stays on
     the net, where a pickle of the module would carry it.
     """
 

@@ -1,4 +1,4 @@
-"""pl_dp.privacy.seal without Lightning: inside a sealed block nothing is shown, and once-registries stay intact;
+"""pl_dp.step.seal without Lightning: inside a sealed block nothing is shown, and once-registries stay intact;
 a failing example is isolated by bisection and the rest of the batch is computed as if it were not there."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pl_dp.privacy.seal import isolate_failures, sealed
+from pl_dp.step.seal import isolate_failures, sealed
 
 
 def _warn(text: str) -> None:
@@ -160,7 +160,7 @@ def _forwards_in_step(rank: int, mesh, results: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from pl_dp.privacy.seal import ForwardsInStep
+    from pl_dp.step.seal import ForwardsInStep
 
     torch.manual_seed(0)
     net = _Touchy()
@@ -229,7 +229,7 @@ def test_a_sharded_forward_that_raises_between_layers_on_one_rank_keeps_the_rank
 def test_a_net_sharded_only_in_its_layers_is_refused():
     """Whether a forward completed is read off the FSDP2 root's hooks: a net whose layers are sharded but not the net
     itself has no single root, and is refused with what to do."""
-    from pl_dp.privacy.seal import ForwardsInStep
+    from pl_dp.step.seal import ForwardsInStep
 
     with pytest.raises(ValueError, match="apply fully_shard to the net itself"):
         ForwardsInStep(torch.nn.Sequential(torch.nn.Linear(2, 2)))

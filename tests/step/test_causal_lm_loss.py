@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from pl_dp.nets import CausalLM
-from pl_dp.privacy.batches import select_examples
-from pl_dp.privacy.losses import causal_lm, resolve_loss
+from pl_dp.step.batches import select_examples
+from pl_dp.step.losses import causal_lm, resolve_loss
 from tests.tiny_hf import tiny_model
 
 

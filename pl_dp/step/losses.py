@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pl_dp.privacy.batches import prediction_inputs
+from pl_dp.step.batches import prediction_inputs
 
 PerSampleLoss = Callable[[nn.Module, Any], torch.Tensor]
 LossSpec = Union[str, PerSampleLoss]

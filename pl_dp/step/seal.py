@@ -11,7 +11,7 @@ Two channels escape any noise and are closed here (threat model: docs/privacy-mo
   batch again in halves, down to single examples, so that only the examples that fail alone are left out; the
   caller gives them zero weight (which keeps every sensitivity bound) and counts them privately.
 
-Both are a safety net behind the pre-flight pass (:mod:`pl_dp.privacy.preflight`), which finds bad records before
+Both are a safety net behind the pre-flight pass (:mod:`pl_dp.step.preflight`), which finds bad records before
 the first release and says which; what it cannot foresee (a failure that depends on the parameters too) is
 absorbed here. Left to the user's contract: output written by C code directly to the file descriptors, a
 process-killing fault (segmentation fault, a CUDA device-side assert, which poisons the context), and time — a
@@ -30,7 +30,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from pl_dp.privacy.batches import batch_size_of, select_examples
+from pl_dp.step.batches import batch_size_of, select_examples
 
 T = TypeVar("T")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -51,7 +52,7 @@ def split_batch(batch: Any, size: int | None) -> list[Any]:
     Every tensor is sliced along its first (example) dimension; mappings and sequences keep their
     structure. Per-example quantities computed micro-batch by micro-batch are those of the whole
     batch, because each example's loss depends on that example alone (per-example independence, checked at
-    fit start by :mod:`pl_dp.privacy.independence`).
+    fit start by :mod:`pl_dp.step.independence`).
     """
     total = batch_size_of(batch)
     if size is None or total <= size:
@@ -99,3 +100,20 @@ def prediction_inputs(batch: Any) -> Any:
     if isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) in (1, 2):
         return batch[0]
     return batch
+
+
+def example_structure(example: Any) -> Any:
+    """What a collate reads to decide how to batch an example, without its values: the types, the keys of
+    mappings, the lengths of sequences, and the dtype and number of dimensions of arrays (not their sizes, which
+    padding may equalize). ``default_collate`` and :class:`~pl_dp.data.collate.PaddingCollate` take the batch's
+    keys and dtypes from its *first* example, so examples of another structure batch differently — or not at all —
+    depending on which example comes first."""
+    if isinstance(example, torch.Tensor):
+        return ("tensor", str(example.dtype), example.dim())
+    if isinstance(example, np.ndarray):
+        return ("ndarray", example.dtype.str, example.ndim)
+    if isinstance(example, Mapping):
+        return ("mapping", tuple(sorted((str(k), example_structure(v)) for k, v in example.items())))
+    if isinstance(example, (list, tuple)):
+        return (type(example).__name__, tuple(example_structure(v) for v in example))
+    return (type(example).__name__,)

@@ -13,7 +13,7 @@ from pl_dp.data import PrivatePublicDataModule
 from pl_dp.nets import MLP
 from pl_dp.nets.transformer import TinyTransformerClassifier
 from pl_dp.privacy import poisson_loader
-from pl_dp.privacy.independence import (
+from pl_dp.step.independence import (
     RELEASE_TOLERANCE,
     IndependenceError,
     Release,
@@ -22,7 +22,7 @@ from pl_dp.privacy.independence import (
     probe_independence,
     refuse_batch_mixing_modules,
 )
-from pl_dp.privacy.losses import cross_entropy
+from pl_dp.step.losses import cross_entropy
 from tests.conftest import RunningInputMean, SubtractBatchMean, blobs
 
 
@@ -309,7 +309,11 @@ def test_a_gated_batch_statistic_moves_no_loss_but_the_release_and_is_refused():
             net, _squared_error, examples, ("eval",), "public", release=_two_point_release(net, _squared_error)
         )
     probe_independence(  # without the gate: a per-example net's release does not move
-        _net(nn.Identity()), _squared_error, examples, ("eval",), "public",
+        _net(nn.Identity()),
+        _squared_error,
+        examples,
+        ("eval",),
+        "public",
         release=_two_point_release(_net(nn.Identity()), _squared_error),
     )
 

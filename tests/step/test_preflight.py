@@ -1,4 +1,4 @@
-"""pl_dp.privacy.preflight without Lightning: every kind of unusable private example is named by index, in one error,
+"""pl_dp.step.preflight without Lightning: every kind of unusable private example is named by index, in one error,
 before anything is trained; a clean set passes; the net is left as it was."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from pl_dp.data.collate import PaddingCollate
-from pl_dp.privacy.losses import cross_entropy
-from pl_dp.privacy.preflight import DataError, check_private_set, nonfinite_field
+from pl_dp.step.losses import cross_entropy
+from pl_dp.step.preflight import DataError, check_private_set, nonfinite_field
 from tests.conftest import RunningInputMean, blobs
 
 
@@ -109,7 +109,7 @@ def test_a_loss_that_fails_for_every_example_is_the_loss_s_fault_and_raised_as_i
 
 
 def test_the_pre_flight_pass_leaves_no_plain_attribute_it_grew():
-    from tests.privacy.test_independence import GrowingCache
+    from tests.step.test_independence import GrowingCache
 
     net = nn.Sequential(nn.Linear(4, 4), GrowingCache(), nn.Linear(4, 3))
     table = net[1].table

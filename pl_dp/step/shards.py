@@ -143,7 +143,7 @@ def replicated_gradient(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> l
     return grads
 
 
-def structure_of(net: nn.Module) -> nn.Module:
+def meta_copy(net: nn.Module) -> nn.Module:
     """A copy of ``net`` whose parameters and buffers are on the meta device: its structure, at no memory.
 
     Taken before FSDP2 shards ``net`` (sharding swaps the layers' classes and hooks their forwards to all-gather
