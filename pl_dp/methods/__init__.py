@@ -1,6 +1,6 @@
 """One LightningModule per private method (manual optimization)."""
 
-from pl_dp.methods.base import PrivateModule
+from pl_dp.methods.base import PrivateModule, StepResult
 from pl_dp.methods.dpzero import DPZero
 from pl_dp.methods.first_order import DPSGD, Coupling, FirstOrderModule
 from pl_dp.methods.o2nc import O2NC
@@ -19,5 +19,6 @@ __all__ = [
     "PAZOS",
     "DPZero",
     "PrivateModule",
+    "StepResult",
     "ZerothOrderModule",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,20 @@ class _FromLedger:
 
     def __set__(self, module: Any, value: Any) -> None:
         setattr(module.ledger, self.name, value)
+
+
+@dataclass
+class StepResult:
+    """What a method's :meth:`PrivateModule.private_step` hands back to the base.
+
+    ``metrics``: statistics computed from the noised release or from public data only — safe to log; the base logs
+    them on the loggers' cadence. ``nonfinite``: how many sampled examples contributed 0 (a non-finite value, or a
+    pass that raised). It is a function of the private data without noise: the base adds it to the in-memory
+    ``nonfinite_total`` and logs it only under ``log_private_metrics`` (:meth:`PrivateModule._count_nonfinite`).
+    """
+
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    nonfinite: int | torch.Tensor = 0
 
 
 class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.LightningModule):
@@ -198,8 +213,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         """This method's per-step mechanism (override via :meth:`_gaussian`)."""
         raise NotImplementedError
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
-        """One step of the method's math; returns privatized (safe to log) statistics."""
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
+        """One step of the method's math, its noise added through ``mechanism`` only: what it hands back
+        (:class:`StepResult`) is its statistics safe to log and its count of examples that contributed 0."""
         raise NotImplementedError
 
     def reference_pass(self, batch: Any) -> None:
@@ -615,7 +631,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self.noise.start_step(self.private_steps)
         attributes = PlainAttributes(self.net) if self.privacy is not None else None
         with sealed(self.privacy is not None and not self.log_private_metrics), self._private_randomness():
-            stats = self.private_step(batch, batch_size, mechanism)  # nothing record-dependent leaks out
+            result = self.private_step(batch, batch_size, mechanism)  # nothing record-dependent leaks out
         if attributes is not None:  # what the net stored from this batch stays out of copies of it
             attributes.restore()
         if self.touches_private_data:
@@ -624,7 +640,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         opt.step()  # applies .grad where a first-order method set it; otherwise only advances global_step
         opt.zero_grad(set_to_none=True)
         self._step_lr_schedulers("step")
-        self._log_step(stats)
+        self._log_step(result)
         if self.log_private_metrics:
             self._log_private_metrics(batch)
 
@@ -640,10 +656,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             self.noise.seed_randomness(self.private_steps, self.global_rank, self.device)
             yield
 
-    def _log_step(self, stats: dict[str, torch.Tensor]) -> None:
-        nonfinite = stats.pop("nonfinite", None)
-        if nonfinite is not None:
-            self._count_nonfinite(int(nonfinite))
+    def _log_step(self, result: StepResult) -> None:
+        self._count_nonfinite(int(result.nonfinite))
         logging = self._logging_step()
         if self.privacy is not None and self.touches_private_data and (logging or self._batches_consumed == 1):
             self.check_reference()
@@ -651,7 +665,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             return
         if self.trainer.loggers and self.ledger.journal is not None:
             self._write_journal()  # this step's outputs are about to be logged
-        for name, value in stats.items():
+        for name, value in result.metrics.items():
             self.log(name, value, on_step=True, on_epoch=False)
         if self.log_private_metrics:
             self.log(

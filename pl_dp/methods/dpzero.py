@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from pl_dp.methods.base import StepResult
 from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 
@@ -26,7 +25,7 @@ class DPZero(ZerothOrderModule):
     (the largest tensor); three parameter sweeps per query.
     """
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
         self.estimator.apply(estimate, self.lr / self.queries, extra=self.proximal_terms())
-        return {"train/noisy_directional_derivative": estimate.scalars.abs().mean(), "nonfinite": estimate.nonfinite}
+        return StepResult({"train/noisy_directional_derivative": estimate.scalars.abs().mean()}, estimate.nonfinite)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from pl_dp.methods.base import PrivateModule
+from pl_dp.methods.base import PrivateModule, StepResult
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
 from pl_dp.privacy.clip_functions import ClipFunction
@@ -207,7 +207,7 @@ class FirstOrderModule(PrivateModule):
 
     def private_gradient(
         self, batch: Any, batch_size: int, mechanism: SubsampledGaussian
-    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    ) -> tuple[list[torch.Tensor], StepResult]:
         """(Σ_i c(‖g_i‖)·g_i + N(0, σ²C²·I)) / expected batch size, one tensor per parameter, in fp32 (or the
         parameter's dtype if wider): the sums and the noise are never rounded to a half-precision parameter's dtype
         before the noise is added — a bf16 running sum rounds the micro-batches' sums in an order that depends on
@@ -231,7 +231,7 @@ class FirstOrderModule(PrivateModule):
                         s.add_(g)
             sums, _ = self._sum_across_ranks(sums, torch.zeros(()))
             mechanism.privatize_(sums, self.noise, blocks=blocks)
-            return sums, {}
+            return sums, StepResult()
         device = params[0].device
         norms, nonfinite = [torch.zeros(0, device=device)], torch.zeros((), dtype=torch.long, device=device)
 
@@ -261,13 +261,13 @@ class FirstOrderModule(PrivateModule):
         nonfinite = nonfinite + failed
         norms = torch.cat(norms)
         sums, nonfinite = self._sum_across_ranks(sums, nonfinite)
-        stats = {"nonfinite": nonfinite}
+        result = StepResult(nonfinite=nonfinite)
         if self.log_private_metrics and batch_size > 0:
-            stats.update(self._clip_diagnostics(sums, norms, mechanism))
+            result.metrics.update(self._clip_diagnostics(sums, norms, mechanism))
         mechanism.privatize_(sums, self.noise, blocks=blocks)
         if self.clip_quantile is not None:
-            stats.update(self._adapt_clip(norms, mechanism))
-        return sums, stats
+            result.metrics.update(self._adapt_clip(norms, mechanism))
+        return sums, result
 
     def _sharded_passes(self, parts: list[Any], compute: Callable[[Any, bool], T]) -> tuple[list[T], int]:
         """``compute(part, False)`` of each of this rank's ``parts``, sharded: a pass (forward and backward) is a
@@ -395,10 +395,10 @@ class DPSGD(FirstOrderModule):
     fine-tuning of a transformer at about the memory of a non-private step.
     """
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
-        grads, stats = self.private_gradient(batch, batch_size, mechanism)
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
+        grads, result = self.private_gradient(batch, batch_size, mechanism)
         self.set_gradients(self.trainable_parameters(), grads)
-        return stats
+        return result
 
 
 class Coupling(PublicDataMixin, FirstOrderModule):
@@ -486,17 +486,18 @@ class Coupling(PublicDataMixin, FirstOrderModule):
             dim = sum(p.numel() for p in self.trainable_parameters())
             self._alpha = self.alpha_from_kappa(self.kappa, self.expected_batch_size, self.noise_multiplier, dim)
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
         params, alpha = self.trainable_parameters(), self.alpha
         combined = [torch.zeros_like(local(p)) for p in params]
-        stats: dict[str, torch.Tensor] = {"train/alpha": torch.tensor(alpha)}
+        result = StepResult({"train/alpha": torch.tensor(alpha)})
         if alpha > 0.0:
             for c, g in zip(combined, self.public_gradient(self.public_batches(1)[0])):
                 c.add_(local(g), alpha=alpha)
         if alpha < 1.0:
-            private, extra = self.private_gradient(batch, batch_size, mechanism)
+            private, part = self.private_gradient(batch, batch_size, mechanism)
             for c, g in zip(combined, private):
                 c.add_(g, alpha=1.0 - alpha)
-            stats.update(extra)
+            result.metrics.update(part.metrics)
+            result.nonfinite = part.nonfinite
         self.set_gradients(params, combined)
-        return stats
+        return result

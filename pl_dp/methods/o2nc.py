@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_dp.methods.base import StepResult
 from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.sampling import PartitionBatchSampler, partition_loader
@@ -284,7 +285,7 @@ class O2NC(OwnUpdateModule):
             return TreeLeaf(name, passes, block * self.inner_steps + t, 1, 1)
         return TreeLeaf(name, passes, block, self.inner_steps, t + 1)
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: TreeAggregatedGaussian) -> dict[str, torch.Tensor]:
+    def private_step(self, batch: Any, batch_size: int, mechanism: TreeAggregatedGaussian) -> StepResult:
         passes, block, t = self._round()
         st = self._state
         params = self._engine.weights
@@ -321,7 +322,7 @@ class O2NC(OwnUpdateModule):
         st["w_sum"] = [a + wi for a, wi in zip(st["w_sum"], w)]
         if t == self.inner_steps - 1:
             self._close_epoch(passes, block)
-        return {"train/noisy_gradient_norm": torch.tensor(noisy_norm), "nonfinite": nonfinite}
+        return StepResult({"train/noisy_gradient_norm": torch.tensor(noisy_norm)}, nonfinite)
 
     def _close_epoch(self, passes: int, block: int) -> None:
         """w̄^k, and the uniformly chosen output kept by reservoir sampling (one copy, exact uniform)."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_dp.methods.base import StepResult
 from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.methods.zeroth_order import ZerothOrderModule
@@ -64,14 +65,14 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
     def default_radius(self, dim: int) -> float:
         return dim**0.25
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
         public_grad = self.public_gradient(self.public_batches(1)[0])
         if not self.touches_private_data:  # alpha == 1: public SGD (through the engine: masks apply)
             self.estimator.engine.combine([], extra=[(public_grad, -self.lr), *self.proximal_terms()])
-            return {}
+            return StepResult()
         self.log_gradient_similarity(batch, public_grad)
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
-        stats = {"train/noisy_directional_derivative": estimate.scalars.abs().mean(), "nonfinite": estimate.nonfinite}
+        stats = {"train/noisy_directional_derivative": estimate.scalars.abs().mean()}
         if self.log_private_metrics:
             # ‖g̃/q‖ / ‖g_pub‖ and their cosine: post-processing of privatized and public values (safe;
             # the norms §3.1 asks to keep aligned), but one more parameter sweep, so only with the diagnostics
@@ -84,7 +85,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
             self.lr * (1.0 - self.alpha) / self.queries,
             extra=[(public_grad, -self.lr * self.alpha), *self.proximal_terms()],
         )
-        return stats
+        return StepResult(stats, estimate.nonfinite)
 
 
 class PAZOP(PublicDataMixin, ZerothOrderModule):
@@ -138,7 +139,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
             params, self.direction_seed, self.k, coefficients=self._direction.kind, **self.engine_arguments()
         )
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
         engine = self.estimator.engine
         for c, public in enumerate(self.public_batches(self.k)):
             for slot, grad in zip(engine.basis_slot(c), self.public_gradient(public)):
@@ -148,11 +149,11 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         engine.finalize_basis(self.orthonormalize)
         estimate = self.zeroth_order_estimate(batch, batch_size, mechanism)
         self.estimator.apply(estimate, self.lr / self.queries, extra=self.proximal_terms())
-        return {
+        metrics = {
             "train/noisy_directional_derivative": estimate.scalars.abs().mean(),
             "train/public_basis_rank": torch.tensor(float(engine.rank)),
-            "nonfinite": estimate.nonfinite,
         }
+        return StepResult(metrics, estimate.nonfinite)
 
 
 class PAZOS(PublicDataMixin, OwnUpdateModule):
@@ -240,7 +241,7 @@ class PAZOS(PublicDataMixin, OwnUpdateModule):
         super().load_privacy_state_dict(state)
         self._explorer = None
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> dict[str, torch.Tensor]:
+    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
         engine = self._exploration()
 
         def move(direction: list[torch.Tensor], alpha: float) -> None:
@@ -275,8 +276,5 @@ class PAZOS(PublicDataMixin, OwnUpdateModule):
             else:
                 engine.perturb(key, step)
         engine.combine([], extra=self.proximal_terms())  # also folds a kept exploration move into the masters
-        return {
-            "train/chosen_candidate": torch.tensor(float(chosen)),
-            "train/best_noisy_loss": torch.tensor(best_value),
-            "nonfinite": nonfinite,
-        }
+        metrics = {"train/chosen_candidate": float(chosen), "train/best_noisy_loss": best_value}
+        return StepResult({name: torch.tensor(value) for name, value in metrics.items()}, nonfinite)
