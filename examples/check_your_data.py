@@ -21,9 +21,9 @@ from torch.utils.data import Subset, TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import DataError
 from pl_dp.methods import DPSGD
 from pl_dp.nets import MLP
-from pl_dp.step import DataError
 
 
 def broken_digits() -> TensorDataset:

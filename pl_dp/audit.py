@@ -48,6 +48,7 @@ from lightning.pytorch.callbacks import Callback
 from scipy.stats import beta
 from torch.utils.data import default_collate
 
+from pl_dp.errors import ConfigError
 from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.accountants import create_accountant
 from pl_dp.privacy.mechanisms import SubsampledGaussian
@@ -200,7 +201,7 @@ class _NeighbouringReleases:
         private = getattr(datamodule, "private", None)
         needed = reference_size + (canary is None)  # the default canary is made of private example reference_size
         if private is None or len(private) < needed:
-            raise ValueError(
+            raise ConfigError(
                 f"the audit needs a datamodule with a private dataset of at least {needed} examples "
                 f"(reference_size{' + 1' if canary is None else ''})."
             )
@@ -365,9 +366,9 @@ def audit(
     _check_auditable(model)
     trials = positive_integer("trials", trials)
     if trials < 20:
-        raise ValueError(f"trials must be >= 20 for a meaningful bound, got {trials}.")
+        raise ConfigError(f"trials must be >= 20 for a meaningful bound, got {trials}.")
     if not 0 < confidence < 1:
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}.")
+        raise ConfigError(f"confidence must lie in (0, 1), got {confidence!r}.")
     reference_size = positive_integer("reference_size", reference_size)
     step_trials = _StepTrials(trials, reference_size, canary, float(input_scale), confidence)
     return _measure_in_fit(model, datamodule, trainer, step_trials.run)
@@ -419,7 +420,7 @@ def release_shift(
     _check_auditable(model)
     size = positive_integer("reference_size", reference_size)
     if canary_row is not None and not 0 <= canary_row <= size:
-        raise ValueError(f"canary_row must lie in [0, reference_size = {size}] or be None, got {canary_row!r}.")
+        raise ConfigError(f"canary_row must lie in [0, reference_size = {size}] or be None, got {canary_row!r}.")
 
     def measure(module: PrivateModule, data: Any) -> float:
         return _NeighbouringReleases(module, data, size, canary, float(input_scale), canary_row).shift()[2]
@@ -429,9 +430,9 @@ def release_shift(
 
 def _check_auditable(model: PrivateModule) -> None:
     if getattr(model, "privacy", None) is None:
-        raise ValueError("the audit needs a private model (privacy=PrivacySpec(...)).")
+        raise ConfigError("the audit needs a private model (privacy=PrivacySpec(...)).")
     if not issubclass(model.release, SubsampledGaussian):
-        raise ValueError("the audit covers Poisson-sampled Gaussian steps; O2NC's tree mechanism is not supported.")
+        raise ConfigError("the audit covers Poisson-sampled Gaussian steps; O2NC's tree mechanism is not supported.")
 
 
 def _measure_in_fit(

@@ -84,6 +84,7 @@ from torch.utils.data import TensorDataset
 
 from pl_dp.audit import quiet_trainer
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD
 from pl_dp.methods.first_order import FirstOrderModule
 from pl_dp.privacy.spec import PrivacySpec
@@ -105,7 +106,7 @@ def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, d
     """
     m, r, v = canaries, guesses, correct
     if not 0 <= v <= r <= m:
-        raise ValueError(f"need 0 <= correct <= guesses <= canaries, got {v}, {r}, {m}.")
+        raise ConfigError(f"need 0 <= correct <= guesses <= canaries, got {v}, {r}, {m}.")
     q = 1.0 / (1.0 + math.exp(-epsilon))
     beta = float(binom.sf(v - 1, r, q))
     if delta == 0 or v == 0:
@@ -570,24 +571,24 @@ def _check_request(
 ) -> int:
     """Refuse what the audit cannot read; returns the checkpoint step."""
     if not (isinstance(method, type) and issubclass(method, FirstOrderModule)) or method.requires_public_data:
-        raise ValueError(
+        raise ConfigError(
             f"the run audit drives first-order methods without public data (DPSGD and subclasses); got {method!r}."
         )
     for name, plain in (("optimizer", "sgd"), ("momentum", 0.0), ("weight_decay", 0.0), ("clip_quantile", None)):
         if kwargs.get(name, plain) != plain:
-            raise ValueError(
+            raise ConfigError(
                 f"the run audit reads each step's release off the parameter change, which needs plain SGD with a "
                 f"fixed clip: {name}={kwargs[name]!r} is not supported (leave it at {plain!r})."
             )
     for name in ("net", "loss", "privacy", "noise_seed"):
         if name in kwargs:
-            raise ValueError(f"{name} is set by the run audit (pass privacy= and noise_seed= to audit_run itself).")
+            raise ConfigError(f"{name} is set by the run audit (pass privacy= and noise_seed= to audit_run itself).")
     if not 0 < confidence < 1:
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}.")
+        raise ConfigError(f"confidence must lie in (0, 1), got {confidence!r}.")
     for name, value, minimum in (("canaries", canaries, 1), ("steps", steps, 2), ("real_examples", real_examples, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+            raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}.")
     checkpoint_at = steps // 2 if checkpoint_at is None else checkpoint_at
     if isinstance(checkpoint_at, bool) or not isinstance(checkpoint_at, int) or not 1 <= checkpoint_at < steps:
-        raise ValueError(f"checkpoint_at must be an integer in [1, steps), got {checkpoint_at!r} for {steps} steps.")
+        raise ConfigError(f"checkpoint_at must be an integer in [1, steps), got {checkpoint_at!r} for {steps} steps.")
     return checkpoint_at

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import lightning as L
 
 from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike, planned_steps_of
+from pl_dp.errors import ConfigError
 
 
 class WeightedModule(PrivateModuleLike, Protocol):
@@ -33,9 +34,9 @@ class AlphaSchedule(PrivacyCallback):
 
     def __init__(self, anneal_factor: float = 2.0, anneal_steps: int | None = None) -> None:
         if anneal_steps is not None and not anneal_steps > 0:
-            raise ValueError(f"anneal_steps must be > 0, got {anneal_steps!r}.")
+            raise ConfigError(f"anneal_steps must be > 0, got {anneal_steps!r}.")
         if not anneal_factor > 0:
-            raise ValueError(f"anneal_factor must be > 0, got {anneal_factor!r}.")
+            raise ConfigError(f"anneal_factor must be > 0, got {anneal_factor!r}.")
         self.anneal_factor = float(anneal_factor)
         self.anneal_steps = anneal_steps
 

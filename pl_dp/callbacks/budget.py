@@ -8,6 +8,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
 from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
+from pl_dp.errors import PrivacyConfigError
 
 
 class PrivacyBudget(PrivacyCallback):
@@ -34,9 +35,9 @@ class PrivacyBudget(PrivacyCallback):
 
     def __init__(self, epsilon: float | None = None, delta: float | None = None) -> None:
         if epsilon is not None and not epsilon > 0:
-            raise ValueError(f"PrivacyBudget epsilon must be > 0, got {epsilon!r}.")
+            raise PrivacyConfigError(f"PrivacyBudget epsilon must be > 0, got {epsilon!r}.")
         if delta is not None and not 0 < delta < 1:
-            raise ValueError(f"PrivacyBudget delta must lie in (0, 1), got {delta!r}.")
+            raise PrivacyConfigError(f"PrivacyBudget delta must lie in (0, 1), got {delta!r}.")
         self.epsilon = epsilon
         self.delta = delta
         self.stopped_at: int | None = None

@@ -22,6 +22,7 @@ import torch
 
 from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
 from pl_dp.callbacks.stagewise import StagewiseSchedule
+from pl_dp.errors import ConfigError
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.step.losses import split_inputs_targets
 from pl_dp.zo.mask import DirectionMask
@@ -77,18 +78,18 @@ class PruningSchedule(PrivacyCallback):
         input_shape: Sequence[int] | None = None,
     ) -> None:
         if strategy not in _STRATEGIES:
-            raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}.")
+            raise ConfigError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}.")
         rate_list = [float(rates)] if isinstance(rates, (int, float)) else [float(r) for r in rates]
         if not rate_list or not all(0.0 < r <= 1.0 for r in rate_list):
-            raise ValueError(f"rates (fractions of coordinates trained) must lie in (0, 1], got {rates!r}.")
+            raise ConfigError(f"rates (fractions of coordinates trained) must lie in (0, 1], got {rates!r}.")
         if strategy == "static" and len(set(rate_list)) > 1:
-            raise ValueError("the static strategy prunes once with one rate; give a single float.")
+            raise ConfigError("the static strategy prunes once with one rate; give a single float.")
         if strategy == "incremental" and any(b < a for a, b in zip(rate_list, rate_list[1:])):
-            raise ValueError(f"incremental pruning keeps earlier coordinates, so rates must not decrease: {rates!r}.")
+            raise ConfigError(f"incremental pruning keeps earlier coordinates, so rates must not decrease: {rates!r}.")
         if importance not in ("pruning", "rank"):
-            raise ValueError(f"importance must be 'pruning' or 'rank', got {importance!r}.")
+            raise ConfigError(f"importance must be 'pruning' or 'rank', got {importance!r}.")
         if score not in ("zo", "autograd"):
-            raise ValueError(f"score must be 'zo' or 'autograd', got {score!r}.")
+            raise ConfigError(f"score must be 'zo' or 'autograd', got {score!r}.")
         if score == "zo" and score_queries < 4:
             warnings.warn(
                 f"score_queries={score_queries}: a zeroth-order path-norm score from so few directions is mostly "
@@ -134,7 +135,7 @@ class PruningSchedule(PrivacyCallback):
                 if isinstance(inputs, Mapping):
                     return {k: torch.as_tensor(v, device=pl_module.device).unsqueeze(0) for k, v in inputs.items()}
                 return torch.as_tensor(inputs, device=pl_module.device).unsqueeze(0)
-        raise ValueError(
+        raise ConfigError(
             "PruningSchedule needs the input shape for its data-free score: set input_shape, the module's "
             "example_input_array, or give the datamodule a public, val or test set (the private set is never read)."
         )
@@ -168,7 +169,7 @@ class PruningSchedule(PrivacyCallback):
         stagewise = self._stagewise(trainer)
         stages = 1 if stagewise is None else stagewise.stages
         if len(self.rates) not in (1, stages):
-            raise ValueError(f"{len(self.rates)} pruning rates for {stages} stage(s): give one rate or one per stage.")
+            raise ConfigError(f"{len(self.rates)} pruning rates for {stages} stage(s): give one rate or one per stage.")
         if self.mask is not None:  # resumed: the mask of the stage in progress, exactly
             pl_module.set_direction_mask(self.mask.to(pl_module.device))
 

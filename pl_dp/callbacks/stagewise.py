@@ -20,6 +20,7 @@ import lightning as L
 import torch
 
 from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike, planned_steps_of
+from pl_dp.errors import ConfigError
 
 
 def stage_lengths(planned_steps: int, stages: int, steps_growth: float, first_stage_steps: int | None) -> list[int]:
@@ -29,11 +30,11 @@ def stage_lengths(planned_steps: int, stages: int, steps_growth: float, first_st
         lengths = [max(1, int(planned_steps * steps_growth**s / total)) for s in range(stages)]
         lengths[-1] += planned_steps - sum(lengths)  # the last stage absorbs the rounding
         if lengths[-1] < 1:
-            raise ValueError(f"{planned_steps} planned steps are too few for {stages} stages.")
+            raise ConfigError(f"{planned_steps} planned steps are too few for {stages} stages.")
         return lengths
     lengths = [max(1, round(first_stage_steps * steps_growth**s)) for s in range(stages)]
     if sum(lengths) != planned_steps:
-        raise ValueError(
+        raise ConfigError(
             f"the stages {lengths} add up to {sum(lengths)} steps but the trainer plans {planned_steps}: "
             f"set trainer.max_steps={sum(lengths)} or first_stage_steps=None to fill the plan."
         )
@@ -52,7 +53,7 @@ class ProximalAnchor:
 
     def __init__(self, coefficient: float, params: list[torch.Tensor]) -> None:
         if not coefficient > 0:
-            raise ValueError(f"the proximal coefficient 1/lambda must be > 0, got {coefficient!r}.")
+            raise ConfigError(f"the proximal coefficient 1/lambda must be > 0, got {coefficient!r}.")
         self.coefficient = float(coefficient)
         self.anchor = [p.detach().clone() for p in params]
 
@@ -99,16 +100,16 @@ class StagewiseSchedule(PrivacyCallback):
         proximal: float | None = 5e-4,
     ) -> None:
         if isinstance(stages, bool) or int(stages) != stages or stages < 1:
-            raise ValueError(f"stages must be an integer >= 1, got {stages!r}.")
+            raise ConfigError(f"stages must be an integer >= 1, got {stages!r}.")
         for name, value in [
             ("smoothing_growth", smoothing_growth),
             ("lr_decay", lr_decay),
             ("steps_growth", steps_growth),
         ]:
             if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}.")
+                raise ConfigError(f"{name} must be > 0, got {value!r}.")
         if proximal is not None and proximal < 0:
-            raise ValueError(f"proximal (1/lambda) must be >= 0, got {proximal!r}.")
+            raise ConfigError(f"proximal (1/lambda) must be >= 0, got {proximal!r}.")
         self.stages = int(stages)
         self.first_stage_steps = first_stage_steps
         self.smoothing_growth = float(smoothing_growth)
@@ -157,14 +158,14 @@ class StagewiseSchedule(PrivacyCallback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: StagedModule) -> None:
         if self.proximal and not getattr(pl_module, "applies_proximal_term", False):
-            raise ValueError(
+            raise ConfigError(
                 f"StagewiseSchedule(proximal={self.proximal:g}) anchors each stage with a proximal term, which "
                 f"{type(pl_module).__name__}'s update does not include: it would be dropped silently. Use "
                 "proximal=0 with this method, or a zeroth-order method (DPZero, PAZO-M/P/S), whose update the term "
                 "enters (DP-ZOSO, Liu et al. 2025, Alg. 1)."
             )
         if trainer.lr_scheduler_configs:
-            raise ValueError(
+            raise ConfigError(
                 "StagewiseSchedule sets the step size at every stage (eta_s = lr_decay^s * lr); an LR scheduler "
                 "would overwrite it between stages and the two schedules would fight. Use one of them: drop "
                 "the scheduler, or drop StagewiseSchedule and express the stages as the scheduler."

@@ -28,6 +28,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
 from pl_dp.callbacks.wandb_runs import group_points
+from pl_dp.errors import ConfigError
 
 
 def _summary_key(metric: str) -> str:
@@ -79,7 +80,7 @@ class WandbPrivacyLogger(PrivacyCallback):
 
     def __init__(self, val_metric: str = "val/acc", test_metric: str = "test/acc", mode: str = "max") -> None:
         if mode not in ("max", "min"):
-            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}.")
+            raise ConfigError(f"mode must be 'max' or 'min', got {mode!r}.")
         self.val_metric, self.test_metric, self.mode = val_metric, test_metric, mode
         self.best_val: float | None = None
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from pl_dp.errors import ConfigError
+
 #: pad values of the keys Hugging Face tokenizers and models use; anything else pads with 0
 PAD_VALUES: dict[str, int] = {"labels": -100, "attention_mask": 0, "input_ids": 0, "token_type_ids": 0}
 
@@ -41,7 +43,7 @@ class PaddingCollate:
     def __init__(self, pad_values: Mapping[str, int] | None = None, length: int | None = None) -> None:
         self.pad_values = dict(PAD_VALUES if pad_values is None else pad_values)
         if length is not None and (isinstance(length, bool) or int(length) != length or length < 1):
-            raise ValueError(f"length must be an integer >= 1 or None, got {length!r}.")
+            raise ConfigError(f"length must be an integer >= 1 or None, got {length!r}.")
         self.length = None if length is None else int(length)
 
     def fixed(self, length: int) -> PaddingCollate:

@@ -15,6 +15,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.data.collate import PaddingCollate
+from pl_dp.errors import ConfigError
 from pl_dp.privacy.sampling import poisson_loader
 
 _SCALARS = (str, Path, int, float, bool, type(None))
@@ -170,15 +171,15 @@ class PrivatePublicDataModule(L.LightningDataModule):
     def _validate(self) -> None:
         n = len(self.private)
         if n < 1:
-            raise ValueError("the private dataset is empty.")
+            raise ConfigError("the private dataset is empty.")
         if isinstance(self.batch_size, bool) or int(self.batch_size) != self.batch_size or self.batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}.")
+            raise ConfigError(f"batch_size must be an integer >= 1, got {self.batch_size!r}.")
         if self.batch_size > n:
-            raise ValueError(f"batch_size={self.batch_size} is larger than the private dataset ({n} examples).")
+            raise ConfigError(f"batch_size={self.batch_size} is larger than the private dataset ({n} examples).")
         if self.public is not None and len(self.public) < 1:
-            raise ValueError("the public dataset is empty: pass public=None or give it examples.")
+            raise ConfigError("the public dataset is empty: pass public=None or give it examples.")
         if self.public is not None and self.public_batch_size > len(self.public):
-            raise ValueError(
+            raise ConfigError(
                 f"public_batch_size={self.public_batch_size} is larger than the public dataset ({len(self.public)})."
             )
 
@@ -222,7 +223,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         if fixed is not None:
             return fixed
         if self.fixed_length:
-            raise ValueError(
+            raise ConfigError(
                 f"fixed_length=True needs a PaddingCollate that knows the length: got {type(collate).__name__}, and "
                 "this data module cuts its sequences at no max_length. Pass collate_fn=PaddingCollate(length=...)."
             )
@@ -268,10 +269,10 @@ class PrivatePublicDataModule(L.LightningDataModule):
     def check_public(self, k: int = 1) -> int:
         """Raise a clear error unless ``k`` disjoint public batches can be drawn; returns k·b′."""
         if self.public is None:
-            raise ValueError("this method needs public data, but the datamodule has public=None.")
+            raise ConfigError("this method needs public data, but the datamodule has public=None.")
         need = k * self.public_batch_size
         if need > len(self.public):
-            raise ValueError(
+            raise ConfigError(
                 f"{k} disjoint public batches of {self.public_batch_size} need {need} public examples; "
                 f"the public set has {len(self.public)}. Lower public_batch_size or k."
             )

@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.data.shift import public_shift_weights
+from pl_dp.errors import ConfigError
 
 _SPLIT_SEED = 20240229  # fixed: the splits never move with the training seed
 
@@ -30,7 +31,7 @@ def digits_splits(
     ``"mild"`` makes it 1.5 times, ``"none"`` draws uniformly.
     """
     if not 0 <= public_fraction < 1:
-        raise ValueError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
+        raise ConfigError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
     data = load_digits()
     x = torch.tensor(data.data / 16.0, dtype=torch.float32)
     y = torch.tensor(data.target, dtype=torch.long)

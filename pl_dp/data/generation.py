@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.data.text import carve_splits, read_columns
+from pl_dp.errors import ConfigError
 from pl_dp.step.losses import IGNORE_INDEX
 from pl_dp.step.seal import sealed
 
@@ -51,7 +52,7 @@ def read_generation_texts(
     if isinstance(source, (list, tuple)) and all(isinstance(text, str) for text in source):
         return [""] * len(source), list(source)
     if (prompt_column is None) != (completion_column is None):
-        raise ValueError("give both prompt_column and completion_column (the loss is on the completion), or neither.")
+        raise ConfigError("give both prompt_column and completion_column (the loss is on the completion), or neither.")
     if prompt_column is None or completion_column is None:
         (texts,) = read_columns(source, [text_column])
         return [""] * len(texts), [str(text) for text in texts]
@@ -73,7 +74,7 @@ def tokenize_sequences(
     carry — keeps no trace of the texts.
     """
     if max_length < 2:
-        raise ValueError(f"max_length must be at least 2 (a token and its successor), got {max_length}.")
+        raise ConfigError(f"max_length must be at least 2 (a token and its successor), got {max_length}.")
     eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
     if not getattr(tokenizer, "is_fast", False):
         tokenizer = copy.deepcopy(tokenizer)

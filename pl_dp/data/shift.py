@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pl_dp.errors import ConfigError
+
 PUBLIC_SHIFTS = {"none": 1.0, "mild": 1.5, "strong": 3.0}
 
 
@@ -27,9 +29,9 @@ def public_shift_weights(labels: np.ndarray, num_classes: int, shift: str, favou
     1 over the classes (for ``"strong"`` and ten classes: 1.5 − c/9).
     """
     if shift not in PUBLIC_SHIFTS:
-        raise ValueError(f"public_shift must be one of {sorted(PUBLIC_SHIFTS)}, got {shift!r}.")
+        raise ConfigError(f"public_shift must be one of {sorted(PUBLIC_SHIFTS)}, got {shift!r}.")
     if favoured not in ("first", "last"):
-        raise ValueError(f"favoured must be 'first' or 'last', got {favoured!r}.")
+        raise ConfigError(f"favoured must be 'first' or 'last', got {favoured!r}.")
     ratio = PUBLIC_SHIFTS[shift]
     position = 1.0 - 2.0 * np.asarray(labels, dtype=np.float64) / (num_classes - 1)  # +1 first class, −1 last
     if favoured == "last":

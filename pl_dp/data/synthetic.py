@@ -34,6 +34,7 @@ from sklearn.datasets import make_classification
 from torch.utils.data import TensorDataset
 
 from pl_dp.data.datamodule import SplitsDataModule
+from pl_dp.errors import ConfigError
 
 _DATA_SEED = 0  # fixed: the problem itself (clusters, rows, label noise)
 _SPLIT_SEED = 20240229  # fixed: the splits never move with the training seed
@@ -56,13 +57,13 @@ def synthetic_splits(
     validation split's statistics.
     """
     if not 0 <= public_fraction < 1:
-        raise ValueError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
+        raise ConfigError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
     if not (val_fraction > 0 and test_fraction > 0 and val_fraction + test_fraction < 1):
-        raise ValueError(
+        raise ConfigError(
             f"val_fraction and test_fraction must be positive with a sum below 1, got {val_fraction}, {test_fraction}."
         )
     if not 0 < n_informative <= n_features:
-        raise ValueError(f"n_informative must lie in [1, n_features={n_features}], got {n_informative}.")
+        raise ConfigError(f"n_informative must lie in [1, n_features={n_features}], got {n_informative}.")
     x, y = make_classification(
         n_samples=n_samples,
         n_features=n_features,
@@ -81,7 +82,7 @@ def synthetic_splits(
     n_public = int(round(public_fraction * len(pool)))
     public_idx, private_idx = pool[:n_public], pool[n_public:]
     if len(private_idx) == 0 or n_val == 0 or n_test == 0:
-        raise ValueError(f"n_samples={n_samples} is too small for these fractions: a split would be empty.")
+        raise ConfigError(f"n_samples={n_samples} is too small for these fractions: a split would be empty.")
     mean, std = x[val_idx].mean(axis=0), x[val_idx].std(axis=0)
     features = torch.tensor((x - mean) / np.where(std > 0, std, 1.0), dtype=torch.float32)
     labels = torch.tensor(y, dtype=torch.long)

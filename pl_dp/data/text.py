@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import SplitsDataModule
+from pl_dp.errors import ConfigError
 from pl_dp.nets.prompt import MASK, TEXT, split_template
 from pl_dp.step.seal import sealed
 
@@ -51,7 +52,7 @@ def read_columns(source: Any, columns: Sequence[str]) -> list[list]:
             with path.open(encoding="utf-8") as file:
                 rows = [json.loads(line) for line in file if line.strip()]
         else:
-            raise ValueError(f"cannot read {path}: use a .csv, .tsv or .jsonl file.")
+            raise ConfigError(f"cannot read {path}: use a .csv, .tsv or .jsonl file.")
         missing = set(columns) - set(rows[0] if rows else ())
         if rows and missing:
             raise KeyError(f"{path} has no column {sorted(missing)}; its columns are {sorted(rows[0])}.")
@@ -82,11 +83,11 @@ def encode_labels(labels: Sequence[Any], label_names: Sequence[str] | None = Non
             value = None
         if value is None or isinstance(label, bool) or not value.is_integer() or value < 0:
             known = f" (label_names: {list(index)})" if index else "; give label_names for labels that are names"
-            raise ValueError(f"a label is neither a class index nor a known name{known}.")
+            raise ConfigError(f"a label is neither a class index nor a known name{known}.")
         out.append(int(value))
     encoded = torch.tensor(out, dtype=torch.long)
     if index and len(encoded) and int(encoded.max()) >= len(index):
-        raise ValueError(f"a class index is >= the number of label_names ({len(index)}).")
+        raise ConfigError(f"a class index is >= the number of label_names ({len(index)}).")
     return encoded
 
 
@@ -105,7 +106,7 @@ def tokenize_prompts(
     pickle of it carry) keeps no trace of the texts it read.
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("tokenizing prompts needs a fast (Rust) tokenizer: load it with AutoTokenizer.")
+        raise ConfigError("tokenizing prompts needs a fast (Rust) tokenizer: load it with AutoTokenizer.")
     prefix, suffix = split_template(template, tokenizer.mask_token)
     if not texts:
         return []
@@ -126,7 +127,7 @@ def tokenize_prompts(
             start, end = len(prefix), len(prefix) + len(text)
             in_text = [j for j, ((a, _), s) in enumerate(zip(offsets, special)) if not s and start <= a < end]
             if overflow > len(in_text):
-                raise ValueError(
+                raise ConfigError(
                     f"the template {template!r} with its special tokens is longer than max_length={max_length}."
                 )
             cut = set(in_text[len(in_text) - overflow :])
@@ -200,11 +201,11 @@ def carve_splits(
     bounds, total = [], 0.0
     for name, fraction in fractions.items():
         if not 0 <= fraction < 1:
-            raise ValueError(f"{name}_fraction must lie in [0, 1), got {fraction}.")
+            raise ConfigError(f"{name}_fraction must lie in [0, 1), got {fraction}.")
         total += fraction
         bounds.append((total, name))
     if total >= 1:
-        raise ValueError(f"test, val and public fractions add up to {total:g}: nothing would be left private.")
+        raise ConfigError(f"test, val and public fractions add up to {total:g}: nothing would be left private.")
     key = hashlib.sha256(str(split_seed).encode()).digest()  # any integer seed, as a key of BLAKE2b's size
     out: dict[str, tuple[list, list]] = {name: ([], []) for name in ("private", "public", "val", "test")}
     for record in zip(*columns, strict=True):
@@ -279,9 +280,9 @@ class TextDataModule(SplitsDataModule):
         **kwargs: Any,
     ) -> None:
         if prompt is not None and (tokenizer is not None or template is not None):
-            raise ValueError("give either prompt (its tokenizer and template are used) or tokenizer and template.")
+            raise ConfigError("give either prompt (its tokenizer and template are used) or tokenizer and template.")
         if prompt is None and tokenizer is None:
-            raise ValueError("TextDataModule needs a tokenizer (a local directory or a loaded tokenizer) or a prompt.")
+            raise ConfigError("TextDataModule needs a tokenizer (a local directory or a loaded tokenizer) or a prompt.")
         self.tokenizer = prompt.tokenizer if prompt is not None else tokenizer
         if isinstance(self.tokenizer, (str, Path)):
             from transformers import AutoTokenizer
@@ -311,6 +312,6 @@ class TextDataModule(SplitsDataModule):
     ) -> TokenizedTexts:
         encoded = encode_labels(labels, label_names)
         if num_labels is not None and len(encoded) and int(encoded.max()) >= num_labels:
-            raise ValueError(f"a label is >= the number of classes ({num_labels}).")
+            raise ConfigError(f"a label is >= the number of classes ({num_labels}).")
         ids = tokenize_prompts(texts, self.tokenizer, self.template, self.max_length)
         return TokenizedTexts(list(texts), ids, encoded)

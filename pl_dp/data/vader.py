@@ -32,6 +32,7 @@ from torch.utils.data import TensorDataset
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.data.shift import public_shift_weights
 from pl_dp.data.text import TextDataModule
+from pl_dp.errors import ConfigError
 
 _SPLIT_SEED = 20140601
 NEUTRAL_BAND = 0.5
@@ -57,7 +58,7 @@ def vader_splits(
 ) -> dict[str, tuple[list[str], torch.Tensor]]:
     """Fixed (texts, labels) for ``private``, ``public``, ``val`` and ``test`` (see the module docstring)."""
     if not 0 <= public_fraction < 1:
-        raise ValueError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
+        raise ConfigError(f"public_fraction must lie in [0, 1), got {public_fraction}.")
     means: dict[str, list[float]] = {}
     for text, mean in vader_lexicon():
         means.setdefault(text, []).append(mean)

@@ -35,6 +35,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods.evaluation import EvaluationMixin
 from pl_dp.methods.parallel import DataParallelMixin
 from pl_dp.methods.precision import PrecisionMixin
@@ -190,7 +191,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self.direction_seed = derive_seed(torch.initial_seed(), SeedDomain.DIRECTIONS)
         if privacy is not None and not accountant_class(self.accountant_name).supports(self.release):
             fitting = [name for name in accountant_names() if accountant_class(name).supports(self.release)]
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"the {self.accountant_name!r} accountant does not account {type(self).__name__}'s releases "
                 f"({self.release.__name__}): use PrivacySpec(accountant=None) (its own, {self.default_accountant!r}) "
                 f"or one of {fitting}."
@@ -327,7 +328,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
     def trainable_parameters(self) -> list[nn.Parameter]:
         params = [p for p in self.net.parameters() if p.requires_grad]
         if not params:
-            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+            raise ConfigError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         return params
 
     def master_parameters(self) -> list[torch.Tensor]:
@@ -403,7 +404,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
                 config.scheduler.step(value)
             elif config.strict:
                 available = ", ".join(sorted(trainer.callback_metrics)) or "none"
-                raise ValueError(
+                raise ConfigError(
                     f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged; available: {available}."
                 )
 
@@ -437,14 +438,14 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             self._setup_data_parallel(sampler)
         planned = trainer.estimated_stepping_batches
         if not math.isfinite(planned):
-            raise ValueError("private training needs a finite plan: set trainer max_steps or max_epochs.")
+            raise ConfigError("private training needs a finite plan: set trainer max_steps or max_epochs.")
         if self.sharded and self.log_private_metrics:
-            raise ValueError(
+            raise PrivacyConfigError(
                 "log_private_metrics is not available on a sharded net: its statistics of the private batch (forwards "
                 "and sums over ranks) would run only on the ranks whose share of the Poisson batch is not empty."
             )
         if self.privacy is not None and trainer.accumulate_grad_batches != 1:
-            raise ValueError(
+            raise PrivacyConfigError(
                 "accumulate_grad_batches must be 1: each Poisson batch is one private step "
                 "(use a larger batch_size for a larger expected batch)."
             )
@@ -564,7 +565,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
                 return self._to_device(collate([examples[0]]))
         if self.privacy is None and dataset is not None:
             return self._to_device(collate([dataset[0]]))
-        raise ValueError(
+        raise ConfigError(
             "a sharded private run needs validation or public data: a fixed example that is not private pads the "
             "passes of a rank that sampled fewer examples than another (every rank runs every sharded pass). Give "
             "the datamodule a val (or public) set."
@@ -742,12 +743,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         """
         version = state.get("version", 1)
         if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= self.PRIVACY_STATE_VERSION:
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"this checkpoint's privacy state has version {version!r}; this pl_dp reads versions 1 to "
                 f"{self.PRIVACY_STATE_VERSION}. It was written by another (newer) pl_dp: resume it with that version."
             )
         if state.get("method") != type(self).__name__:
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"this checkpoint was written by {state.get('method')!r}, not {type(self).__name__!r}: "
                 "its privacy state cannot be resumed by another method."
             )
@@ -763,7 +764,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "pl_dp" not in checkpoint:
-            raise ValueError(
+            raise PrivacyConfigError(
                 "this checkpoint has no pl_dp privacy state (accountant history, plan, counters): resuming "
                 "would restart the accountant from zero and under-report epsilon."
             )

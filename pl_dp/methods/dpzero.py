@@ -9,7 +9,7 @@ from pl_dp.methods.zeroth_order import ZerothOrderModule
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 
 
-class DPZero(ZerothOrderModule):
+class DPZero(ZerothOrderModule, shardable=True):
     """DPZero (Zhang et al. 2024) as written by Gong & Li 2025 (Eq. 2; q queries as in §3.1).
 
     Per step, on one Poisson batch B with expected size b, for j = 1..q::

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods.base import PrivateModule, StepResult
 from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
@@ -68,7 +69,7 @@ class FirstOrderModule(PrivateModule):
     @property
     def supports_sharding(self) -> bool:
         """Sharded (FSDP2) with ghost clipping only: per-example gradients of gathered layers would not be sharded."""
-        return self.per_sample_mode == "ghost"
+        return self.shardable and self.per_sample_mode == "ghost"
 
     def __init__(
         self,
@@ -90,20 +91,20 @@ class FirstOrderModule(PrivateModule):
         super().__init__(net, lr=lr, **kwargs)
         if clip_quantile is not None:
             if not 0.0 < clip_quantile < 1.0:
-                raise ValueError(f"clip_quantile must lie in (0, 1), got {clip_quantile!r}.")
+                raise ConfigError(f"clip_quantile must lie in (0, 1), got {clip_quantile!r}.")
             if clip_fn != "constant" or clip is None:
-                raise ValueError("adaptive clipping (clip_quantile) needs clip_fn='constant' and an initial clip.")
+                raise ConfigError("adaptive clipping (clip_quantile) needs clip_fn='constant' and an initial clip.")
             if quantile_noise is not None and not quantile_noise > 0:
-                raise ValueError(f"quantile_noise must be > 0, got {quantile_noise!r}.")
+                raise PrivacyConfigError(f"quantile_noise must be > 0, got {quantile_noise!r}.")
         self.clip_quantile = clip_quantile
         self.quantile_noise = quantile_noise
         self.quantile_lr = float(quantile_lr)
         if clip is None and self.privacy is not None:
-            raise ValueError("clip must be a number > 0 for a private run, got None.")
+            raise ConfigError("clip must be a number > 0 for a private run, got None.")
         if optimizer not in _OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}.")
+            raise ConfigError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}.")
         if per_sample not in ("hooks", "functorch", "ghost"):
-            raise ValueError(f"per_sample must be 'hooks', 'functorch' or 'ghost', got {per_sample!r}.")
+            raise ConfigError(f"per_sample must be 'hooks', 'functorch' or 'ghost', got {per_sample!r}.")
         self.clip_function = None if clip is None else ClipFunction(clip_fn, clip, r)
         self.optimizer_name = optimizer
         self.momentum = float(momentum)
@@ -118,7 +119,7 @@ class FirstOrderModule(PrivateModule):
         own = self.net_configure_optimizers()
         if own is not None:
             if (self.optimizer_name, self.momentum, self.weight_decay) != ("sgd", 0.0, 0.0):
-                raise ValueError(
+                raise ConfigError(
                     f"both the net's configure_optimizers and {type(self).__name__}(optimizer={self.optimizer_name!r}, "
                     f"momentum={self.momentum}, weight_decay={self.weight_decay}) say how to optimize: keep one "
                     "(the method's arguments at their defaults use the net's)."
@@ -378,7 +379,7 @@ class FirstOrderModule(PrivateModule):
             p.grad = as_gradient_of(p, g.to(p.dtype))
 
 
-class DPSGD(FirstOrderModule):
+class DPSGD(FirstOrderModule, shardable=True):
     """DP-SGD (Abadi et al. 2016) with a choice of per-example weight (Bu et al. 2022; Xia et al. 2023, §5).
 
     Per step on a Poisson batch of expected size b::
@@ -401,7 +402,7 @@ class DPSGD(FirstOrderModule):
         return result
 
 
-class Coupling(PublicDataMixin, FirstOrderModule):
+class Coupling(PublicDataMixin, FirstOrderModule, shardable=True):
     """Coupling of public and private gradients (Liu, Bu, Wang, Zha & Karypis 2023, §3).
 
         G = α · (1/b′) Σ_j ∇ℓ_j(θ)  +  (1 − α) · (Σ_i c(‖g_i‖) g_i + σR·Z) / b
@@ -442,7 +443,7 @@ class Coupling(PublicDataMixin, FirstOrderModule):
         super().__init__(net, clip_fn=clip_fn, r=r, **kwargs)
         if alpha == "auto":
             if kappa is None or not kappa > 0:
-                raise ValueError("alpha='auto' needs kappa = L·L0 > 0 (see Coupling.kappa_from_alpha).")
+                raise ConfigError("alpha='auto' needs kappa = L·L0 > 0 (see Coupling.kappa_from_alpha).")
             self._alpha: float | None = None
         else:
             self._alpha = self._check_alpha(alpha)
@@ -452,7 +453,7 @@ class Coupling(PublicDataMixin, FirstOrderModule):
     @staticmethod
     def _check_alpha(alpha: Any) -> float:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be a number in [0, 1] or 'auto', got {alpha!r}.")
+            raise ConfigError(f"alpha must be a number in [0, 1] or 'auto', got {alpha!r}.")
         return float(alpha)
 
     @property

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods.base import StepResult
 from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.privacy.clip_functions import clip_per_example
@@ -105,11 +106,11 @@ class O2NC(OwnUpdateModule):
         check_positive("clip", clip)
         check_positive("smoothing", smoothing)
         if variant not in ("tree", "naive"):
-            raise ValueError(f"variant must be 'tree' or 'naive', got {variant!r}.")
+            raise ConfigError(f"variant must be 'tree' or 'naive', got {variant!r}.")
         if step_rule not in ("adagrad", "constant"):
-            raise ValueError(f"step_rule must be 'adagrad' or 'constant', got {step_rule!r}.")
+            raise ConfigError(f"step_rule must be 'adagrad' or 'constant', got {step_rule!r}.")
         if output not in _OUTPUTS:
-            raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}.")
+            raise ConfigError(f"output must be one of {_OUTPUTS}, got {output!r}.")
         if directions_per_sample != "d":
             positive_integer("directions_per_sample", directions_per_sample)
         self.clip = float(clip)
@@ -166,7 +167,7 @@ class O2NC(OwnUpdateModule):
             (sampler.first_batch_size, sampler.batch_size, sampler.block_steps)
             != (self.first_batch_size, self.batch_size, self.inner_steps)
         ):
-            raise ValueError(
+            raise PrivacyConfigError(
                 "O2NC's accounting needs its own disjoint partition of the private set: train with a "
                 "PrivatePublicDataModule (which asks the method for its loader) or O2NC.private_loader(dataset, seed)."
             )
@@ -185,7 +186,7 @@ class O2NC(OwnUpdateModule):
                 for key in sorted(saved.keys() | layout.keys())
                 if saved.get(key) != layout.get(key)
             )
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"O2NC cannot resume over another partition of the private set ({changes}): the checkpoint's "
                 "ledger counts released nodes per block of its own partition, and a new partition in the middle "
                 "of a pass would reuse examples. Resume with the checkpoint's data, batch sizes, inner_steps, "

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pl_dp.errors import ConfigError
 from pl_dp.methods.base import PrivateModule
 from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
@@ -52,7 +53,7 @@ def refuse_unless_plain_sgd(module: L.LightningModule, optimizer: torch.optim.Op
         for group in optimizer.param_groups
     )
     if not plain:
-        raise ValueError(
+        raise ConfigError(
             f"{type(module).__name__} applies its own update (it writes no gradient for an optimizer), so it "
             "accepts only torch.optim.SGD without momentum, weight decay or Nesterov, which holds the step size "
             f"for LR schedulers; got {type(optimizer).__name__} with {optimizer.defaults}. Remove --optimizer "

@@ -12,7 +12,7 @@ shards its net itself in ``configure_model``; :mod:`pl_dp.step.shards` says wher
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.strategies import (
@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.sampling import PoissonBatchSampler
 from pl_dp.step.seal import ForwardsInStep
 from pl_dp.step.shards import is_sharded, meta_copy, whole
@@ -46,11 +47,12 @@ def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
             raise NotImplementedError(
                 f"{method} cannot be sharded yet (ModelParallelStrategy): its update needs the whole parameters on "
                 "every rank. Use strategy='ddp' (or one device); DPZero, PAZO-M/P/S, and DPSGD and Coupling with "
-                "per_sample='ghost', run sharded."
+                "per_sample='ghost', run sharded. A subclass of one of them declares that it runs sharded, once it is "
+                "tested so: class MyMethod(DPZero, shardable=True)."
             )
         tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
         if tensor_parallel != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"pl_dp shards the net itself with FSDP2 over the data-parallel ranks and does not apply tensor "
                 f"parallelism; got tensor_parallel_size={tensor_parallel}. Use ModelParallelStrategy("
                 f"data_parallel_size={strategy.world_size}, tensor_parallel_size=1)."
@@ -123,14 +125,23 @@ class DataParallelMixin:
     #: whether the method runs under data parallelism (sum-then-noise collectives; O2NC does not yet)
     supports_data_parallel: bool = True
 
+    #: whether the method's own class declared that it runs with its net sharded by FSDP2 — ``class
+    #: MyMethod(DPZero, shardable=True)`` — never inherited: a subclass may change what a step computes, so it is
+    #: refused under ``ModelParallelStrategy`` until it says it was tested there (tests/distributed/test_fsdp.py)
+    shardable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, *, shardable: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.shardable = shardable
+
     #: sharded: keeps the ranks' forwards in step when one raises (set by :meth:`configure_model`)
     forwards_in_step: ForwardsInStep | None = None
 
     @property
     def supports_sharding(self) -> bool:
-        """Whether the method runs with its net sharded by FSDP2 (``ModelParallelStrategy``): the zeroth-order methods
-        but O2NC, and ghost-clipped DP-SGD and Coupling."""
-        return False
+        """Whether this module runs with its net sharded by FSDP2 (``ModelParallelStrategy``): its class declared it
+        (:attr:`shardable`: DPZero, PAZO-M/P/S, and DP-SGD and Coupling with ghost clipping)."""
+        return self.shardable
 
     @property
     def sharded(self) -> bool:
@@ -158,7 +169,7 @@ class DataParallelMixin:
         else:
             whole = [n for n, p in self.net.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
             if whole:  # their gradients would stay on each rank, and each rank would add the whole noise to them
-                raise ValueError(
+                raise PrivacyConfigError(
                     f"the net is sharded already, but not its trainable parameters {whole[:3]}: shard all of them "
                     "(or leave the sharding to pl_dp, which shards every layer)."
                 )
@@ -178,7 +189,7 @@ class DataParallelMixin:
             return self.net, None
         structure = getattr(self, "_net_structure", None)
         if structure is None:
-            raise ValueError(
+            raise ConfigError(
                 "this net was sharded by its own configure_model, so pl_dp has no unsharded structure to run the whole "
                 "parameters through (DP-ZOPO's pruning score): leave the sharding to pl_dp."
             )
@@ -224,7 +235,7 @@ class DataParallelMixin:
         if self.privacy is not None and (
             getattr(sampler, "num_replicas", 1) != world or getattr(sampler, "rank", 0) != rank
         ):
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"with {world} processes the private loader must shard one global Poisson batch "
                 f"(PoissonBatchSampler(num_replicas={world}, rank={rank}), as PrivatePublicDataModule builds it); "
                 f"got {type(sampler).__name__} with num_replicas={getattr(sampler, 'num_replicas', 1)}."

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.methods.base import StepResult
 from pl_dp.methods.own_update import OwnUpdateModule
 from pl_dp.methods.public import PublicDataMixin
@@ -35,7 +36,7 @@ from pl_dp.zo.estimator import privatize_sum
 from pl_dp.zo.subspace import SubspaceEngine
 
 
-class PAZOM(PublicDataMixin, ZerothOrderModule):
+class PAZOM(PublicDataMixin, ZerothOrderModule, shardable=True):
     """PAZO-M (Algorithm 1): θ ← θ − η(α·g_pub + (1−α)·g̃/q).
 
     g_pub is the mean-loss gradient of one public batch at θ_t (before any perturbation,
@@ -55,7 +56,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
     def __init__(self, net: nn.Module, *, alpha: float = 0.5, smoothing: float = 1e-2, **kwargs: Any) -> None:
         super().__init__(net, smoothing=smoothing, **kwargs)
         if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
+            raise ConfigError(f"alpha must lie in [0, 1], got {alpha!r}.")
         self.alpha = float(alpha)
 
     @property
@@ -88,7 +89,7 @@ class PAZOM(PublicDataMixin, ZerothOrderModule):
         return StepResult(stats, estimate.nonfinite)
 
 
-class PAZOP(PublicDataMixin, ZerothOrderModule):
+class PAZOP(PublicDataMixin, ZerothOrderModule, shardable=True):
     """PAZO-P (Algorithm 2): zeroth-order search in the span of k public gradients.
 
     Per step: k disjoint public batches give g_1..g_k, turned into G (``orthonormalize=True``: an
@@ -118,7 +119,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         # the directions' radius is the basis' (k coefficients): no ``radius`` to give
         super().__init__(net, direction=direction, radius=None, lr=lr, smoothing=smoothing, **kwargs)
         if direction not in ("gaussian", "sphere"):
-            raise ValueError(
+            raise ConfigError(
                 f"PAZO-P draws the coefficients of its public-gradient basis: direction must be 'gaussian' or "
                 f"'sphere', got {direction!r}."
             )
@@ -131,7 +132,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
 
     def build_engine(self, params: list[nn.Parameter]) -> SubspaceEngine:
         if self.direction_mask is not None:
-            raise ValueError(
+            raise ConfigError(
                 "PAZO-P searches the span of public gradients; a coordinate mask (PruningSchedule) is not "
                 "supported for it. Use DPZero or PAZO-M with PruningSchedule."
             )
@@ -156,7 +157,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule):
         return StepResult(metrics, estimate.nonfinite)
 
 
-class PAZOS(PublicDataMixin, OwnUpdateModule):
+class PAZOS(PublicDataMixin, OwnUpdateModule, shardable=True):
     """PAZO-S (Algorithm 3): choose among k public gradients by private loss queries.
 
     Per step, with k disjoint public batches and their raw gradients g_1..g_k (at θ_t)::
@@ -196,7 +197,7 @@ class PAZOS(PublicDataMixin, OwnUpdateModule):
         super().__init__(net, lr=lr, **kwargs)
         check_positive("clip", clip, allow_none=self.privacy is None)
         if not (perturb_scale >= 0 and math.isfinite(perturb_scale)):
-            raise ValueError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")
+            raise ConfigError(f"perturb_scale must be a finite number >= 0, got {perturb_scale!r}.")
         self.clip = None if clip is None else float(clip)
         self.k = positive_integer("k", k)
         self.perturb_scale = float(perturb_scale)
@@ -205,11 +206,6 @@ class PAZOS(PublicDataMixin, OwnUpdateModule):
     @property
     def public_batches_per_step(self) -> int:
         return self.k
-
-    @property
-    def supports_sharding(self) -> bool:
-        """Every move goes through the perturbation engine, which writes each rank's block (FSDP2)."""
-        return True
 
     @property
     def candidates(self) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pl_dp.errors import ConfigError
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.losses import check_per_sample
 from pl_dp.step.shards import replicated_gradient
@@ -32,7 +33,7 @@ class PublicDataMixin:
     def _public_source(self) -> Any:
         dm = getattr(self.trainer, "datamodule", None)
         if dm is None or not hasattr(dm, "public_batches"):
-            raise ValueError(
+            raise ConfigError(
                 f"{type(self).__name__} needs public data: train with a PrivatePublicDataModule "
                 "(or a subclass) that has a public dataset."
             )

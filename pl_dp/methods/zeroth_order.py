@@ -75,11 +75,6 @@ class ZerothOrderModule(OwnUpdateModule):
         self.direction_mask: DirectionMask | None = None
 
     @property
-    def supports_sharding(self) -> bool:
-        """Each rank perturbs its block of every parameter (:mod:`pl_dp.step.shards`)."""
-        return True
-
-    @property
     def smoothing(self) -> float:
         """λ; settable (schedules change it between steps)."""
         return self._smoothing

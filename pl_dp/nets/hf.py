@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_dp.errors import ConfigError
+
 #: the index of a transformer block in a parameter name: BERT/RoBERTa ``encoder.layer.3.``, GPT-2 ``h.3.``,
 #: OPT/Llama ``layers.3.``, T5 ``block.3.``
 _LAYER = re.compile(r"\.(?:layer|layers|h|block)\.(\d+)\.")
@@ -91,9 +93,9 @@ def select_trainable(module: nn.Module, trainable: str, is_head: Callable[[str],
         last = set(layers[-count:]) if count else set()
         keep = {n for n in names if is_head(n) or ((m := _LAYER.search(n)) and int(m.group(1)) in last)}
     else:
-        raise ValueError(f"trainable must be {TRAINABLE_CHOICES}, got {trainable!r}.")
+        raise ConfigError(f"trainable must be {TRAINABLE_CHOICES}, got {trainable!r}.")
     if not keep:
-        raise ValueError(f"trainable={trainable!r} selects no parameter of this model.")
+        raise ConfigError(f"trainable={trainable!r} selects no parameter of this model.")
     for n, p in module.named_parameters():
         p.requires_grad_(n in keep)
 
@@ -113,7 +115,7 @@ def add_lora(
     except ImportError as err:  # pragma: no cover - depends on the install
         raise ImportError("trainable='lora' needs the 'peft' package: pip install 'pl_dp[finetune]'.") from err
     if isinstance(rank, bool) or int(rank) != rank or rank < 1:
-        raise ValueError(f"lora_rank must be an integer >= 1, got {rank!r}.")
+        raise ConfigError(f"lora_rank must be an integer >= 1, got {rank!r}.")
     config = LoraConfig(
         r=int(rank),
         lora_alpha=alpha,

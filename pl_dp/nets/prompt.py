@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.nets.hf import (
     add_lora,
     at_least_fp32,
@@ -62,16 +63,16 @@ def model_kind(config: Any) -> str:
         return "causal"
     if architectures:
         return "encoder"
-    raise ValueError("the checkpoint's config names no architecture: pass kind='masked', 'causal' or 'encoder'.")
+    raise ConfigError("the checkpoint's config names no architecture: pass kind='masked', 'causal' or 'encoder'.")
 
 
 def split_template(template: str, mask_token: str | None) -> tuple[str, str]:
     """The text before and after ``{text}`` in ``template``, with ``{mask}`` replaced by ``mask_token``."""
     if template.count(TEXT) != 1:
-        raise ValueError(f"a template needs exactly one {TEXT}, got {template!r}.")
+        raise ConfigError(f"a template needs exactly one {TEXT}, got {template!r}.")
     if MASK in template:
         if mask_token is None:
-            raise ValueError(f"the template {template!r} has {MASK}, but the tokenizer has no mask token.")
+            raise ConfigError(f"the template {template!r} has {MASK}, but the tokenizer has no mask token.")
         template = template.replace(MASK, mask_token)
     prefix, suffix = template.split(TEXT)
     return prefix, suffix
@@ -80,10 +81,10 @@ def split_template(template: str, mask_token: str | None) -> tuple[str, str]:
 def check_template(template: str, kind: str) -> None:
     """Raise unless ``template`` has one ``{text}`` and, exactly for masked LMs, one ``{mask}``."""
     if template.count(TEXT) != 1:
-        raise ValueError(f"a template needs exactly one {TEXT}, got {template!r}.")
+        raise ConfigError(f"a template needs exactly one {TEXT}, got {template!r}.")
     if template.count(MASK) != (1 if kind == "masked" else 0):
         where = "exactly one" if kind == "masked" else "no"
-        raise ValueError(f"a {kind} model's template needs {where} {MASK}, got {template!r}.")
+        raise ConfigError(f"a {kind} model's template needs {where} {MASK}, got {template!r}.")
 
 
 def label_token_id(tokenizer: Any, word: str) -> int:
@@ -96,7 +97,7 @@ def label_token_id(tokenizer: Any, word: str) -> int:
         ids = tokenizer(form, add_special_tokens=False)["input_ids"]
         if len(ids) == 1:
             return int(ids[0])
-    raise ValueError(
+    raise ConfigError(
         f"the label word {word!r} is not a single token of this tokenizer: prompt-based classification scores one "
         "token per class (LM-BFF, MeZO). Choose a label word that is one token."
     )
@@ -145,16 +146,16 @@ class PromptClassifier(nn.Module):
         import transformers
 
         if isinstance(label_words, str) or len(label_words) < 2:
-            raise ValueError(f"label_words needs one word per class (at least 2), got {label_words!r}.")
+            raise ConfigError(f"label_words needs one word per class (at least 2), got {label_words!r}.")
         path = local_model_dir(model_path or minilm_path())
         with quiet_transformers():
             config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.kind = model_kind(config) if kind == "auto" else kind
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be 'auto' or one of {KINDS}, got {kind!r}.")
+            raise ConfigError(f"kind must be 'auto' or one of {KINDS}, got {kind!r}.")
         if trainable == "head" and self.kind != "encoder":
-            raise ValueError(
+            raise ConfigError(
                 f"trainable='head' needs a separate head; a {self.kind} LM scores the label words with its own "
                 "output embedding: use 'all', 'bias', 'last-N' or 'lora'."
             )
@@ -177,7 +178,7 @@ class PromptClassifier(nn.Module):
         else:
             ids = [label_token_id(self.tokenizer, word) for word in self.label_words]
             if len(set(ids)) < len(ids):
-                raise ValueError(f"the label words {self.label_words} share a token: each class needs its own.")
+                raise ConfigError(f"the label words {self.label_words} share a token: each class needs its own.")
             self.register_buffer("label_token_ids", torch.tensor(ids), persistent=False)
         if trainable == "lora":
             with quiet_transformers(), torch.random.fork_rng():

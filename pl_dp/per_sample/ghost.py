@@ -62,6 +62,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from pl_dp.errors import ConfigError
 from pl_dp.per_sample.gradients import (
     OPACUS_RNNS,
     BroadcastLookups,
@@ -304,11 +305,11 @@ class GhostClipping:
         self.names = [n for n, p in net.named_parameters() if p.requires_grad]
         self.params = [p for p in net.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+            raise ConfigError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         full = (torch.float32, torch.float64)
         low = [f"{n} ({p.dtype})" for n, p in zip(self.names, self.params) if p.dtype not in full]
         if low:
-            raise ValueError(
+            raise ConfigError(
                 f"per_sample='ghost' needs fp32 trainable parameters, got {low[:3]}{' …' if len(low) > 3 else ''}: "
                 "the clipped sum comes out of autograd in the parameters' dtype, and summing clipped gradients in "
                 "half precision would let one example move it by more than the clip bound. Load the model in fp32 "
@@ -316,14 +317,14 @@ class GhostClipping:
             )
         unsupported = unsupported_layers(net)
         if unsupported:
-            raise ValueError(
+            raise ConfigError(
                 "per_sample='ghost' cannot compute per-example gradient norms for these trainable layers:\n  - "
                 + "\n  - ".join(unsupported)
                 + "\n(opacus.validators.ModuleValidator.fix(net) swaps them), or freeze them (requires_grad=False)."
             )
         shared = unsupported_ties(net)
         if shared:
-            raise ValueError(
+            raise ConfigError(
                 f"per_sample='ghost' cannot clip these parameters tied across modules: {'; '.join(shared)}. A shared "
                 "parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie them, or use "
                 "per_sample='hooks'."
@@ -337,7 +338,7 @@ class GhostClipping:
         self.group = layout_of(self.names[0], self.params[0]).group if self.sharded else None
         if self.sharded and tied_parameters(net):
             names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
-            raise ValueError(
+            raise ConfigError(
                 f"per_sample='ghost' cannot clip parameters tied across modules on a sharded net: {names}. Train "
                 "them in one process, freeze or untie them."
             )

@@ -28,6 +28,7 @@ from opacus.utils.module_utils import trainable_modules
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from pl_dp.errors import ConfigError
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
@@ -216,19 +217,19 @@ class PerSampleGradients:
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, mode: str = "hooks") -> None:
         if mode not in ("hooks", "functorch"):
-            raise ValueError(f"per-sample gradient mode must be 'hooks' or 'functorch', got {mode!r}.")
+            raise ConfigError(f"per-sample gradient mode must be 'hooks' or 'functorch', got {mode!r}.")
         self.net = net
         self.loss_fn = loss_fn
         self.mode = mode
         self.names = [n for n, p in net.named_parameters() if p.requires_grad]
         self.params = [p for p in net.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+            raise ConfigError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         self._gsm: GradSampleModule | None = None
         if mode == "hooks":
             unsupported = unsupported_layers(net)
             if unsupported:
-                raise ValueError(
+                raise ConfigError(
                     "per_sample='hooks' cannot compute per-example gradients for these trainable layers:\n  - "
                     + "\n  - ".join(unsupported)
                     + "\n(opacus.validators.ModuleValidator.fix(net) swaps them; Opacus' DPMultiheadAttention takes no "

@@ -34,6 +34,7 @@ from dp_accounting.pld import PLDAccountant
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 
 History = list[tuple[float, float, int]]
@@ -90,9 +91,9 @@ def register_accountant(cls: _A) -> _A:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{cls.__name__} declares no name (a class attribute naming it in specs and checkpoints).")
     if name in REMOVED_ACCOUNTANTS:
-        raise ValueError(f"{REMOVED_ACCOUNTANTS[name]}.")
+        raise PrivacyConfigError(f"{REMOVED_ACCOUNTANTS[name]}.")
     if _BACKENDS.get(name, cls) is not cls:
-        raise ValueError(f"the accountant name {name!r} is taken by {_BACKENDS[name].__qualname__}; choose another.")
+        raise ConfigError(f"the accountant name {name!r} is taken by {_BACKENDS[name].__qualname__}; choose another.")
     _BACKENDS[name] = cls
     return cls
 
@@ -131,9 +132,9 @@ class Accountant(abc.ABC):
         if num_steps < 1:
             return
         if not noise_multiplier > 0:
-            raise ValueError(f"noise_multiplier must be > 0 for an accounted step, got {noise_multiplier}.")
+            raise PrivacyConfigError(f"noise_multiplier must be > 0 for an accounted step, got {noise_multiplier}.")
         if not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}.")
+            raise PrivacyConfigError(f"sample_rate must lie in (0, 1], got {sample_rate}.")
         self.history = _append(self.history, float(noise_multiplier), float(sample_rate), int(num_steps))
 
     @property
@@ -144,7 +145,7 @@ class Accountant(abc.ABC):
     def compose(self, other: Accountant) -> None:
         """Append ``other``'s history to this one: the releases of both, composed (adaptive composition)."""
         if other.name != self.name:
-            raise ValueError(f"cannot compose a {other.name!r} history with a {self.name!r} accountant.")
+            raise PrivacyConfigError(f"cannot compose a {other.name!r} history with a {self.name!r} accountant.")
         self.history.extend(other.history)
         self._cache = None
 
@@ -175,9 +176,9 @@ class Accountant(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get(STATE_NAME_KEY)
         if saved in REMOVED_ACCOUNTANTS:
-            raise ValueError(f"cannot resume this checkpoint: {REMOVED_ACCOUNTANTS[saved]}.")
+            raise PrivacyConfigError(f"cannot resume this checkpoint: {REMOVED_ACCOUNTANTS[saved]}.")
         if saved != self.name:
-            raise ValueError(f"cannot load a {saved!r} accountant state into a {self.name!r} accountant.")
+            raise PrivacyConfigError(f"cannot load a {saved!r} accountant state into a {self.name!r} accountant.")
         self.history = [self._entry(row) for row in state["history"]]
         self._cache = None
 
@@ -306,7 +307,7 @@ class PLD(Accountant):
     def __init__(self, value_discretization_interval: float = 5e-4) -> None:
         super().__init__()
         if not value_discretization_interval > 0:
-            raise ValueError(f"value_discretization_interval must be > 0, got {value_discretization_interval}.")
+            raise PrivacyConfigError(f"value_discretization_interval must be > 0, got {value_discretization_interval}.")
         self.value_discretization_interval = float(value_discretization_interval)
 
     def _epsilon(self, history: History, delta: float) -> float:
@@ -325,11 +326,11 @@ def _pld_epsilon(history: tuple[tuple[float, float, int], ...], delta: float, in
 def accountant_class(name: str) -> type[Accountant]:
     """The accountant class registered as ``name`` (one of :func:`accountant_names`), for its declared facts."""
     if name in REMOVED_ACCOUNTANTS:
-        raise ValueError(f"{REMOVED_ACCOUNTANTS[name]}.")
+        raise PrivacyConfigError(f"{REMOVED_ACCOUNTANTS[name]}.")
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown accountant {name!r}; choose one of {sorted(_BACKENDS)}.") from None
+        raise PrivacyConfigError(f"unknown accountant {name!r}; choose one of {sorted(_BACKENDS)}.") from None
 
 
 def create_accountant(name: str) -> Accountant:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy.accountants import Accountant, rdp_epsilon
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 
@@ -28,7 +29,7 @@ def calibrate_noise_multiplier(
     (so a resumed or staged plan is calibrated for what is left).
     """
     if steps < 1:
-        raise ValueError(f"cannot calibrate noise for {steps} planned private steps.")
+        raise PrivacyConfigError(f"cannot calibrate noise for {steps} planned private steps.")
 
     def eps(sigma: float) -> float:
         return accountant.epsilon_after(delta, steps, noise_multiplier=sigma, sample_rate=sample_rate)
@@ -38,7 +39,7 @@ def calibrate_noise_multiplier(
     while eps_high > epsilon:
         sigma_low, sigma_high = sigma_high, 2 * sigma_high
         if sigma_high > _MAX_SIGMA:
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"epsilon={epsilon:g} is out of reach for {steps} steps at sample rate {sample_rate:g}: "
                 f"even noise multiplier {_MAX_SIGMA:g} spends more."
             )
@@ -66,7 +67,7 @@ class StepBudget:
 
     def __init__(self, accountant: Accountant, target_epsilon: float, delta: float, horizon: int = 0) -> None:
         if not target_epsilon > 0:
-            raise ValueError(f"target epsilon must be > 0, got {target_epsilon}.")
+            raise PrivacyConfigError(f"target epsilon must be > 0, got {target_epsilon}.")
         self.accountant = accountant
         self.target_epsilon = float(target_epsilon)
         self.delta = float(delta)

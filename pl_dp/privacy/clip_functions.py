@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pl_dp.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ClipFunction:
@@ -38,11 +40,11 @@ class ClipFunction:
 
     def __post_init__(self) -> None:
         if self.kind not in ("constant", "automatic", "psac"):
-            raise ValueError(f"clip_fn must be 'constant', 'automatic' or 'psac', got {self.kind!r}.")
+            raise ConfigError(f"clip_fn must be 'constant', 'automatic' or 'psac', got {self.kind!r}.")
         if not (isinstance(self.clip, (int, float)) and self.clip > 0 and math.isfinite(self.clip)):
-            raise ValueError(f"clip must be a finite number > 0, got {self.clip!r}.")
+            raise ConfigError(f"clip must be a finite number > 0, got {self.clip!r}.")
         if self.kind != "constant" and not self.r > 0:
-            raise ValueError(f"r must be > 0 for {self.kind} clipping, got {self.r!r}.")
+            raise ConfigError(f"r must be > 0 for {self.kind} clipping, got {self.r!r}.")
         if self.kind == "psac" and self.r > 1:
             warnings.warn(f"PSAC's analysis assumes r in (0, 1]; r={self.r} makes w monotone.", stacklevel=2)
 

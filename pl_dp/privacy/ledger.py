@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy.accountants import Accountant, create_accountant
 from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.journal import PrivacyJournal
@@ -168,7 +169,7 @@ class PrivacyLedger:
         if restored is not None:
             self._resume_plan(restored, steps_left, allow_change)
         elif spent >= spec.epsilon:
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"this module has already spent epsilon={spent:.3f} (delta={self._delta:.3g}) of its target "
                 f"epsilon={spec.epsilon:g} in earlier fits: there is no budget left for the {steps_left} steps "
                 "this fit plans. Epsilon composes across fits; train a fresh module, or raise the target on "
@@ -178,7 +179,7 @@ class PrivacyLedger:
             self.noise_multiplier = spec.noise_multiplier
             eps = self._epsilon_after(self._delta, steps_left)
             if eps > spec.epsilon:
-                raise ValueError(
+                raise PrivacyConfigError(
                     f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} "
                     f"(delta={self._delta:.3g}) for the {steps_left} planned private steps at sample "
                     f"rate {self._sample_rate:.4g}"
@@ -228,7 +229,7 @@ class PrivacyLedger:
             self.noise_multiplier = saved["noise_multiplier"]
             return
         if not allow_change:
-            raise ValueError(
+            raise PrivacyConfigError(
                 "; ".join(changes) + ": resuming under a different privacy spec or sample rate is refused (the "
                 "accountant would no longer describe the run). To continue on purpose, with the saved history "
                 "kept and sigma re-planned for the rest, add the callback pl_dp.callbacks.AllowPrivacySpecChange."
@@ -241,7 +242,7 @@ class PrivacyLedger:
         remaining = max(1, steps_left)
         spent = self._accountant.get_epsilon(self._delta) if self._accountant.history else 0.0
         if spent >= spec.epsilon:
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"the checkpoint has already spent epsilon={spent:.3f} (delta={self._delta:.3g}); the new target "
                 f"epsilon={spec.epsilon:g} leaves nothing for the {remaining} steps left."
             )
@@ -249,7 +250,7 @@ class PrivacyLedger:
             self.noise_multiplier = spec.noise_multiplier
             total = self._epsilon_after(self._delta, remaining)
             if total > spec.epsilon:
-                raise ValueError(
+                raise PrivacyConfigError(
                     f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} for the "
                     f"{remaining} steps left on top of the checkpoint's spent epsilon={spent:.3f}: it would "
                     f"reach {total:.3f}."
@@ -277,7 +278,7 @@ class PrivacyLedger:
         self._budgets.append(StepBudget(self._accountant, epsilon, delta, horizon=self._accountant.steps + steps_left))
         planned = self._epsilon_after(delta, steps_left)
         if planned > epsilon and self._spec.noise_multiplier is not None:
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"the {steps_left} planned private steps with noise_multiplier={self.noise_multiplier:g} would "
                 f"spend epsilon={planned:.3f} > target {epsilon:g}: refusing to start. Raise the noise multiplier "
                 "or plan fewer steps."
@@ -341,7 +342,7 @@ class PrivacyLedger:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["privacy"] is None) != (self.spec is None):
-            raise ValueError("cannot resume a private run as a non-private one or the reverse.")
+            raise PrivacyConfigError("cannot resume a private run as a non-private one or the reverse.")
         self.private_steps = int(state["private_steps"])
         self.noise_multiplier = float(state["noise_multiplier"])
         self.sample_rate = state["sample_rate"]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy.noise import NoiseSource
 
 if TYPE_CHECKING:  # the accountants declare which mechanisms they account: they import this module
@@ -61,7 +62,7 @@ class SubsampledGaussian:
             raise ValueError(f"expected_batch_size must be > 0, got {self.expected_batch_size}.")
         aux = self.auxiliary_noise_multiplier
         if self.is_private and aux is not None and not aux > self.noise_multiplier:
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"the auxiliary release's noise multiplier ({aux}) must exceed the step's noise multiplier "
                 f"({self.noise_multiplier}): together they may not spend more than one Gaussian with sigma."
             )

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from dp_accounting import NeighboringRelation
 
+from pl_dp.errors import ConfigError
 from pl_dp.privacy.accountants import STATE_NAME_KEY, accountant_class, load_accountant
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.step.independence import RELEASE_TOLERANCE
@@ -92,7 +93,7 @@ class PrivacyReport:
         """The report of a Lightning checkpoint written by a pl_dp method."""
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         if "pl_dp" not in checkpoint:
-            raise ValueError(f"{path} holds no pl_dp privacy state: it was not written by a pl_dp method.")
+            raise ConfigError(f"{path} holds no pl_dp privacy state: it was not written by a pl_dp method.")
         return cls.from_state(checkpoint["pl_dp"])
 
     @property

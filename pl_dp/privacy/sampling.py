@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, derive_seed, entropy_seed, secret_cpu_generator
 from pl_dp.step.batches import example_structure
 from pl_dp.step.seal import sealed
@@ -83,11 +84,11 @@ class PoissonBatchSampler(CopiesDrawTheirOwnSecret, CountingBatchSampler):
         rank: int = 0,
     ) -> None:
         if num_samples < 1:
-            raise ValueError("the private dataset is empty: Poisson sampling needs at least one example.")
+            raise ConfigError("the private dataset is empty: Poisson sampling needs at least one example.")
         if not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}.")
+            raise PrivacyConfigError(f"sample_rate must lie in (0, 1], got {sample_rate}.")
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is outside [0, {num_replicas}).")
+            raise ConfigError(f"rank {rank} is outside [0, {num_replicas}).")
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
@@ -147,7 +148,7 @@ class PartitionBatchSampler(CountingBatchSampler):
             ("block_steps", block_steps),
         ]:
             if isinstance(value, bool) or int(value) != value or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
         self.num_samples = int(num_samples)
         self.first_batch_size, self.batch_size, self.block_steps = (
             int(first_batch_size),
@@ -157,7 +158,7 @@ class PartitionBatchSampler(CountingBatchSampler):
         self.block_size = self.first_batch_size + self.batch_size * (self.block_steps - 1)
         self.blocks = self.num_samples // self.block_size
         if self.blocks < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.num_samples} private examples are too few for one block of B1 + B2*(T-1) = "
                 f"{self.first_batch_size} + {self.batch_size}*({self.block_steps}-1) = {self.block_size}: "
                 "lower the batch sizes or the inner steps T."
@@ -403,7 +404,7 @@ def poisson_sampler_of(loader: Any) -> PoissonBatchSampler | OpacusPoissonSampli
     if found == "BatchSampler":
         inner = getattr(sampler, "sampler", None)
         found = f"BatchSampler over {type(inner).__name__} (fixed-size batches, shuffled or in order)"
-    raise ValueError(
+    raise PrivacyConfigError(
         "the private training loader must Poisson-sample: the accountant assumes each example joins each "
         "batch independently with probability b/n. Use pl_dp.data.PrivatePublicDataModule, "
         "pl_dp.privacy.poisson_loader, or Opacus' DPDataLoader. Got a loader with " + found + ": fixed-size "

@@ -7,6 +7,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.accountants import REMOVED_ACCOUNTANTS, accountant_names
 
 
@@ -41,26 +42,26 @@ class PrivacySpec:
             or not math.isfinite(self.epsilon)
             or self.epsilon <= 0
         ):
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"PrivacySpec.epsilon must be a finite number > 0, got {self.epsilon!r} "
                 "(for a run without privacy pass privacy=None)."
             )
         if self.delta is not None and not (0 < self.delta < 1):
-            raise ValueError(f"PrivacySpec.delta must lie in (0, 1), got {self.delta!r}.")
+            raise PrivacyConfigError(f"PrivacySpec.delta must lie in (0, 1), got {self.delta!r}.")
         if self.accountant in REMOVED_ACCOUNTANTS:
-            raise ValueError(f"PrivacySpec.accountant: {REMOVED_ACCOUNTANTS[self.accountant]}.")
+            raise PrivacyConfigError(f"PrivacySpec.accountant: {REMOVED_ACCOUNTANTS[self.accountant]}.")
         if self.accountant is not None and self.accountant not in accountant_names():
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"PrivacySpec.accountant must be None (the method's own) or one of {tuple(accountant_names())}, "
                 f"got {self.accountant!r}."
             )
         if self.noise_multiplier is not None and not self.noise_multiplier > 0:
-            raise ValueError(f"PrivacySpec.noise_multiplier must be > 0, got {self.noise_multiplier!r}.")
+            raise PrivacyConfigError(f"PrivacySpec.noise_multiplier must be > 0, got {self.noise_multiplier!r}.")
 
     def resolve_delta(self, n_private: int) -> float:
         """δ for a private set of ``n_private`` examples (``1/n`` when unset; warns if δ > 1/n)."""
         if n_private < 1:
-            raise ValueError("the private dataset is empty: there is nothing to train on privately.")
+            raise ConfigError("the private dataset is empty: there is nothing to train on privately.")
         if self.delta is None:
             return 1.0 / n_private
         if self.delta > 1.0 / n_private:

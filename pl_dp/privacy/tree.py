@@ -29,6 +29,7 @@ from dp_accounting import NeighboringRelation
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy.accountants import Accountant, opacus_rdp_conversion, register_accountant
 from pl_dp.privacy.noise import NoiseSource
 
@@ -231,7 +232,7 @@ class TreeAggregatedGaussian:
                 if leaf is None:
                     raise RuntimeError("TreeAggregatedGaussian.account() without a release: nothing to record.")
                 if not isinstance(accountant, TreeAccountant):
-                    raise ValueError(
+                    raise PrivacyConfigError(
                         f"tree-aggregated releases need the tree accountant, got {type(accountant).__name__}."
                     )
                 accountant.record(self.noise_multiplier, leaf)
@@ -295,7 +296,7 @@ class TreeAccountant(Accountant):
             self._next_position = leaf.pass_index * steps_per_pass + leaf.tree * length + leaf.leaf
 
     def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
-        raise ValueError(
+        raise PrivacyConfigError(
             "the tree accountant records released tree leaves (TreeAccountant.record), not Poisson-subsampled "
             "steps: use it only with O2NC."
         )
@@ -320,7 +321,7 @@ class TreeAccountant(Accountant):
     def epsilon_after(self, delta: float, num_steps: int, *, noise_multiplier: float, sample_rate: float) -> float:
         """ε after the next ``num_steps`` leaves of the plan, released with multiplier z; the ledger is unchanged."""
         if sample_rate != 1.0:
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"tree-aggregated releases are not subsampled (sample rate 1), got sample rate {sample_rate}: "
                 "the tree accountant is for O2NC."
             )
@@ -362,7 +363,7 @@ class TreeAccountant(Accountant):
 
     def _entry(self, row: Sequence[Any]) -> TreeRun:
         if len(row) != len(TreeRun._fields):
-            raise ValueError(
+            raise PrivacyConfigError(
                 f"this tree-accountant state holds {list(row)!r}, not a release ledger {TreeRun._fields}: it was "
                 "written before pl_dp recorded each tree, and the released trees cannot be recovered from a step "
                 "count, so it cannot be resumed soundly."

@@ -9,19 +9,16 @@ Plain torch; imports no other pl_dp layer and no Lightning.
 
 from pl_dp.step.batches import batch_size_of, example_structure
 from pl_dp.step.independence import (
-    IndependenceError,
     batch_mixing_modules,
     probe_examples,
     probe_independence,
     refuse_batch_mixing_modules,
 )
 from pl_dp.step.losses import check_per_sample, resolve_loss
-from pl_dp.step.preflight import DataError, check_private_set
+from pl_dp.step.preflight import check_private_set
 from pl_dp.step.seal import isolate_failures, sealed
 
 __all__ = [
-    "DataError",
-    "IndependenceError",
     "batch_mixing_modules",
     "batch_size_of",
     "check_per_sample",

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
+from pl_dp.errors import ConfigError, IndependenceError
 from pl_dp.step.batches import batch_size_of, fill_rows, split_batch
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
 from pl_dp.step.seal import PlainAttributes, sealed
@@ -103,11 +104,6 @@ _INSTANCE_NORMS = (
     nn.LazyInstanceNorm2d,
     nn.LazyInstanceNorm3d,
 )
-
-
-class IndependenceError(ValueError):
-    """A net or loss in which one example's loss or gradient depends on other examples, or which writes a
-    statistic of its input into a buffer: it breaks every per-example sensitivity bound."""
 
 
 @dataclass(frozen=True)
@@ -370,7 +366,7 @@ def probe_independence(
         raise IndependenceError(f"the independence probe needs at least 3 examples, got {count}.")
     for mode in modes:
         if mode not in _MODE_WORDS:
-            raise ValueError(f"the probe's modes are {sorted(_MODE_WORDS)}, got {mode!r}.")
+            raise ConfigError(f"the probe's modes are {sorted(_MODE_WORDS)}, got {mode!r}.")
     state = NetState(net)
     problems: list[str] = []
     try:

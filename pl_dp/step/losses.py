@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.step.batches import prediction_inputs
 
 PerSampleLoss = Callable[[nn.Module, Any], torch.Tensor]
@@ -120,7 +121,7 @@ def resolve_loss(loss: LossSpec) -> PerSampleLoss:
     try:
         return _LOSSES[loss]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown loss {loss!r}: use one of {sorted(_LOSSES)} or a callable (net, batch) -> Tensor[B]."
         ) from None
 

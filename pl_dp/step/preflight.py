@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pl_dp.errors import DataError
 from pl_dp.step.batches import batch_size_of, example_structure
 from pl_dp.step.independence import NetState, refuse_varying_batch_shapes
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
@@ -45,10 +46,6 @@ from pl_dp.step.seal import isolate_failures, sealed
 
 #: bad examples listed one by one in the error (the rest are counted)
 LISTED = 20
-
-
-class DataError(ValueError):
-    """Private examples that a private step cannot use, found by the pre-flight pass before any release."""
 
 
 @dataclass(frozen=True)

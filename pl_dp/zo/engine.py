@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.step.shards import local, shard_layouts
 from pl_dp.zo import threads
@@ -109,9 +110,9 @@ class Direction:
 
     def __post_init__(self) -> None:
         if self.kind not in DIRECTION_KINDS:
-            raise ValueError(f"direction must be one of {', '.join(map(repr, DIRECTION_KINDS))}, got {self.kind!r}.")
+            raise ConfigError(f"direction must be one of {', '.join(map(repr, DIRECTION_KINDS))}, got {self.kind!r}.")
         if self.radius is not None and not self.radius > 0:
-            raise ValueError(f"direction radius must be > 0, got {self.radius}.")
+            raise ConfigError(f"direction radius must be > 0, got {self.radius}.")
 
     def resolved_radius(self, dim: int) -> float:
         return math.sqrt(dim) if self.radius is None else float(self.radius)
@@ -176,7 +177,7 @@ class PerturbationEngine:
     ) -> None:
         trained = [p for p in params if p.requires_grad]
         if not trained:
-            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+            raise ConfigError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         self.layouts = shard_layouts(trained)
         self.group = self.layouts[0].group
         self.masters = MasterWeights() if masters is None else masters
@@ -186,7 +187,7 @@ class PerturbationEngine:
         self._any_mastered, self._all_mastered = any(self._mastered), all(self._mastered)
         self._pending: dict[Key, float] = {}  # perturbation of the mastered parameters, not in their masters
         if isinstance(cache_size, bool) or int(cache_size) != cache_size or cache_size < 1:
-            raise ValueError(f"cache_size must be an integer >= 1, got {cache_size!r}.")
+            raise ConfigError(f"cache_size must be an integer >= 1, got {cache_size!r}.")
         self.seed = int(seed)
         self.direction = Direction(direction, radius) if isinstance(direction, str) else direction
         self.mask = None if mask is None else self._check_mask(mask)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
@@ -224,9 +225,9 @@ class PrivateTwoPointEstimator:
         one_sided: bool = False,
     ) -> None:
         if not smoothing > 0:
-            raise ValueError(f"smoothing must be > 0, got {smoothing}.")
+            raise ConfigError(f"smoothing must be > 0, got {smoothing}.")
         if int(queries) != queries or queries < 1:
-            raise ValueError(f"queries must be an integer >= 1, got {queries}.")
+            raise ConfigError(f"queries must be an integer >= 1, got {queries}.")
         self.engine = engine
         self.smoothing = float(smoothing)
         self.queries = int(queries)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from pl_dp.errors import ConfigError
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.zo.estimator import eval_mode
 from pl_dp.zo.mask import DirectionMask
@@ -77,14 +78,14 @@ def path_norm_scores(
     Memory: three float64 copies of the trainable parameters (|θ|, the direction, the score).
     """
     if estimator not in ("zo", "autograd"):
-        raise ValueError(f"estimator must be 'zo' or 'autograd', got {estimator!r}.")
+        raise ConfigError(f"estimator must be 'zo' or 'autograd', got {estimator!r}.")
     if int(queries) != queries or queries < 1:
-        raise ValueError(f"queries must be an integer >= 1, got {queries!r}.")
+        raise ConfigError(f"queries must be an integer >= 1, got {queries!r}.")
     if not smoothing > 0:
-        raise ValueError(f"smoothing must be > 0, got {smoothing!r}.")
+        raise ConfigError(f"smoothing must be > 0, got {smoothing!r}.")
     names = [n for n, p in net.named_parameters() if p.requires_grad]
     if not names:
-        raise ValueError("the model has no trainable parameters to score.")
+        raise ConfigError("the model has no trainable parameters to score.")
     values = {**dict(net.named_parameters()), **dict(net.named_buffers())} if state is None else state
     params = {n: values[n].detach().abs().double() for n, _ in net.named_parameters()}
     buffers = {n: (values[n].double() if values[n].is_floating_point() else values[n]) for n, _ in net.named_buffers()}
@@ -136,12 +137,12 @@ def importance_matrix(
             union by the current scores. K ≤ |previous| keeps ``previous``'s set.
     """
     if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"the trained fraction (pruning rate) must lie in (0, 1], got {fraction!r}.")
+        raise ConfigError(f"the trained fraction (pruning rate) must lie in (0, 1], got {fraction!r}.")
     if importance not in ("pruning", "rank"):
-        raise ValueError(f"importance must be 'pruning' or 'rank', got {importance!r}.")
+        raise ConfigError(f"importance must be 'pruning' or 'rank', got {importance!r}.")
     upper, lower = (float(b) for b in bounds)
     if importance == "rank" and not upper >= lower > 0:
-        raise ValueError(f"bounds must be (A, B) with A >= B > 0, got {bounds!r}.")
+        raise ConfigError(f"bounds must be (A, B) with A >= B > 0, got {bounds!r}.")
     numels = [s.numel() for s in scores]
     flat = torch.cat([s.detach().reshape(-1).double().cpu() for s in scores])
     flat = torch.where(torch.isfinite(flat), flat, torch.full_like(flat, -math.inf))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.zo.engine import Chunk, Direction, Key, PerturbationEngine
 from pl_dp.zo.master import MasterWeights
@@ -55,10 +56,10 @@ class SubspaceEngine(PerturbationEngine):
             masters=masters,
         )
         if isinstance(k, bool) or int(k) != k or k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {k!r}.")
+            raise ConfigError(f"k must be an integer >= 1, got {k!r}.")
         self.k = int(k)
         if coefficients not in ("gaussian", "sphere"):
-            raise ValueError(f"subspace coefficients must be 'gaussian' or 'sphere', got {coefficients!r}.")
+            raise ConfigError(f"subspace coefficients must be 'gaussian' or 'sphere', got {coefficients!r}.")
         self.coefficients_kind = coefficients
         # in the dtype of the weights: fp32 for half-precision parameters (an orthonormal basis rounded to bf16 is not)
         self.basis = [torch.zeros((self.k, *w.shape), dtype=w.dtype, device=w.device) for w in self.weights]

@@ -10,8 +10,9 @@ import torch
 
 from pl_dp.data import TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
+from pl_dp.errors import IndependenceError
 from pl_dp.nets import CausalLM, minilm_path
-from pl_dp.step.independence import IndependenceError, probe_examples, probe_independence
+from pl_dp.step.independence import probe_examples, probe_independence
 from pl_dp.step.losses import causal_lm
 from tests.tiny_hf import CORPUS, tiny_model
 

@@ -232,7 +232,7 @@ def _bf16_mlp() -> nn.Module:
     return nn.Sequential(_Bfloat16Inputs(), *_mlp()).to(torch.bfloat16)
 
 
-class PreshardedDPSGD(DPSGD):
+class PreshardedDPSGD(DPSGD, shardable=True):
     """A user's subclass that shards the net itself, with FSDP2's defaults (which average the ranks' gradients)."""
 
     def configure_model(self) -> None:

@@ -24,11 +24,10 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from pl_dp import PrivacySpec
 from pl_dp.audit import audit
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import DataError, IndependenceError
 from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, DPZero
 from pl_dp.methods.base import PrivateModule
 from pl_dp.nets import TinyTransformerClassifier
-from pl_dp.step.independence import IndependenceError
-from pl_dp.step.preflight import DataError
 from tests.conftest import blobs, make_trainer
 
 METHODS = [DPSGD, DPZero]

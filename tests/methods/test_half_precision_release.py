@@ -34,9 +34,9 @@ from pl_dp.audit import release_shift
 from pl_dp.data import PrivatePublicDataModule, TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.data.generation import tokenize_sequences
+from pl_dp.errors import IndependenceError
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import CausalLM
-from pl_dp.step.independence import IndependenceError
 from pl_dp.step.losses import IGNORE_INDEX
 from tests.conftest import blobs, make_trainer
 from tests.tiny_hf import tiny_model

@@ -334,6 +334,25 @@ def test_which_methods_shard_is_declared_by_the_method():
     assert not DPSGD(net).supports_sharding  # per-example gradients of gathered layers are not sharded
 
 
+def test_sharding_is_declared_by_each_class_never_inherited():
+    """A subclass may change what a step computes: it runs sharded only once its own class says so."""
+    net = nn.Linear(4, 3)
+    assert not type("MyDPZero", (DPZero,), {})(net).supports_sharding
+    assert type("MyDPZero", (DPZero,), {}, shardable=True)(net).supports_sharding
+
+
+def test_every_method_that_declares_sharding_has_sharded_fits_in_the_fsdp_tests():
+    """The classes the FSDP2 test runs (tests/distributed/worker.py's SHARDED_METHODS) cover every exported method
+    that declares ``shardable``."""
+    from pl_dp import methods
+    from tests.distributed import worker
+
+    declared = {name for name in methods.__all__ if getattr(getattr(methods, name), "shardable", False)}
+    tested = {type(build()).__name__ for build in worker.SHARDED_METHODS.values()}
+    assert declared == {"DPZero", "PAZOM", "PAZOP", "PAZOS", "DPSGD", "Coupling"}
+    assert declared <= tested, sorted(declared - tested)
+
+
 # ---- 11. defaults compose ------------------------------------------------------------------------------
 def _digits_net() -> nn.Module:
     from pl_dp.nets import MLP

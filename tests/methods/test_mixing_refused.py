@@ -12,8 +12,8 @@ from torch import nn
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import IndependenceError
 from pl_dp.methods import DPSGD, DPZero
-from pl_dp.step.independence import IndependenceError
 from tests.conftest import RunningInputMean, SubtractBatchMean, blobs, make_trainer
 
 SPEC = PrivacySpec(epsilon=2.0, accountant="rdp")

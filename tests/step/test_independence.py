@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import IndependenceError
 from pl_dp.nets import MLP
 from pl_dp.nets.transformer import TinyTransformerClassifier
 from pl_dp.privacy import poisson_loader
 from pl_dp.step.independence import (
     RELEASE_TOLERANCE,
-    IndependenceError,
     Release,
     batch_mixing_modules,
     probe_examples,

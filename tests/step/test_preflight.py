@@ -10,8 +10,9 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from pl_dp.data.collate import PaddingCollate
+from pl_dp.errors import DataError
 from pl_dp.step.losses import cross_entropy
-from pl_dp.step.preflight import DataError, check_private_set, nonfinite_field
+from pl_dp.step.preflight import check_private_set, nonfinite_field
 from tests.conftest import RunningInputMean, blobs
 
 
