@@ -205,7 +205,6 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self._batches_consumed = 0
         self._restored: dict[str, Any] | None = None
         self._reference: Any = None  # a public or validation example, set at fit start (see check_independence)
-        self._padding: Any = None  # sharded: a fixed non-private example padding the passes (see _padding_example)
         self._plan_ready = False
         self._metrics: nn.ModuleDict = nn.ModuleDict()
 
@@ -461,11 +460,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             self._sampler_start = sampler.position
             self._batches_consumed = 0
         if self.privacy is None:
-            self._padding = self._padding_example()
+            self._set_padding()
             return
         report = self.check_private_data()
         self.check_independence()
-        self._padding = self._padding_example()
+        self._set_padding()
         self._seal_batching(report)
         self.ledger.fix_delta(sampler.num_samples)
         self.ledger.open_journal(restored, self._journal_directory(), self._broadcast)
@@ -548,13 +547,16 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         # a fixed example that is not private, to tell a net or loss that fails for every example from bad records
         self._reference = None if source == "private" else self._to_device(collate(examples[:1]))
 
+    def _set_padding(self) -> None:
+        """Sharded: give the step's passes (:attr:`sharded_passes`) a fixed example that is not private — the
+        reference example, else the first validation or public one — that pads the passes of a rank with fewer
+        sampled examples than another, at weight 0 (a sharded pass is a collective, which every rank runs; a net may
+        not run an empty batch). A non-private run may pad with its first training example; a private one without
+        validation or public data is refused."""
+        if self.sharded_passes is not None:
+            self.sharded_passes.padding = self._padding_example()
+
     def _padding_example(self) -> Any:
-        """Sharded: a fixed example that is not private — the reference example, else the first validation or public
-        one — that pads the passes of a rank with fewer sampled examples than another, at weight 0 (a sharded pass is
-        a collective, which every rank runs; a net may not run an empty batch). None unsharded. A non-private run
-        may pad with its first training example; a private one without validation or public data is refused."""
-        if not self.sharded:
-            return None
         if self._reference is not None:
             return self._reference
         dataset, collate = private_data_of(self.trainer.train_dataloader)
@@ -712,7 +714,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         or batches, unless the user seeded them); the non-finite count is zeroed."""
         state = super().__getstate__()
         state["nonfinite_total"] = 0
-        state["_reference"] = state["_padding"] = None  # this process's fit's, rebuilt by the next one
+        state["_reference"] = state["sharded_passes"] = None  # this process's fit's, rebuilt by the next one
         state["collective_bytes"] = 0  # retries make it depend on which records were sampled
         return state
 

@@ -16,13 +16,13 @@ from torch import nn
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods.base import PrivateModule, StepResult
 from pl_dp.methods.public import PublicDataMixin
-from pl_dp.per_sample import GhostClipping, PerSampleGradients, verify_per_example_gradients
+from pl_dp.per_sample import GhostClipping, PerSampleGradients, ShardedGhostClipping, verify_per_example_gradients
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.step.batches import batch_size_of, fill_rows, select_examples, split_batch
+from pl_dp.step.batches import batch_size_of, fill_rows, split_batch
 from pl_dp.step.independence import Release
 from pl_dp.step.losses import check_per_sample
-from pl_dp.step.seal import PassFailed, PlainAttributes, isolate_failures, sealed
+from pl_dp.step.seal import PlainAttributes, isolate_failures, sealed
 from pl_dp.step.shards import as_gradient_of, block, local
 
 T = TypeVar("T")
@@ -146,20 +146,18 @@ class FirstOrderModule(PrivateModule):
             self._per_sample.close()
             self._per_sample = None
         if self.clip_function is not None:  # before the fit-start checks: the probe runs the step's clipped sum
-            if self.per_sample_mode == "ghost":
+            if self.sharded_passes is not None:  # sharded: ghost clipping (supports_sharding)
+                self._per_sample = ShardedGhostClipping(self.net, self.loss_fn, passes=self.sharded_passes)
+            elif self.per_sample_mode == "ghost":
                 self._per_sample = GhostClipping(self.net, self.loss_fn)
-                self._per_sample.in_step = self.forwards_in_step
             else:
                 self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
         super().on_train_start()
-        if self._per_sample is not None:
-            if isinstance(self._per_sample, GhostClipping):
-                self._per_sample.padding = self._padding
-            if self.privacy is not None:  # each clipped row must be one example's whole gradient
-                attributes = PlainAttributes(self.net)  # what the net stores from the (maybe private) examples
-                with sealed():  # its examples may be private: whether they make the net speak is too
-                    verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
-                attributes.restore()
+        if self._per_sample is not None and self.privacy is not None:  # each clipped row: one example's whole gradient
+            attributes = PlainAttributes(self.net)  # what the net stores from the (maybe private) examples
+            with sealed():  # its examples may be private: whether they make the net speak is too
+                verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
+            attributes.restore()
 
     def reference_pass(self, batch: Any) -> None:
         """The clipped sum of ``batch``, computed and discarded (see :meth:`PrivateModule.check_reference`)."""
@@ -226,7 +224,7 @@ class FirstOrderModule(PrivateModule):
                     losses = check_per_sample(self.loss_fn(self.net, part), batch_size_of(part))
                     return self._gradient_of_sum(losses.sum() * (0.0 if padding else 1.0), params)
 
-            for grads in self._sharded_passes(parts, gradient)[0] if self.sharded else map(gradient, parts):
+            for grads in self._passes(parts, gradient)[0]:
                 for s, g in zip(sums, grads):
                     if g is not None:
                         s.add_(g)
@@ -238,22 +236,12 @@ class FirstOrderModule(PrivateModule):
 
         def compute(examples: Any, padding: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
             if padding:  # sharded, hence ghost clipping (supports_sharding)
-                assert isinstance(self._per_sample, GhostClipping)
+                assert isinstance(self._per_sample, ShardedGhostClipping)
                 return self._per_sample.clipped_sum(examples, self.clip_function, padding=True)
             return self._clipped_sum(examples)
 
-        # one physical micro-batch at a time, clipped sums added up (one noise draw below); an example whose pass
-        # raises is left out (weight 0) and counted: no record-dependent crash
-        if self.sharded:
-            done, failed = self._sharded_passes(parts, compute)
-        elif self.privacy is None:
-            done, failed = [compute(part) for part in parts], 0
-        else:
-            done, failed = [], 0
-            for part in parts:
-                isolated, raised = isolate_failures(compute, part, reset=self._per_sample.reset)
-                done += [result for _, result in isolated]
-                failed += len(raised)
+        # one physical micro-batch at a time, clipped sums added up (one noise draw below)
+        done, failed = self._passes(parts, compute)
         for part_sums, part_norms, part_nonfinite in done:
             for s, t in zip(sums, part_sums):
                 s.add_(t.to(s.dtype))
@@ -270,40 +258,23 @@ class FirstOrderModule(PrivateModule):
             result.metrics.update(self._adapt_clip(norms, mechanism))
         return sums, result
 
-    def _sharded_passes(self, parts: list[Any], compute: Callable[[Any, bool], T]) -> tuple[list[T], int]:
-        """``compute(part, False)`` of each of this rank's ``parts``, sharded: a pass (forward and backward) is a
-        collective, so every rank runs as many, in rounds whose length the ranks agree on; a rank with fewer runs
-        ``compute(padding, True)`` — the fixed non-private padding example at weight 0, whose result is this rank's
-        shard of the other ranks' sums (a reduce-scatter sums over ranks) and nothing of its own.
-
-        A pass whose loss raises on some rank is abandoned by all (:class:`~pl_dp.step.seal.PassFailed`, raised
-        by the ghost-clipping pass on every rank before its backward); the rank where it raised runs that part's
-        examples one by one in a later round, and an example that raises alone is left out and counted; the others
-        run their abandoned part again. Returns the results and the number of examples left out.
-        """
-        results, failed, queue = [], 0, list(parts)
-        rounds = self.forwards_on_every_rank(len(queue))
-        while rounds:
-            retry = []
-            for r in range(rounds):
-                part = queue[r] if r < len(queue) else None
-                try:
-                    result = compute(self._padding, True) if part is None else compute(part, False)
-                except PassFailed as failure:
-                    if part is None:
-                        continue
-                    size = batch_size_of(part)
-                    if not failure.here:
-                        retry.append(part)
-                    elif size > 1:
-                        retry += [select_examples(part, torch.tensor([i])) for i in range(size)]
-                    else:
-                        failed += 1
-                    continue
-                results.append(result)  # a padding pass too: it holds this rank's shard of the others' sums
-            queue = retry
-            rounds = self.forwards_on_every_rank(len(queue))
-        return results, failed
+    def _passes(self, parts: list[Any], compute: Callable[[Any, bool], T]) -> tuple[list[T], int]:
+        """``compute(part, False)`` of each micro-batch, and how many examples were left out: sharded, in passes
+        every rank runs (:meth:`~pl_dp.step.passes.ShardedPasses.run`); in a private run, an example whose pass
+        raises is left out (weight 0) and counted (:func:`~pl_dp.step.seal.isolate_failures`): no record-dependent
+        crash."""
+        if self.sharded_passes is not None:
+            return self.sharded_passes.run(parts, compute)
+        if self.privacy is None:
+            return [compute(part, False) for part in parts], 0
+        done: list[T] = []
+        failed = 0
+        reset = None if self._per_sample is None else self._per_sample.reset
+        for part in parts:
+            isolated, raised = isolate_failures(lambda examples: compute(examples, False), part, reset=reset)
+            done += [result for _, result in isolated]
+            failed += len(raised)
+        return done, failed
 
     def _gradient_of_sum(self, loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
         """∂loss/∂params; sharded, this rank's shard of the gradient summed over ranks (FSDP's reduce-scatter)."""

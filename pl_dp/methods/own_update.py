@@ -99,12 +99,6 @@ class OwnUpdateModule(PrivateModule):
         gets NaN — it contributes 0, counted — instead of ending the run at the step that sampled it
         (:func:`~pl_dp.step.seal.isolate_failures`; sharded, by passes every rank runs:
         :func:`~pl_dp.zo.estimator.per_sample_evaluator`)."""
-        forwards = agree = None
-        rows = self.physical_rows  # a run in half precision: every forward of one shape (pl_dp.methods.precision)
-        if self.sharded:  # forwards are collectives: every rank runs as many (see per_sample_evaluator)
-            physical = rows or self.max_physical_batch_size or batch_size or 1
-            forwards = self.forwards_on_every_rank(math.ceil(batch_size / physical))
-            agree = self.forwards_on_every_rank
         return per_sample_evaluator(
             self.net,
             self.loss_fn,
@@ -112,11 +106,8 @@ class OwnUpdateModule(PrivateModule):
             batch_size,
             self.max_physical_batch_size,
             isolate=self.privacy is not None,
-            forwards=forwards,
-            agree=agree,
-            padding=self._padding,
-            in_step=self.forwards_in_step,
-            rows=rows,
+            sharded=self.sharded_passes,  # forwards are collectives: every rank runs as many
+            rows=self.physical_rows,  # a run in half precision: every forward of one shape (methods.precision)
         )
 
     def probe_release(self) -> Release | None:

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.sampling import PoissonBatchSampler
+from pl_dp.step.passes import ShardedPasses
 from pl_dp.step.seal import ForwardsInStep
 from pl_dp.step.shards import is_sharded, meta_copy, whole
 
@@ -137,6 +138,10 @@ class DataParallelMixin:
     #: sharded: keeps the ranks' forwards in step when one raises (set by :meth:`configure_model`)
     forwards_in_step: ForwardsInStep | None = None
 
+    #: sharded: what the passes of a step share — the agreement on their number, the guard, the padding example
+    #: (set by :meth:`configure_model`, its padding example at fit start); None when the net is not sharded
+    sharded_passes: ShardedPasses | None = None
+
     @property
     def supports_sharding(self) -> bool:
         """Whether this module runs with its net sharded by FSDP2 (``ModelParallelStrategy``): its class declared it
@@ -159,6 +164,7 @@ class DataParallelMixin:
         ``pl-dp fit --trainer.strategy ModelParallelStrategy`` needs no code from the user.
         """
         if not self.sharded:
+            self.sharded_passes = None
             return
         check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
         params = list(self.net.parameters())
@@ -178,6 +184,7 @@ class DataParallelMixin:
             if self.forwards_in_step is not None:  # a net swapped between fits: its hooks go with it
                 self.forwards_in_step.remove()
             self.forwards_in_step = ForwardsInStep(self.net)
+        self.sharded_passes = ShardedPasses(self.forwards_on_every_rank, self.forwards_in_step)
 
     def whole_net(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
         """The net and the values of its parameters and buffers, for a computation that needs the whole parameters

@@ -49,7 +49,6 @@ forward that raised between two layers first issues the other layers' all-gather
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,7 +74,8 @@ from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
-from pl_dp.step.seal import PADDING_FAILED, ForwardsInStep, PassFailed
+from pl_dp.step.passes import PADDING_FAILS, ShardedPasses
+from pl_dp.step.seal import PADDING_FAILED, PassFailed
 from pl_dp.step.shards import is_sharded, layout_of, local
 
 
@@ -297,7 +297,11 @@ class GhostClipping:
     :mod:`pl_dp.per_sample.tied`). Refused at the first batch: a layer called twice in one
     forward, a parameter whose norm the hooks cannot compute (used outside its module, or an ``nn.Linear`` whose
     input is neither ``[B, d]`` nor ``[B, T, d]``), and a layer that sees the batch merged with another dimension.
+    A net sharded by FSDP2 takes :class:`ShardedGhostClipping`.
     """
+
+    #: whether the net's parameters are sharded by FSDP2 (:class:`ShardedGhostClipping`)
+    sharded = False
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
         self.net = net
@@ -329,25 +333,14 @@ class GhostClipping:
                 "parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie them, or use "
                 "per_sample='hooks'."
             )
-        self.sharded = is_sharded(self.params)
-        #: sharded: a fixed non-private example run at weight 0 where this rank's pass would otherwise be empty (a
-        #: pass is a collective, and a net may not run an empty batch); set by the method at fit start
-        self.padding: Any = None
-        #: sharded: keeps the ranks' forwards in step when one raises between two layers; set by the method
-        self.in_step: ForwardsInStep | None = None
-        self.group = layout_of(self.names[0], self.params[0]).group if self.sharded else None
-        if self.sharded and tied_parameters(net):
-            names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
+        if is_sharded(self.params) != self.sharded:
+            wanted = "ShardedGhostClipping" if is_sharded(self.params) else "GhostClipping"
             raise ConfigError(
-                f"per_sample='ghost' cannot clip parameters tied across modules on a sharded net: {names}. Train "
-                "them in one process, freeze or untie them."
+                f"the net's parameters are {'' if is_sharded(self.params) else 'not '}sharded by FSDP2: use {wanted}."
             )
-        self._tied = TiedNorms(net)  # no tie when sharded: nothing to do
+        self._tied = TiedNorms(net)  # no tie when sharded (refused): nothing to do
         options = dict(batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
-        if self.sharded:
-            self._gsm = _ShardedGhostNormModule(net, **options)
-        else:
-            self._gsm = _GhostNormModule(net, skipped=frozenset(self._tied.modules), **options)
+        self._gsm = self._norm_module(options)
         self._gsm.layer_names = {m: name or "<the net itself>" for name, m in net.named_modules()}
         self._gsm.disable_hooks()
         hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
@@ -355,45 +348,53 @@ class GhostClipping:
         self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, self.sharded)
         self._lookups = BroadcastLookups(net)
 
+    def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
+        """Opacus' module whose hooks record the per-example norms (the tied parameters' modules skipped)."""
+        return _GhostNormModule(self.net, skipped=frozenset(self._tied.modules), **options)
+
     def clipped_sum(
         self, batch: Any, clip_fn: ClipFunction, padding: bool = False, rows: torch.Tensor | None = None
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Σ_i c(‖g_i‖)·g_i per parameter (fp32), the per-example norms ‖g_i‖ (fp32) and the non-finite count.
 
         The same three values as :func:`~pl_dp.per_sample.clipped_sum` of the per-example gradients. Sharded,
-        ``padding`` runs ``batch`` (:attr:`padding`) at weight 0: the passes, collectives included, without a sum.
-        ``rows`` (a boolean mask over the batch) sums those rows only, the others at weight 0 (the fit-start probe's
-        watched examples).
+        ``padding`` runs ``batch`` (the padding example) at weight 0: the passes, collectives included, without a
+        sum. ``rows`` (a boolean mask over the batch) sums those rows only, the others at weight 0 (the fit-start
+        probe's watched examples).
         """
         size = batch_size_of(batch)
-        norms, losses = self._sharded_norms(batch, size, padding) if self.sharded else self._norms(batch, size)
+        norms, losses = self._norms(batch, size, padding)
         weights, finite = clip_fn.finite_weights(norms)
         counted = torch.ones_like(finite) if rows is None else rows.to(finite.device)
         weights = weights * counted
         if padding:
             weights, finite = torch.zeros_like(weights), torch.ones_like(finite)
         nonfinite = (~finite & counted).sum()
-        if self.sharded:
-            sums, norms, nonfinite = self._sharded_sum(batch, clip_fn, norms, losses, weights, finite, counted)
-            return sums, norms[:0] if padding else norms[counted], nonfinite
-        if not bool(finite.all()):  # 0·NaN is NaN: the others' sum is computed again without them
+        if self._any_nonfinite(finite):  # 0·NaN is NaN: the others' sum is computed again without them
             del losses
             keep = finite.nonzero().squeeze(1)
             if keep.numel():
                 part, kept = _finite_rows(batch, keep, counted, size)
                 sums, _, more = self.clipped_sum(part, clip_fn, rows=kept)
-                nonfinite = nonfinite + more
             else:
-                sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+                sums, more = self._sum_of_none(clip_fn)
+            nonfinite = nonfinite + more
         else:
             sums = self._weighted_sum(losses, weights)
         self._lookups.check(self.loss_fn, batch, size)
-        return sums, norms[counted], nonfinite
+        return sums, norms[:0] if padding else norms[counted], nonfinite
 
     def per_example_norms(self, batch: Any) -> torch.Tensor:
         """The per-example gradient norms ‖g_i‖ (fp32) that the first pass computes, and nothing else."""
-        size = batch_size_of(batch)
-        return (self._sharded_norms(batch, size) if self.sharded else self._norms(batch, size))[0].detach()
+        return self._norms(batch, batch_size_of(batch))[0].detach()
+
+    def _any_nonfinite(self, finite: torch.Tensor) -> bool:
+        """Whether the passes must run again without some examples (a non-finite norm)."""
+        return not bool(finite.all())
+
+    def _sum_of_none(self, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor | int]:
+        """The clipped sum when every example of the pass had a non-finite norm, and how many more it dropped."""
+        return [torch.zeros_like(p, dtype=torch.float32) for p in self.params], 0
 
     def close(self) -> None:
         """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
@@ -419,7 +420,7 @@ class GhostClipping:
             torch.autograd.grad(total, lowest, retain_graph=True, allow_unused=True)
         return leaves
 
-    def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
         for p in self.params:
             p._norm_sample = None
@@ -462,7 +463,39 @@ class GhostClipping:
             p._norm_sample = None
         return norms, losses
 
-    def _sharded_norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Second pass, hooks off: the gradient of Σ_i c_i·ℓ_i through the kept graph is Σ_i c_i·g_i."""
+        with torch.enable_grad(), _full_precision(self.params[0].device):  # autocast would reach the backward's ops
+            grads = torch.autograd.grad((weights.detach() * losses).sum(), self.params, allow_unused=True)
+        return [
+            torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for p, g in zip(self.params, grads)
+        ]
+
+
+class ShardedGhostClipping(GhostClipping):
+    """Ghost clipping of a net sharded by FSDP2 (see the module's docstring): every rank runs the same passes, the
+    first computes no parameter gradient, the second's ``backward`` leaves each rank its shard of the clipped sum over
+    all ranks. ``passes`` is what the passes of the step share (:class:`~pl_dp.step.passes.ShardedPasses`: the guard
+    that keeps the ranks' forwards in step, the padding example). Parameters tied across modules are refused.
+    """
+
+    sharded = True
+
+    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, *, passes: ShardedPasses) -> None:
+        if tied_parameters(net):
+            names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
+            raise ConfigError(
+                f"per_sample='ghost' cannot clip parameters tied across modules on a sharded net: {names}. Train "
+                "them in one process, freeze or untie them."
+            )
+        self.passes = passes
+        super().__init__(net, loss_fn)
+        self.group = layout_of(self.names[0], self.params[0]).group
+
+    def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
+        return _ShardedGhostNormModule(self.net, **options)
+
+    def _norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept and no reduce-scatter (the unclipped
         gradient stays on its rank and is dropped); the norms are read off the layers (and taken off them:
         un-noised per-example values). A loss that raises on any rank makes every rank raise
@@ -480,17 +513,16 @@ class GhostClipping:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
                 error: Exception | None = None
                 try:
-                    with self.in_step.guard(backward_follows=True) if self.in_step else contextlib.nullcontext():
+                    with self.passes.guard(backward_follows=True):
                         losses = check_per_sample(self.loss_fn(gsm, batch), size)
                 except Exception as raised_here:  # noqa: BLE001 - agreed on by every rank before the backward
                     error = raised_here
-                raised = torch.tensor([0.0 if error is None else 2.0 if padding else 1.0])
+                raised = torch.tensor([0.0 if error is None else float(PADDING_FAILS) if padding else 1.0])
                 dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=self.group)
-                if float(raised) == 2.0:
+                if float(raised) >= PADDING_FAILS:
                     raise RuntimeError(PADDING_FAILED) from error
                 if float(raised) == 1.0:
-                    if self.in_step is not None:
-                        self.in_step.abandon()  # on every rank: the same FSDP state for the passes that follow
+                    self.passes.abandon()  # on every rank: the same FSDP state for the passes that follow
                     raise PassFailed(here=error is not None) from error
                 reached = self._first_backward(losses)  # no parameter gradient: nothing to reduce-scatter
             names = dict(zip(map(id, self.params), self.names))
@@ -517,29 +549,21 @@ class GhostClipping:
         refuse_rows_not_examples([] if norms.shape == (size,) else ["the net"], size, "gradient norms")
         return norms, losses
 
-    def _sharded_sum(
-        self,
-        batch: Any,
-        clip_fn: ClipFunction,
-        norms: torch.Tensor,
-        losses: torch.Tensor,
-        weights: torch.Tensor,
-        finite: torch.Tensor,
-        counted: torch.Tensor,
-    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Second pass, sharded: this rank's shard of Σ_i c_i·g_i over every rank's examples. Whether any rank saw a
-        non-finite norm is agreed first (one all-reduce), so that all run the pass again without those examples."""
-        nonfinite = (~finite & counted).sum()
+    def _any_nonfinite(self, finite: torch.Tensor) -> bool:
+        """Whether any rank saw a non-finite norm (one all-reduce): then every rank runs its passes again, without
+        its non-finite examples."""
         flag = (~finite).sum().reshape(1).float()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if bool(flag):  # 0·NaN is NaN: every rank runs the passes again, without its non-finite examples
-            del losses
-            keep = finite.nonzero().squeeze(1)
-            part, kept = (self.padding, None)
-            if keep.numel():
-                part, kept = _finite_rows(batch, keep, counted, batch_size_of(batch))
-            sums, _, more = self.clipped_sum(part, clip_fn, padding=not keep.numel(), rows=kept)
-            return sums, norms, nonfinite + more
+        return bool(flag)
+
+    def _sum_of_none(self, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor | int]:
+        """Every example here had a non-finite norm: the passes the other ranks run, on the padding example."""
+        sums, _, more = self.clipped_sum(self.passes.padding, clip_fn, padding=True)
+        return sums, more
+
+    def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Second pass, sharded: ``backward`` of Σ_i c_i·ℓ_i, whose reduce-scatter leaves this rank its shard of
+        Σ_i c_i·g_i over every rank's examples."""
         for p in self.params:
             p.grad = None
         with torch.enable_grad(), _full_precision(self.params[0].device):
@@ -550,16 +574,7 @@ class GhostClipping:
         ]
         for p in self.params:
             p.grad = None
-        self._lookups.check(self.loss_fn, batch, batch_size_of(batch))
-        return sums, norms, nonfinite
-
-    def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
-        """Second pass, hooks off: the gradient of Σ_i c_i·ℓ_i through the kept graph is Σ_i c_i·g_i."""
-        with torch.enable_grad(), _full_precision(self.params[0].device):  # autocast would reach the backward's ops
-            grads = torch.autograd.grad((weights.detach() * losses).sum(), self.params, allow_unused=True)
-        return [
-            torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for p, g in zip(self.params, grads)
-        ]
+        return sums
 
 
 def _finite_rows(batch: Any, keep: torch.Tensor, counted: torch.Tensor, size: int) -> tuple[Any, torch.Tensor]:

@@ -1,8 +1,8 @@
 """What a private step is made of, below its privacy mathematics: the structure of a batch (``batches``), the
 per-example loss contract (``losses``), input checks (``validation``), the seal around a private step (``seal``:
 nothing it prints, warns, raises or how it ends depends on which records were sampled), the pre-flight pass over
-the private set (``preflight``), the fit-start probe of per-example independence (``independence``) and the shard
-layout of a net under FSDP2 (``shards``).
+the private set (``preflight``), the fit-start probe of per-example independence (``independence``), the shard
+layout of a net under FSDP2 (``shards``) and the passes of a sharded step, which every rank runs (``passes``).
 
 Plain torch; imports no other pl_dp layer and no Lightning.
 """

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +32,11 @@ from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.step.batches import batch_size_of, device_of, fill_rows, select_examples, split_batch
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
-from pl_dp.step.seal import PADDING_FAILED, ForwardsInStep, isolate_failures
+from pl_dp.step.passes import ShardedPasses
+from pl_dp.step.seal import isolate_failures
 from pl_dp.zo.engine import Key, PerturbationEngine
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
-#: what a rank whose padding pass failed asks for in the retry agreement: more rounds than any batch needs
-PADDING_FAILS = 1 << 30
 
 
 @contextmanager
@@ -58,10 +57,7 @@ def per_sample_evaluator(
     batch_size: int,
     max_physical_batch_size: int | None = None,
     isolate: bool = False,
-    forwards: int | None = None,
-    agree: Callable[[int], int] | None = None,
-    padding: Any = None,
-    in_step: ForwardsInStep | None = None,
+    sharded: ShardedPasses | None = None,
     rows: int | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A closure returning the fp32 per-example losses of ``batch`` under inference mode, eval mode.
@@ -75,18 +71,18 @@ def per_sample_evaluator(
     (:func:`~pl_dp.step.seal.isolate_failures`): every difference it enters is non-finite, so it contributes 0 to
     the release and is counted with the other non-finite values.
 
-    Sharded (``forwards``, ``agree``, ``padding`` and ``in_step`` given): a sharded net's forward is a collective
-    (FSDP all-gathers each layer), which every rank must run as often as the others, whatever its share of the
-    Poisson batch. Exactly ``forwards`` passes run: the micro-batches, then ``padding`` (a fixed non-private example,
-    whose losses are dropped; a net may not run an empty batch). Then the examples of micro-batches whose loss raised
-    are run one by one, as many passes on every rank as the most any rank needs (``agree``: the maximum over ranks),
-    and each that raises again gets NaN. Each pass runs in ``in_step``'s guard, so that a forward that raises between
-    two layers' all-gathers on one rank still issues the rest of them (:class:`~pl_dp.step.seal.ForwardsInStep`).
+    ``sharded`` (a net sharded by FSDP2: :class:`~pl_dp.step.passes.ShardedPasses`): a sharded net's forward is a
+    collective (FSDP all-gathers each layer), which every rank must run as often as the others, whatever its share
+    of the Poisson batch. As many passes run as the most any rank needs (agreed when the closure is made): the
+    micro-batches, then the padding example (fixed and not private, whose losses are dropped; a net may not run an
+    empty batch). Then the examples of micro-batches whose loss raised are run one by one, as many passes on every
+    rank as the most any rank needs, and each that raises again gets NaN. Each pass runs in the passes' guard, so
+    that a forward that raises between two layers' all-gathers on one rank still issues the rest of them.
     """
     micro_batches = split_batch(batch, rows or max_physical_batch_size) if batch_size else []
     real = len(micro_batches)
-    if forwards is not None:
-        micro_batches += [padding] * (forwards - real)
+    if sharded is not None:
+        micro_batches += [sharded.padding] * (sharded.passes(real) - real)
 
     def losses_of(part: Any) -> torch.Tensor:
         size = batch_size_of(part)
@@ -103,25 +99,23 @@ def per_sample_evaluator(
             losses[positions.to(losses.device)] = values.to(losses.device)
         return losses
 
-    def or_none(part: Any) -> torch.Tensor | None:
+    def or_none(part: Any, passes: ShardedPasses) -> torch.Tensor | None:
         try:
-            with in_step.guard() if in_step is not None else nullcontext():
+            with passes.guard():
                 return losses_of(part)
         except Exception:  # noqa: BLE001 - any failure of one record must stay inside the step
             return None
 
-    def collectively(parts: list[Any], agree: Callable[[int], int]) -> list[torch.Tensor]:
-        losses = [or_none(part) for part in parts]
+    def collectively(parts: list[Any], passes: ShardedPasses) -> list[torch.Tensor]:
+        losses = [or_none(part, passes) for part in parts]
         retry = [
             select_examples(part, torch.tensor([i]))
             for part, loss in zip(parts[:real], losses[:real])
             if loss is None
             for i in range(batch_size_of(part))
         ]
-        rounds = agree(PADDING_FAILS if any(loss is None for loss in losses[real:]) else len(retry))
-        if rounds >= PADDING_FAILS:
-            raise RuntimeError(PADDING_FAILED)
-        alone = [or_none(retry[r] if r < len(retry) else padding) for r in range(rounds)][: len(retry)]
+        rounds = passes.passes(len(retry), padding_failed=any(loss is None for loss in losses[real:]))
+        alone = [or_none(retry[r] if r < len(retry) else passes.padding, passes) for r in range(rounds)][: len(retry)]
         singles = iter(torch.full((1,), math.nan, device=device_of(batch)) if v is None else v for v in alone)
         return [
             loss if loss is not None else torch.cat([next(singles) for _ in range(batch_size_of(part))])
@@ -132,8 +126,8 @@ def per_sample_evaluator(
         if not micro_batches:
             return torch.zeros(0)
         with eval_mode(net), torch.inference_mode():
-            if agree is not None:
-                losses = collectively(micro_batches, agree)
+            if sharded is not None:
+                losses = collectively(micro_batches, sharded)
             else:
                 losses = [(isolated if isolate else losses_of)(part) for part in micro_batches][:real]
         if not losses:

@@ -11,10 +11,17 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from pl_dp.methods.parallel import shard
-from pl_dp.per_sample import GhostClipping
+from pl_dp.per_sample import GhostClipping, ShardedGhostClipping
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.losses import resolve_loss
+from pl_dp.step.passes import ShardedPasses
 from tests.distributed import on_two_ranks
+
+
+def _most_over_ranks(count: int) -> int:
+    most = torch.tensor([count])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
 
 
 def _worker(rank: int, mesh, results: dict) -> None:
@@ -22,7 +29,7 @@ def _worker(rank: int, mesh, results: dict) -> None:
     net = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
     alone = GhostClipping(copy.deepcopy(net), resolve_loss("cross_entropy"))  # the same net in one process
     shard(net, mesh)
-    ghost = GhostClipping(net, resolve_loss("cross_entropy"))
+    ghost = ShardedGhostClipping(net, resolve_loss("cross_entropy"), passes=ShardedPasses(_most_over_ranks))
     g = torch.Generator().manual_seed(rank)
     batch = (torch.randn(4, 6, generator=g) * 50, torch.randint(0, 3, (4,), generator=g))
     sent, reduced = [], []

@@ -107,14 +107,15 @@ def test_a_sharded_evaluation_runs_as_many_forwards_as_every_rank(size, physical
     """A sharded forward is a collective: a rank with fewer (or no) examples pads with forwards on a fixed padding
     example (a net may not run an empty batch), and the losses are those of its examples."""
     from pl_dp.step.losses import resolve_loss
+    from pl_dp.step.passes import ShardedPasses
     from pl_dp.zo.estimator import per_sample_evaluator
 
     net, loss = _Counting(3, 2), resolve_loss("cross_entropy")
     batch = (torch.randn(size, 3), torch.randint(0, 2, (size,)))
     _Counting.calls = 0
     padding = (torch.randn(1, 3), torch.zeros(1, dtype=torch.long))
-    padded = per_sample_evaluator(
-        net, loss, batch, size, physical, forwards=forwards, agree=lambda count: count, padding=padding
-    )()
+    answers = iter([forwards])  # the most passes any rank needs, then (no example raised) the retries' agreement
+    passes = ShardedPasses(lambda count: next(answers, count), padding=padding)
+    padded = per_sample_evaluator(net, loss, batch, size, physical, sharded=passes)()
     assert _Counting.calls == forwards
     assert torch.equal(padded, per_sample_evaluator(net, loss, batch, size, physical)())
