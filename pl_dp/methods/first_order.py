@@ -16,7 +16,8 @@ from torch import nn
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods.base import PrivateModule, StepResult
 from pl_dp.methods.public import PublicDataMixin
-from pl_dp.per_sample import GhostClipping, PerSampleGradients, ShardedGhostClipping, verify_per_example_gradients
+from pl_dp.per_sample import ShardedGhostClipping, verify_per_example_gradients
+from pl_dp.per_sample.modes import PerSampleEngine, get_per_sample_mode
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.step.batches import batch_size_of, fill_rows, split_batch
@@ -42,12 +43,13 @@ class FirstOrderModule(PrivateModule):
             own ``configure_optimizers``, that is used instead (leave ``optimizer``, ``momentum`` and
             ``weight_decay`` at their defaults; ``lr`` is then the net optimizer's).
         momentum, weight_decay: optimizer options.
-        per_sample: ``"hooks"`` (Opacus GradSampleModule), ``"functorch"`` (``torch.func.vmap``) or ``"ghost"``
-            (ghost clipping, Li et al. 2022: per-example gradient norms from Opacus'
-            GradSampleModuleFastGradientClipping, then a second backward of Σ_i c_i·ℓ_i gives the clipped sum;
-            no per-example gradient is ever stored, so full fine-tuning of a transformer costs about the memory
-            of a non-private step. Its two passes run in fp32 even under a mixed-precision trainer; see
-            :mod:`pl_dp.per_sample.ghost`). Same clipping rules, noise and accounting in all three modes.
+        per_sample: a registered per-sample mode (:mod:`pl_dp.per_sample.modes`): ``"hooks"`` (Opacus
+            GradSampleModule), ``"functorch"`` (``torch.func.vmap``) or ``"ghost"`` (ghost clipping, Li et al. 2022:
+            per-example gradient norms from Opacus' GradSampleModuleFastGradientClipping, then a second backward of
+            Σ_i c_i·ℓ_i gives the clipped sum; no per-example gradient is ever stored, so full fine-tuning of a
+            transformer costs about the memory of a non-private step. Its two passes run in fp32 even under a
+            mixed-precision trainer; see :mod:`pl_dp.per_sample.ghost`). Same clipping rules, noise and accounting
+            in every mode.
         clip_quantile: adaptive clipping (AdaMix's rule, with constant clipping only): the threshold
             R_t follows the ``clip_quantile`` quantile of per-example gradient norms by the geometric
             update R ← R·exp(−η_C·(b̃ − γ)) of Andrew et al. 2021, where b̃ is the *privatized*
@@ -63,13 +65,14 @@ class FirstOrderModule(PrivateModule):
 
     @property
     def private_passes_autocast(self) -> bool:  # type: ignore[override]
-        """Ghost clipping computes its two passes in fp32 with autocast off; per-example gradients run under it."""
-        return self.per_sample_mode != "ghost"
+        """Whether the per-sample mode's passes run under the trainer's autocast (ghost clipping computes in fp32)."""
+        return get_per_sample_mode(self.per_sample_mode).autocast
 
     @property
     def supports_sharding(self) -> bool:
-        """Sharded (FSDP2) with ghost clipping only: per-example gradients of gathered layers would not be sharded."""
-        return self.shardable and self.per_sample_mode == "ghost"
+        """Sharded (FSDP2) with a mode that shards (ghost clipping): per-example gradients of gathered layers would
+        not be sharded."""
+        return self.shardable and get_per_sample_mode(self.per_sample_mode).shards
 
     def __init__(
         self,
@@ -103,14 +106,13 @@ class FirstOrderModule(PrivateModule):
             raise ConfigError("clip must be a number > 0 for a private run, got None.")
         if optimizer not in _OPTIMIZERS:
             raise ConfigError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}.")
-        if per_sample not in ("hooks", "functorch", "ghost"):
-            raise ConfigError(f"per_sample must be 'hooks', 'functorch' or 'ghost', got {per_sample!r}.")
         self.clip_function = None if clip is None else ClipFunction(clip_fn, clip, r)
         self.optimizer_name = optimizer
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
+        get_per_sample_mode(per_sample)  # an unknown name is refused here, with the known ones
         self.per_sample_mode = per_sample
-        self._per_sample: PerSampleGradients | GhostClipping | None = None
+        self._per_sample: PerSampleEngine | None = None
 
     def configure_optimizers(self) -> Any:
         """The optimizer named by ``optimizer`` (with ``lr``, ``momentum``, ``weight_decay``) — or, when ``net`` is a
@@ -146,12 +148,8 @@ class FirstOrderModule(PrivateModule):
             self._per_sample.close()
             self._per_sample = None
         if self.clip_function is not None:  # before the fit-start checks: the probe runs the step's clipped sum
-            if self.sharded_passes is not None:  # sharded: ghost clipping (supports_sharding)
-                self._per_sample = ShardedGhostClipping(self.net, self.loss_fn, passes=self.sharded_passes)
-            elif self.per_sample_mode == "ghost":
-                self._per_sample = GhostClipping(self.net, self.loss_fn)
-            else:
-                self._per_sample = PerSampleGradients(self.net, self.loss_fn, self.per_sample_mode)
+            mode = get_per_sample_mode(self.per_sample_mode)
+            self._per_sample = mode.build(self.net, self.loss_fn, self.sharded_passes)
         super().on_train_start()
         if self._per_sample is not None and self.privacy is not None:  # each clipped row: one example's whole gradient
             attributes = PlainAttributes(self.net)  # what the net stores from the (maybe private) examples

@@ -28,6 +28,7 @@ from pl_dp.errors import DataError, IndependenceError
 from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, DPZero
 from pl_dp.methods.base import PrivateModule
 from pl_dp.nets import TinyTransformerClassifier
+from pl_dp.per_sample import per_sample_mode_names
 from tests.conftest import blobs, make_trainer
 
 METHODS = [DPSGD, DPZero]
@@ -413,7 +414,7 @@ class _LastBatch(L.Callback):
         self.size = len(batch[1])
 
 
-@pytest.mark.parametrize("per_sample", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("per_sample", per_sample_mode_names())
 def test_a_copy_of_a_first_order_module_holds_nothing_the_size_of_a_batch(per_sample):
     """Opacus' ghost clipping kept the last batch's per-example gradient norms, which pickles carried."""
     torch.manual_seed(0)

@@ -12,7 +12,9 @@ from torch.utils.data import TensorDataset
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import AlphaSchedule
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPSGD, Coupling
+from pl_dp.per_sample import per_sample_mode_names
 from pl_dp.privacy import ClipFunction, NoiseSource
 from tests.conftest import blobs, make_trainer
 
@@ -31,7 +33,7 @@ def _dm(n=40, batch_size=10, public=True):
 
 
 @pytest.mark.parametrize("clip_fn", ["constant", "automatic", "psac"])
-@pytest.mark.parametrize("per_sample", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("per_sample", per_sample_mode_names())
 def test_dpsgd_step_equals_the_formula_by_hand(clip_fn, per_sample):
     L.seed_everything(0)
     net = nn.Linear(4, 3)
@@ -124,7 +126,7 @@ def test_coupling_auto_alpha_follows_eq5_and_inverts():
     model = Coupling(nn.Linear(4, 3), alpha="auto", kappa=2.0, privacy=SPEC)
     make_trainer(max_steps=1).fit(model, _dm())
     assert model.alpha == pytest.approx(Coupling.alpha_from_kappa(2.0, 10, model.noise_multiplier, 15))
-    with pytest.raises(ValueError, match="kappa"):
+    with pytest.raises(ConfigError, match="kappa"):
         Coupling(nn.Linear(4, 3), alpha="auto")
 
 
@@ -200,7 +202,7 @@ def test_ghost_clipping_refuses_an_unsupported_net_at_fit_start():
             return self.head(self.outer(self.inner(x)))
 
     model = DPSGD(Tied(), clip=1.0, per_sample="ghost", privacy=SPEC)
-    with pytest.raises(ValueError, match=r"tied across modules: inner\.bias = outer\.bias \(in Linear\)"):
+    with pytest.raises(ConfigError, match=r"tied across modules: inner\.bias = outer\.bias \(in Linear\)"):
         make_trainer(max_steps=1).fit(model, _dm())
     assert model.private_steps == 0
 
@@ -215,7 +217,7 @@ def test_ghost_clipping_refuses_an_unsupported_net_at_fit_start():
     ],
 )
 def test_bad_first_order_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         DPSGD(nn.Linear(2, 2), privacy=SPEC, **kwargs)
 
 
@@ -271,7 +273,7 @@ def test_adamix_count_noise_must_exceed_sigma():
         quantile_noise=0.5,
         privacy=PrivacySpec(epsilon=1.0, accountant="rdp"),
     )
-    with pytest.raises(ValueError, match="auxiliary release"):
+    with pytest.raises(PrivacyConfigError, match="auxiliary release"):
         make_trainer(max_steps=1).fit(model, _dm())
 
 
@@ -291,5 +293,5 @@ def test_adaptive_clip_tracks_the_target_quantile_of_per_example_norms():
 
 
 def test_adaptive_clip_needs_constant_clipping():
-    with pytest.raises(ValueError, match="constant"):
+    with pytest.raises(ConfigError, match="constant"):
         DPSGD(nn.Linear(2, 2), clip_fn="automatic", clip_quantile=0.9, privacy=SPEC)
