@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import lightning as L
 import torch
@@ -41,7 +41,7 @@ from pl_dp.methods.parallel import DataParallelMixin
 from pl_dp.methods.precision import PrecisionMixin
 from pl_dp.privacy.accountants import Accountant, accountant_class, accountant_names
 from pl_dp.privacy.ledger import PrivacyLedger
-from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.mechanisms import Mechanism, SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
@@ -97,7 +97,10 @@ class StepResult:
     nonfinite: int | torch.Tensor = 0
 
 
-class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.LightningModule):
+MechanismT = TypeVar("MechanismT", bound=Mechanism)
+
+
+class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.LightningModule, Generic[MechanismT]):
     """The privacy protocol shared by all methods: ``epsilon``, ``privacy_report()``, ``accountant``,
     ``noise_multiplier``, ``sample_rate``, ``delta``, ``private_steps``, ``planned_steps`` (what the
     callbacks read), around one private step.
@@ -147,7 +150,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
     default_accountant: str = "prv"
     #: the mechanism of each private step (:meth:`mechanism`); a spec's accountant must support it
     #: (:meth:`~pl_dp.privacy.accountants.Accountant.supports`)
-    release: type = SubsampledGaussian
+    release: type[Mechanism] = SubsampledGaussian
     #: the modes in which the method evaluates private losses, probed at fit start for per-example independence: "train"
     #: (training mode, autograd: first-order) and/or "eval" (eval mode, inference mode: zeroth-order)
     private_loss_modes: tuple[str, ...] = ("train", "eval")
@@ -209,11 +212,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self._metrics: nn.ModuleDict = nn.ModuleDict()
 
     # ---- the method's part -----------------------------------------------------------------
-    def mechanism(self, batch_size: int) -> SubsampledGaussian:
-        """This method's per-step mechanism (override via :meth:`_gaussian`)."""
+    def mechanism(self, batch_size: int) -> MechanismT:
+        """This method's per-step mechanism (:class:`~pl_dp.privacy.mechanisms.Mechanism`; a subsampled Gaussian is
+        built by :meth:`_gaussian`)."""
         raise NotImplementedError
 
-    def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
+    def private_step(self, batch: Any, batch_size: int, mechanism: MechanismT) -> StepResult:
         """One step of the method's math, its noise added through ``mechanism`` only: what it hands back
         (:class:`StepResult`) is its statistics safe to log and its count of examples that contributed 0."""
         raise NotImplementedError

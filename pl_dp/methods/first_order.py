@@ -30,7 +30,7 @@ T = TypeVar("T")
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-class FirstOrderModule(PrivateModule):
+class FirstOrderModule(PrivateModule[SubsampledGaussian]):
     """Per-example gradients → weighted clipping → one Gaussian noise draw → a torch optimizer.
 
     Args (beyond :class:`~pl_dp.methods.base.PrivateModule`):

@@ -32,7 +32,7 @@ def _norm(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
-class O2NC(OwnUpdateModule):
+class O2NC(OwnUpdateModule[TreeAggregatedGaussian]):
     """Private zeroth-order online-to-nonconvex conversion (Algorithms 3–6).
 
     One ``training_step`` is one round (k, t). With D = δ/T (the ``smoothing`` δ over ``inner_steps`` T):

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pl_dp.errors import ConfigError
-from pl_dp.methods.base import PrivateModule
+from pl_dp.methods.base import MechanismT, PrivateModule
 from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.step.batches import batch_size_of
@@ -62,7 +62,7 @@ def refuse_unless_plain_sgd(module: L.LightningModule, optimizer: torch.optim.Op
         )
 
 
-class OwnUpdateModule(PrivateModule):
+class OwnUpdateModule(PrivateModule[MechanismT]):
     """A private method that writes its update itself, through a perturbation engine (no ``.grad``, no optimizer step).
 
     Args (beyond :class:`~pl_dp.methods.base.PrivateModule`):

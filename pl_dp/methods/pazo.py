@@ -157,7 +157,7 @@ class PAZOP(PublicDataMixin, ZerothOrderModule, shardable=True):
         return StepResult(metrics, estimate.nonfinite)
 
 
-class PAZOS(PublicDataMixin, OwnUpdateModule, shardable=True):
+class PAZOS(PublicDataMixin, OwnUpdateModule[SubsampledGaussian], shardable=True):
     """PAZO-S (Algorithm 3): choose among k public gradients by private loss queries.
 
     Per step, with k disjoint public batches and their raw gradients g_1..g_k (at θ_t)::

@@ -23,8 +23,11 @@ class PublicDataMixin:
     """Public batches and gradients for a :class:`~pl_dp.methods.base.PrivateModule` that needs public data."""
 
     requires_public_data = True
-    #: how many disjoint public batches one step draws
-    public_batches_per_step: int = 1
+
+    @property
+    def public_batches_per_step(self) -> int:
+        """How many disjoint public batches one step draws (PAZO-P and PAZO-S: k)."""
+        return 1
 
     def on_train_start(self) -> None:
         super().on_train_start()

@@ -20,7 +20,7 @@ from pl_dp.zo.estimator import PrivateTwoPointEstimator, ZerothOrderEstimate
 from pl_dp.zo.mask import DirectionMask
 
 
-class ZerothOrderModule(OwnUpdateModule):
+class ZerothOrderModule(OwnUpdateModule[SubsampledGaussian]):
     """A private method that queries the private batch only through two-point loss differences.
 
     Args (beyond :class:`~pl_dp.methods.own_update.OwnUpdateModule`):

@@ -18,7 +18,7 @@ from pl_dp.privacy.accountants import (
 )
 from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.clip_functions import ClipFunction, clip_per_example
-from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.mechanisms import Mechanism, SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
@@ -33,6 +33,7 @@ __all__ = [
     "ClipFunction",
     "EmptySafeCollate",
     "EpsilonTracker",
+    "Mechanism",
     "NoiseSource",
     "PoissonBatchSampler",
     "PrivacyReport",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,6 +21,28 @@ from pl_dp.privacy.noise import NoiseSource
 
 if TYPE_CHECKING:  # the accountants declare which mechanisms they account: they import this module
     from pl_dp.privacy.accountants import Accountant
+
+
+class Mechanism(Protocol):
+    """What a method's per-step release is to the rest of pl_dp: one interface, several mechanisms
+    (:class:`SubsampledGaussian`; :class:`~pl_dp.privacy.tree.TreeAggregatedGaussian` for O2NC), as Opacus' accountants
+    are one interface over several analyses.
+
+    ``noise_multiplier`` is σ (0: the non-private run of the same method, which records nothing). :meth:`account`
+    records one released step with each accountant given — the mechanism knows what an accountant must be told of it
+    (σ and the sample rate; a tree's leaf) and refuses an accountant that cannot account it. The base asks the method
+    for its mechanism before each step, hands it to the method's step (which adds noise through it only) and then to
+    the ledger: so the noise added and the step recorded come from one object.
+    """
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ, the noise multiplier of the step (0: not private)."""
+        ...
+
+    def account(self, *accountants: Accountant | None) -> None:
+        """Record one step of this mechanism with each accountant given (nothing for a non-private run)."""
+        ...
 
 
 @dataclass(frozen=True)
