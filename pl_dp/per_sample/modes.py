@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -86,28 +87,23 @@ def per_sample_mode_names() -> list[str]:
     return list(_MODES)
 
 
+def _per_example_gradients(
+    mode: str, net: nn.Module, loss_fn: PerSampleLoss, passes: ShardedPasses | None
+) -> PerSampleEngine:
+    return PerSampleGradients(net, loss_fn, mode)
+
+
 def _ghost(net: nn.Module, loss_fn: PerSampleLoss, passes: ShardedPasses | None) -> PerSampleEngine:
     return GhostClipping(net, loss_fn) if passes is None else ShardedGhostClipping(net, loss_fn, passes=passes)
 
 
-register_per_sample_mode(
-    PerSampleMode(
-        "hooks",
-        lambda net, loss_fn, _: PerSampleGradients(net, loss_fn, "hooks"),
-        autocast=True,
-        shards=False,
-        summary="per-example gradients from Opacus' GradSampleModule hooks",
+for _name, _summary in (
+    ("hooks", "per-example gradients from Opacus' GradSampleModule hooks"),
+    ("functorch", "per-example gradients from torch.func.vmap(grad(...)) over single examples"),
+):
+    register_per_sample_mode(
+        PerSampleMode(_name, partial(_per_example_gradients, _name), autocast=True, shards=False, summary=_summary)
     )
-)
-register_per_sample_mode(
-    PerSampleMode(
-        "functorch",
-        lambda net, loss_fn, _: PerSampleGradients(net, loss_fn, "functorch"),
-        autocast=True,
-        shards=False,
-        summary="per-example gradients from torch.func.vmap(grad(...)) over single examples",
-    )
-)
 register_per_sample_mode(
     PerSampleMode(
         "ghost",
