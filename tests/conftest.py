@@ -71,3 +71,24 @@ class RunningInputMean(nn.Module):
 @pytest.fixture
 def trainer_factory():
     return make_trainer
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules whose tests wait for a run started in the background (tests/background.py) run after the others,
+    each in one piece and in their order: the runs have the whole session to end in."""
+    from tests import background
+
+    waiting = {item.module for item in items if any(job.wanted(item) for job in background.JOBS)}
+    items.sort(key=lambda item: getattr(item, "module", None) in waiting)  # stable: the order is kept otherwise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_runs(request, tmp_path_factory):
+    """Start the subprocess runs of the selected tests in the background (tests/background.py); end any still
+    running when the session ends."""
+    from tests import background
+
+    started = background.start(request.session.items, tmp_path_factory)
+    yield
+    for job in started:
+        job.cancel()

@@ -11,6 +11,7 @@ from torch import nn
 from pl_dp import PrivacySpec
 from pl_dp.audit import audit, clopper_pearson_upper, release_shift
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD, O2NC, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 from pl_dp.privacy.accountants import create_accountant
 from pl_dp.privacy.mechanisms import SubsampledGaussian
@@ -96,12 +97,12 @@ def test_clopper_pearson_upper_bound():
     ],
 )
 def test_bad_audit_requests_raise(make, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         audit(make(), _data(), **kwargs)
 
 
 def test_too_small_private_set_raises():
-    with pytest.raises(ValueError, match="reference_size"):
+    with pytest.raises(ConfigError, match="reference_size"):
         audit(_model(), _data(), reference_size=40, trials=20)
 
 
@@ -124,7 +125,7 @@ def test_release_shift_measures_the_canary_influence_and_may_be_zero():
     assert model.private_steps == 1  # measured at the first batch, before its step
     # first in the batch, it moves every other example one row down: the sums add in another order (fp32 rounding)
     assert release_shift(model, _data(), silent, canary_row=0) == pytest.approx(0.0, abs=1e-6)
-    with pytest.raises(ValueError, match="canary_row"):
+    with pytest.raises(ConfigError, match="canary_row"):
         release_shift(model, _data(), silent, canary_row=9)
     model = DPZero(nn.Linear(4, 3, bias=False), clip=1.0, queries=2, privacy=_spec(), noise_seed=0)
     with pytest.raises(ValueError, match="does not change the step's release"):

@@ -14,6 +14,7 @@ from scipy.stats import binom
 
 from pl_dp import PrivacySpec
 from pl_dp.audit_run import audit_run, one_run_epsilon_lower_bound, one_run_p_value
+from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD, Coupling
 
 CANARIES = 1000
@@ -146,5 +147,5 @@ def test_delta_weakens_the_bound_and_chance_gives_nothing():
     ],
 )
 def test_bad_requests_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         audit_run(**kwargs)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import background
 from tests.methods.test_constructors import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,18 +67,38 @@ for path in sys.argv[1:]:
 """
 
 
+#: the two runs of the CLI in a fresh interpreter below, started in the background when the session starts
+#: (tests/background.py): every shipped config parsed, and ``fit --help``
+PARSE_ALL = background.job(
+    "cli_configs",
+    lambda out: [
+        background.Command(
+            [sys.executable, "-c", _PARSE_ALL, *map(str, CONFIGS)],
+            env=dict(WANDB_MODE="offline", PYTHONWARNINGS="ignore"),
+            cwd=ROOT,
+            timeout=600,
+        )
+    ],
+    needed_by=background.for_test("test_shipped_configs_parse"),
+)
+FIT_HELP = background.job(
+    "cli_help",
+    lambda out: [
+        background.Command(
+            [sys.executable, "-m", "pl_dp.cli", "fit", "--help"],
+            env=dict(WANDB_MODE="offline", PYTHONWARNINGS="ignore"),
+            cwd=ROOT,
+            timeout=300,
+        )
+    ],
+    needed_by=background.for_test("test_help_lists_the_methods_arguments"),
+)
+
+
 def test_shipped_configs_parse():
     """Every shipped config resolves, with every argument a method or data module inherits by keyword (``**kwargs``
     forwarded to ``super().__init__``) resolved to its default (one interpreter for all configs: imports dominate)."""
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore")
-    out = subprocess.run(
-        [sys.executable, "-c", _PARSE_ALL, *map(str, CONFIGS)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    _, (out,) = PARSE_ALL.result()
     assert out.returncode == 0, out.stderr[-3000:]
     parsed = [line.split(" ", 1)[1] for line in out.stdout.splitlines() if line.startswith("PARSED ")]
     assert len(CONFIGS) >= 35  # the glob found the shipped configs
@@ -85,7 +106,7 @@ def test_shipped_configs_parse():
 
 
 def test_help_lists_the_methods_arguments():
-    out = _run("fit", "--help")
+    _, (out,) = FIT_HELP.result()
     assert out.returncode == 0
     assert "--model" in out.stdout and "--data" in out.stdout
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import background
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")  # [text](target) or [text](target#anchor)
@@ -72,18 +74,30 @@ def test_the_readme_example_runs(tmp_path):
     assert "pl_dp privacy report — DPZero" in run.stdout and "add/remove-one adjacency" in run.stdout
 
 
-def test_strict_build_passes(tmp_path):
-    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings_handlers") is None:
+def _has_mkdocs() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("mkdocs", "mkdocstrings_handlers"))
+
+
+#: the strict build below, started in the background when the session starts (tests/background.py)
+STRICT_BUILD = background.job(
+    "docs_build",
+    lambda out: [
+        background.Command(
+            [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out / "site")],
+            cwd=ROOT,
+            timeout=300,
+        )
+    ],
+    needed_by=lambda item: _has_mkdocs() and background.for_test("test_strict_build_passes")(item),
+)
+
+
+def test_strict_build_passes():
+    if not _has_mkdocs():
         pytest.skip("mkdocs and mkdocstrings-python are not installed (pip install -e '.[docs]')")
-    build = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out, (build,) = STRICT_BUILD.result()
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    site = tmp_path / "site"
+    site = out / "site"
     api = (site / "api" / "methods.html").read_text()
     assert 'id="pl_dp.methods.DPZero"' in api and 'id="pl_dp.methods.PAZOM"' in api  # generated from docstrings
     assert (site / "results.html").exists() and (site / "results" / "accuracy_vs_epsilon.png").exists()

@@ -2,11 +2,12 @@
 privacy core (step, privacy, zo, per_sample) is plain torch — no Lightning, so it can be tested and reused alone."""
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import background
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pl_dp"
 #: the pl_dp layers each layer may import (besides itself)
@@ -62,14 +63,23 @@ def test_the_privacy_core_never_imports_lightning(layer):
     assert not wrong, sorted(wrong)
 
 
+_FRESH_IMPORT = (
+    "import sys\n"
+    f"import {', '.join('pl_dp.' + layer for layer in LIGHTNING_FREE)}\n"
+    f"print(sorted(m for m in sys.modules if m.split('.')[0] in {LIGHTNING!r}))\n"
+)
+#: the fresh interpreter below, started in the background when the session starts (tests/background.py)
+FRESH_IMPORT = background.job(
+    "fresh_import",
+    lambda out: [background.Command([sys.executable, "-c", _FRESH_IMPORT], cwd=Path.cwd(), timeout=300)],
+    needed_by=background.for_test("test_importing_the_privacy_core_loads_no_lightning"),
+)
+
+
 def test_importing_the_privacy_core_loads_no_lightning():
     """Also through third-party imports: a fresh interpreter that imports the three packages has no Lightning."""
-    code = (
-        "import sys\n"
-        f"import {', '.join('pl_dp.' + layer for layer in LIGHTNING_FREE)}\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {LIGHTNING!r}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    _, (out,) = FRESH_IMPORT.result()
+    out.check_returncode()
     assert out.stdout.strip() == "[]", out.stdout
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import PrivacyBudget, StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.methods import DPSGD, PAZOM, Coupling, DPZero
 from tests.conftest import blobs, make_trainer
 
@@ -42,7 +43,7 @@ def test_refuses_to_start_when_an_explicit_sigma_cannot_meet_the_target():
     spec = PrivacySpec(epsilon=10.0, accountant="rdp", noise_multiplier=2.0)
     model = _model(spec)
     before = model.net.weight.detach().clone()
-    with pytest.raises(ValueError, match="refusing to start"):
+    with pytest.raises(PrivacyConfigError, match="refusing to start"):
         make_trainer(max_epochs=30, callbacks=[PrivacyBudget(epsilon=1.0)]).fit(model, dm)
     assert torch.equal(model.net.weight, before)  # no private data was touched
 
@@ -50,7 +51,7 @@ def test_refuses_to_start_when_an_explicit_sigma_cannot_meet_the_target():
 def test_module_refuses_a_spec_whose_sigma_cannot_meet_its_own_epsilon():
     dm = PrivatePublicDataModule(blobs(200), batch_size=20)
     model = _model(PrivacySpec(epsilon=0.5, accountant="rdp", noise_multiplier=0.6))
-    with pytest.raises(ValueError, match="cannot meet epsilon"):
+    with pytest.raises(PrivacyConfigError, match="cannot meet epsilon"):
         make_trainer(max_epochs=30).fit(model, dm)
 
 

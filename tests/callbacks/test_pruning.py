@@ -8,6 +8,7 @@ from torch import nn
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import PruningSchedule, StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError
 from pl_dp.methods import PAZOM, PAZOS, DPZero
 from tests.conftest import blobs, make_trainer
 from tests.methods.test_checkpoint import assert_resume_is_exact
@@ -100,11 +101,11 @@ def test_pazo_m_masks_its_public_step_too():
 
 
 def test_clear_errors():
-    with pytest.raises(ValueError, match="single float"):
+    with pytest.raises(ConfigError, match="single float"):
         PruningSchedule(rates=[0.1, 0.2], strategy="static")
-    with pytest.raises(ValueError, match="must not decrease"):
+    with pytest.raises(ConfigError, match="must not decrease"):
         PruningSchedule(rates=[0.2, 0.1], strategy="incremental")
-    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"\(0, 1\]"):
         PruningSchedule(rates=0.0)
     with pytest.warns(UserWarning, match="mostly"):
         PruningSchedule(score_queries=1)
@@ -112,11 +113,11 @@ def test_clear_errors():
     dm = PrivatePublicDataModule(blobs(100), public=blobs(30, seed=3), batch_size=10, public_batch_size=8)
     with pytest.raises(TypeError, match="set_direction_mask"):
         make_trainer(max_steps=2, callbacks=[PruningSchedule()]).fit(PAZOS(_net(), privacy=SPEC), dm)
-    with pytest.raises(ValueError, match="2 pruning rates for 3 stage"):
+    with pytest.raises(ConfigError, match="2 pruning rates for 3 stage"):
         make_trainer(max_steps=9, callbacks=[StagewiseSchedule(3), PruningSchedule([0.1, 0.2], "dynamic")]).fit(
             _model(), _dm()
         )
-    with pytest.raises(ValueError, match="input shape"):
+    with pytest.raises(ConfigError, match="input shape"):
         make_trainer(max_steps=2, callbacks=[PruningSchedule()]).fit(
             _model(), PrivatePublicDataModule(blobs(100), batch_size=10)
         )

@@ -11,6 +11,7 @@ from pl_dp import PrivacySpec
 from pl_dp.callbacks import StagewiseSchedule
 from pl_dp.callbacks.stagewise import stage_lengths
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError
 from pl_dp.methods import PAZOS, DPZero
 from tests.conftest import blobs, make_trainer
 from tests.methods.test_checkpoint import assert_resume_is_exact
@@ -60,7 +61,7 @@ def test_stage_lengths_fill_the_plan_or_refuse():
     assert stage_lengths(100, 3, 2.0, None) == [14, 28, 58]
     assert sum(stage_lengths(1234, 5, 2.0, None)) == 1234
     assert stage_lengths(70, 3, 2.0, 10) == [10, 20, 40]
-    with pytest.raises(ValueError, match="max_steps=70"):
+    with pytest.raises(ConfigError, match="max_steps=70"):
         stage_lengths(60, 3, 2.0, 10)
 
 
@@ -109,7 +110,7 @@ def test_a_proximal_term_the_method_would_drop_is_refused(method):
         cls = DPSGD if method == "dpsgd" else Coupling
         model = cls(nn.Linear(4, 3), clip=1.0, privacy=PrivacySpec(epsilon=5.0, accountant="rdp"))
     data = PrivatePublicDataModule(blobs(60), public=blobs(20, seed=5), batch_size=10, public_batch_size=5)
-    with pytest.raises(ValueError, match=r"proximal term, which \w+'s update does not include"):
+    with pytest.raises(ConfigError, match=r"proximal term, which \w+'s update does not include"):
         make_trainer(max_steps=4, callbacks=[StagewiseSchedule(stages=2, proximal=0.1)]).fit(model, data)
     make_trainer(max_steps=4, callbacks=[StagewiseSchedule(stages=2, proximal=0.0)]).fit(model, data)
     assert model.private_steps == 4

@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule, TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
+from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import CausalLM
 from pl_dp.step.batches import fill_rows
@@ -60,7 +61,7 @@ def test_the_private_loader_pads_to_max_length_in_half_precision_or_when_asked(g
 
 def test_fixed_length_true_needs_a_length():
     data = PrivatePublicDataModule(blobs(40), batch_size=8, fixed_length=True)
-    with pytest.raises(ValueError, match=r"PaddingCollate\(length=...\)"):
+    with pytest.raises(ConfigError, match=r"PaddingCollate\(length=...\)"):
         data.private_collate()
     given = PaddingCollate(length=12)
     data = PrivatePublicDataModule(blobs(40), batch_size=8, collate_fn=given, fixed_length=True)

@@ -10,7 +10,7 @@ import torch
 
 from pl_dp.data import TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
-from pl_dp.errors import IndependenceError
+from pl_dp.errors import ConfigError, IndependenceError
 from pl_dp.nets import CausalLM, minilm_path
 from pl_dp.step.independence import probe_examples, probe_independence
 from pl_dp.step.losses import causal_lm
@@ -64,7 +64,7 @@ def test_prompt_completion_columns_from_files_put_the_loss_on_the_completion(gpt
         prompt = len(tokenizer(tokenizer.decode(ids[labels == -100]))["input_ids"])
         assert prompt > 0 and (labels[:prompt] == -100).all() and torch.equal(labels[prompt:], ids[prompt:])
         assert tokenizer.decode(ids[prompt:-1]).startswith(" it was")
-    with pytest.raises(ValueError, match="both prompt_column and completion_column"):
+    with pytest.raises(ConfigError, match="both prompt_column and completion_column"):
         TextGenerationDataModule(data=path, prompt_column="question", tokenizer=gpt2_dir)
 
 

@@ -6,6 +6,7 @@ import torch
 
 from pl_dp.data import DigitsDataModule, digits_splits, vader_splits
 from pl_dp.data.shift import PUBLIC_SHIFTS, public_shift_weights
+from pl_dp.errors import ConfigError
 
 
 def test_weights_fall_linearly_by_the_shift_ratio():
@@ -17,7 +18,7 @@ def test_weights_fall_linearly_by_the_shift_ratio():
         assert w[0] / w[-1] == pytest.approx(ratio) and np.all(np.diff(w) <= 0)
         last = public_shift_weights(np.array([0, 1]), 2, shift, favoured="last")
         assert last[1] / last[0] == pytest.approx(ratio)
-    with pytest.raises(ValueError, match="public_shift"):
+    with pytest.raises(ConfigError, match="public_shift"):
         public_shift_weights(labels, 10, "huge")
 
 

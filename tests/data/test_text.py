@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from pl_dp.data import TextDataModule, read_texts, tokenize_prompts
 from pl_dp.data.text import carve_splits
+from pl_dp.errors import ConfigError
 from pl_dp.nets import minilm_path
 from pl_dp.privacy.sampling import poisson_sampler_of
 
@@ -87,9 +88,9 @@ def test_fractions_are_expected_shares_of_a_large_pool():
         count = len(splits[name][0])
         assert abs(count - n * fraction) < 4 * (n * fraction * (1 - fraction)) ** 0.5, (name, count)
         assert all(label == int(text.split()[1]) % 3 for text, label in zip(*splits[name]))
-    with pytest.raises(ValueError, match="nothing would be left private"):
+    with pytest.raises(ConfigError, match="nothing would be left private"):
         carve_splits(records, {}, 0.5, 0.3, 0.2, split_seed=0)
-    with pytest.raises(ValueError, match=r"val_fraction must lie in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r"val_fraction must lie in \[0, 1\)"):
         carve_splits(records, {}, 0.1, 1.0, 0.0, split_seed=0)
 
 
@@ -125,7 +126,7 @@ def test_explicit_splits_from_csv_and_jsonl_files_with_label_names(tmp_path, tok
     assert data.hparams["data"] == str(train) and data.hparams["test"] == str(test)  # paths, never texts
     with pytest.raises(KeyError, match="no column"):
         read_texts(str(train))
-    with pytest.raises(ValueError, match="label_names"):
+    with pytest.raises(ConfigError, match="label_names"):
         TextDataModule(str(train), tokenizer=tokenizer, text_column="review", label_column="sentiment")
 
 
@@ -168,17 +169,17 @@ def test_truncation_cuts_the_text_never_the_template(tokenizer):
 def test_bad_prompts_and_labels_are_refused(tokenizer):
     with pytest.raises(ValueError, match="mask token"):  # the text itself holds [MASK]: two masks
         tokenize_prompts(["a [MASK] b"], tokenizer, "{text} It was {mask}.")
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ConfigError, match="exactly one"):
         tokenize_prompts(["a"], tokenizer, "no text here")
-    with pytest.raises(ValueError, match="longer than max_length"):
+    with pytest.raises(ConfigError, match="longer than max_length"):
         tokenize_prompts(["a"], tokenizer, "a long template around {text} that does not fit", max_length=6)
-    with pytest.raises(ValueError, match="class index"):
+    with pytest.raises(ConfigError, match="class index"):
         TextDataModule((["a", "b", "c"], [0, 1, -1]), tokenizer=tokenizer, batch_size=1)
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(ConfigError, match="tokenizer"):
         TextDataModule((TEXTS, LABELS))
     with pytest.raises(TypeError, match="cannot read"):
         read_texts(42)
-    with pytest.raises(ValueError, match=r"\.csv"):
+    with pytest.raises(ConfigError, match=r"\.csv"):
         read_texts("data.parquet")
 
 

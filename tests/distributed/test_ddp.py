@@ -10,12 +10,20 @@ import pytest
 import torch
 
 from pl_dp.privacy.sampling import PoissonBatchSampler
+from tests import background
 from tests.distributed import worker
+
+#: the 2-process fits, started in the background when the session starts (tests/background.py)
+TWO_PROCESSES = background.job(
+    "ddp", lambda out: [worker.launch_command("2", out)], needed_by=lambda item: "runs" in item.fixturenames
+)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return worker.launch("2", tmp_path_factory.mktemp("ddp")), worker.run_all(1)
+def runs():
+    single = worker.run_all(1)
+    out, (proc,) = TWO_PROCESSES.result()
+    return worker.launch_results(out, proc), single
 
 
 def _params(result):

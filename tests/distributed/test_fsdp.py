@@ -9,14 +9,22 @@ references run here with the same seeds.
 import pytest
 import torch
 
+from tests import background
 from tests.distributed import worker
 
 SEEDED = [name for name in worker.SHARDED_METHODS if name != "dpzero_rank_seeded"]
 
+#: the sharded fits, started in the background when the session starts (tests/background.py)
+SHARDED = background.job(
+    "fsdp", lambda out: [worker.launch_command("sharded", out)], needed_by=lambda item: "runs" in item.fixturenames
+)
+
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return worker.launch("sharded", tmp_path_factory.mktemp("fsdp")), {name: worker.run_one(name, 1) for name in SEEDED}
+def runs():
+    single = {name: worker.run_one(name, 1) for name in SEEDED}
+    out, (proc,) = SHARDED.result()
+    return worker.launch_results(out, proc), single
 
 
 def _params(result):

@@ -5,15 +5,14 @@ parameters of one process.
 """
 
 import json
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import background
 from tests.distributed import worker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,11 +24,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("nodes")
+def _nodes(out: Path) -> list[background.Command]:
+    """The two "nodes", node 1 started first."""
     base = dict(
-        os.environ,
         PYTHONPATH=str(ROOT),
         PYTHONWARNINGS="ignore",
         WANDB_MODE="offline",
@@ -39,22 +36,21 @@ def runs(tmp_path_factory):
         LOCAL_RANK="0",
     )
     command = [sys.executable, str(ROOT / "tests/distributed/worker.py"), "nodes", str(out)]
-    nodes = [
-        subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=dict(base, NODE_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (1, 0)
-    ]
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (stdout, stderr) in zip(nodes, outputs):
-        assert node.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    return [background.Command(command, env=dict(base, NODE_RANK=str(r)), cwd=ROOT, timeout=300) for r in (1, 0)]
+
+
+#: the two nodes' fits, started in the background when the session starts (tests/background.py)
+NODES = background.job("nodes", _nodes)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    single = {name: worker.run_one(name, 1) for name in worker.NODE_METHODS}
+    out, nodes = NODES.result()
+    for node in nodes:
+        assert node.returncode == 0, node.stdout[-2000:] + node.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return ranks, {name: worker.run_one(name, 1) for name in worker.NODE_METHODS}
+    return ranks, single
 
 
 @pytest.mark.parametrize("name", worker.NODE_METHODS)

@@ -33,6 +33,7 @@ from pl_dp import PrivacySpec
 from pl_dp.callbacks import PruningSchedule, StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, Coupling, DPZero
+from tests.background import Command
 
 STEPS = 4
 SIGMA = 1.3
@@ -468,15 +469,31 @@ def run_lora(name: str, devices: int, directory: Path) -> dict:
     return {"rank": trainer.global_rank, "parameters": _flat(model.net).tolist(), "trained": trained}
 
 
-def launch(mode: str, out: Path) -> list[dict]:
-    """Run ``worker.py mode out`` as 2 processes (Lightning's launcher starts rank 1); each rank's results."""
+def launch_command(mode: str, out: Path) -> Command:
+    """``worker.py mode out``, run as 2 processes (Lightning's launcher starts rank 1)."""
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
-    proc = subprocess.run(
-        [sys.executable, __file__, mode, str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=400
-    )
+    env = dict(PYTHONPATH=str(root), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
+    return Command([sys.executable, __file__, mode, str(out)], env=env, cwd=root, timeout=400)
+
+
+def launch_results(out: Path, proc: subprocess.CompletedProcess) -> list[dict]:
+    """Each rank's results of a :func:`launch_command` run that ended as ``proc``."""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def launch(mode: str, out: Path) -> list[dict]:
+    """Run ``worker.py mode out`` as 2 processes (Lightning's launcher starts rank 1); each rank's results."""
+    command = launch_command(mode, out)
+    proc = subprocess.run(
+        command.args,
+        cwd=command.cwd,
+        env=dict(os.environ, **command.env),
+        capture_output=True,
+        text=True,
+        timeout=command.timeout,
+    )
+    return launch_results(out, proc)
 
 
 def run_all(devices: int) -> dict:

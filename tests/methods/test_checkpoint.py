@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import AllowPrivacySpecChange
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.methods import DPSGD, PAZOM, PAZOS, Coupling, DPZero
 from pl_dp.privacy.accountants import create_accountant
 from tests.conftest import blobs, make_trainer
@@ -212,7 +213,7 @@ def test_checkpoint_without_privacy_state_is_refused(tmp_path):
     ckpt = torch.load(tmp_path / "a.ckpt", weights_only=False)
     del ckpt["pl_dp"]
     torch.save(ckpt, tmp_path / "stripped.ckpt")
-    with pytest.raises(ValueError, match="no pl_dp privacy state"):
+    with pytest.raises(PrivacyConfigError, match="no pl_dp privacy state"):
         make_trainer(max_steps=4).fit(
             _model(PrivacySpec(epsilon=2.0, accountant="rdp")), _dm(), ckpt_path=str(tmp_path / "stripped.ckpt")
         )
@@ -222,7 +223,7 @@ def test_resume_with_another_privacy_spec_is_refused(tmp_path):
     trainer = make_trainer(max_steps=2)
     trainer.fit(_model(PrivacySpec(epsilon=2.0, accountant="rdp")), _dm())
     trainer.save_checkpoint(tmp_path / "a.ckpt")
-    with pytest.raises(ValueError, match="different privacy spec"):
+    with pytest.raises(PrivacyConfigError, match="different privacy spec"):
         make_trainer(max_steps=4).fit(
             _model(PrivacySpec(epsilon=5.0, accountant="rdp")), _dm(), ckpt_path=str(tmp_path / "a.ckpt")
         )
@@ -256,7 +257,7 @@ def test_an_override_cannot_go_below_what_was_already_spent(tmp_path):
     trainer.fit(first, _dm())
     trainer.save_checkpoint(tmp_path / "a.ckpt")
     assert first.epsilon > 0.5
-    with pytest.raises(ValueError, match="already spent"):
+    with pytest.raises(PrivacyConfigError, match="already spent"):
         make_trainer(max_epochs=4, callbacks=[AllowPrivacySpecChange()]).fit(
             _model(PrivacySpec(epsilon=0.5, accountant="rdp")), _dm(), ckpt_path=str(tmp_path / "a.ckpt")
         )
@@ -276,7 +277,7 @@ def test_checkpoint_from_another_method_is_refused(tmp_path):
         clip=1.0,
         privacy=PrivacySpec(epsilon=2.0, accountant="rdp"),
     )
-    with pytest.raises(ValueError, match="written by 'DPZero'"):
+    with pytest.raises(PrivacyConfigError, match="written by 'DPZero'"):
         make_trainer(max_steps=4).fit(other, _dm(), ckpt_path=str(tmp_path / "a.ckpt"))
 
 
@@ -287,7 +288,7 @@ def test_a_privacy_state_of_an_unknown_version_is_refused():
     state = model.privacy_state_dict()
     assert state["version"] == model.PRIVACY_STATE_VERSION
     for version in (model.PRIVACY_STATE_VERSION + 1, 0, "2"):
-        with pytest.raises(ValueError, match=f"version {version!r}; this pl_dp reads versions 1 to"):
+        with pytest.raises(PrivacyConfigError, match=f"version {version!r}; this pl_dp reads versions 1 to"):
             _model(PrivacySpec(epsilon=2.0, accountant="rdp")).load_privacy_state_dict({**state, "version": version})
     for version in (1, model.PRIVACY_STATE_VERSION):  # older states load (version 1's noise state is ignored)
         resumed = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
@@ -301,7 +302,7 @@ def test_resume_with_another_sample_rate_is_refused(tmp_path):
     trainer.fit(_model(spec), _dm())
     trainer.save_checkpoint(tmp_path / "a.ckpt")
     other_rate = PrivatePublicDataModule(blobs(120), batch_size=30)
-    with pytest.raises(ValueError, match="sample rate"):
+    with pytest.raises(PrivacyConfigError, match="sample rate"):
         make_trainer(max_steps=4).fit(_model(spec), other_rate, ckpt_path=str(tmp_path / "a.ckpt"))
 
 
@@ -364,7 +365,7 @@ def test_every_fit_rereads_its_loader_replans_and_composes_epsilon():
         > create_accountant("rdp").epsilon_after(model.delta, 10, noise_multiplier=1.0, sample_rate=0.01)
     )
     shuffled = DataLoader(blobs(200), batch_size=20, shuffle=True)
-    with pytest.raises(ValueError, match="Poisson"):
+    with pytest.raises(PrivacyConfigError, match="Poisson"):
         make_trainer(max_steps=5).fit(model, train_dataloaders=shuffled)
     assert model.accountant.steps == 10
 
@@ -380,7 +381,7 @@ def test_later_fits_are_calibrated_on_what_earlier_fits_spent():
     target = one_step * 1.2  # a fixed sigma = 1 meets the target for 12 steps, not for 24
     fixed = _model(PrivacySpec(epsilon=target, accountant="rdp", noise_multiplier=1.0))
     make_trainer(max_steps=12).fit(fixed, _dm())
-    with pytest.raises(ValueError, match="already spent"):
+    with pytest.raises(PrivacyConfigError, match="already spent"):
         make_trainer(max_steps=12).fit(fixed, _dm())
     assert fixed.private_steps == 12
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPZero
 from pl_dp.privacy import NoiseSource, poisson_loader
 from pl_dp.zo import PerturbationEngine
@@ -231,26 +232,26 @@ def test_step_metrics_are_logged_on_the_loggers_cadence_with_current_values(tmp_
 def test_bad_hyperparameters_raise(kwargs, match):
     args = dict(lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=1.0))
     args.update(kwargs)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         DPZero(nn.Linear(2, 2), **args)
 
 
 def test_batch_size_larger_than_dataset_raises():
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ConfigError, match="batch_size"):
         PrivatePublicDataModule(blobs(10), batch_size=11)
 
 
 def test_shuffling_private_loader_is_refused():
     loader = DataLoader(blobs(40), batch_size=8, shuffle=True)
     model = DPZero(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=1.0, accountant="rdp"))
-    with pytest.raises(ValueError, match="Poisson"):
+    with pytest.raises(PrivacyConfigError, match="Poisson"):
         make_trainer(max_steps=1).fit(model, train_dataloaders=loader)
 
 
 def test_model_without_trainable_parameters_raises():
     dm = PrivatePublicDataModule(blobs(40), batch_size=8)
     model = DPZero(nn.Linear(4, 3).requires_grad_(False), lr=0.1, clip=1.0)
-    with pytest.raises(ValueError, match="no trainable parameters"):
+    with pytest.raises(ConfigError, match="no trainable parameters"):
         make_trainer(max_steps=1).fit(model, dm)
 
 

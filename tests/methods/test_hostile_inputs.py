@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPSGD, O2NC, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 from pl_dp.privacy.accountants import create_accountant
 from tests.conftest import blobs, make_trainer
@@ -27,19 +28,19 @@ def _dm(**kwargs):
 # ---- the privacy request -------------------------------------------------------------------------
 @pytest.mark.parametrize("epsilon", [0.0, -1.0, float("nan"), float("inf"), "2", True])
 def test_bad_epsilon_is_refused(epsilon):
-    with pytest.raises(ValueError, match="epsilon"):
+    with pytest.raises(PrivacyConfigError, match="epsilon"):
         PrivacySpec(epsilon=epsilon)
 
 
 @pytest.mark.parametrize("delta", [1.0, 1.5, 0.0, -1e-5, float("nan")])
 def test_bad_delta_is_refused(delta):
-    with pytest.raises(ValueError, match="delta"):
+    with pytest.raises(PrivacyConfigError, match="delta"):
         PrivacySpec(epsilon=1.0, delta=delta)
 
 
 @pytest.mark.parametrize("sigma", [0.0, -1.0, float("nan")])
 def test_bad_noise_multiplier_is_refused(sigma):
-    with pytest.raises(ValueError, match="noise_multiplier"):
+    with pytest.raises(PrivacyConfigError, match="noise_multiplier"):
         PrivacySpec(epsilon=1.0, noise_multiplier=sigma)
 
 
@@ -68,25 +69,25 @@ def test_delta_above_one_over_n_warns_at_fit_start():
 )
 def test_bad_hyperparameters_name_the_parameter(cls, kwargs, match):
     spec = PrivacySpec(epsilon=2.0, accountant="tree") if cls is O2NC else SPEC
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         cls(nn.Linear(4, 3), privacy=spec, **kwargs)
 
 
 # ---- data --------------------------------------------------------------------------------------------
 def test_empty_private_dataset_is_refused():
-    with pytest.raises(ValueError, match="private dataset is empty"):
+    with pytest.raises(ConfigError, match="private dataset is empty"):
         PrivatePublicDataModule(TensorDataset(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long)), batch_size=1)
 
 
 def test_empty_public_dataset_is_refused():
     empty = TensorDataset(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
-    with pytest.raises(ValueError, match="public dataset is empty"):
+    with pytest.raises(ConfigError, match="public dataset is empty"):
         _dm(public=empty)
 
 
 @pytest.mark.parametrize("batch_size", [0, 61, 2.5])
 def test_bad_batch_size_is_refused(batch_size):
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ConfigError, match="batch_size"):
         _dm(batch_size=batch_size)
 
 

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from pl_dp import PrivacySpec
 from pl_dp.callbacks import PrivacyBudget, StagewiseSchedule, WandbPrivacyLogger
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPSGD, O2NC, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 from pl_dp.methods.parallel import check_strategy
 from pl_dp.per_sample import clipped_sum
@@ -74,7 +75,7 @@ def test_lr_schedulers_step_under_manual_optimization(interval, frequency, steps
 
 
 def test_a_stagewise_schedule_and_an_lr_scheduler_are_refused_together():
-    with pytest.raises(ValueError, match="StagewiseSchedule sets the step size"):
+    with pytest.raises(ConfigError, match="StagewiseSchedule sets the step size"):
         make_trainer(max_steps=4, callbacks=[StagewiseSchedule(stages=2)]).fit(_ScheduledDPZero("step", 1), _dm())
 
 
@@ -99,7 +100,7 @@ def test_first_order_methods_apply_the_configured_optimizer_to_the_privatized_gr
 
 
 def test_methods_that_write_their_own_update_refuse_other_optimizers():
-    with pytest.raises(ValueError, match="accepts only torch.optim.SGD"):
+    with pytest.raises(ConfigError, match="accepts only torch.optim.SGD"):
         make_trainer(max_steps=2).fit(_AdamDPZero(nn.Linear(4, 3), clip=1.0, privacy=SPEC), _dm())
 
 
@@ -232,7 +233,7 @@ def test_opacus_poisson_loader_is_accepted_with_its_sample_rate_and_a_secret_gen
 
 
 def test_fixed_size_batches_are_refused_with_a_message_that_names_them():
-    with pytest.raises(ValueError, match="fixed-size batches"):
+    with pytest.raises(PrivacyConfigError, match="fixed-size batches"):
         make_trainer(max_steps=1).fit(
             DPSGD(nn.Linear(4, 3), clip=1.0, privacy=SPEC), train_dataloaders=DataLoader(blobs(40), batch_size=8)
         )

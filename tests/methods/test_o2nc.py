@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import O2NC
 from tests.conftest import make_trainer
 from tests.methods.test_checkpoint import Crash
@@ -93,9 +94,9 @@ def test_sensitivity_and_clear_errors():
     assert model.first_batch_size == 8  # ceil(T * B2 / 2): the least B1 with s1 <= s_t
     assert model.sensitivity() == pytest.approx(max(2 * d * lam / 8, 4 * d * lam / (2 * 8)))
     assert _model(PrivacySpec(epsilon=1.0)).accountant_name == "tree"  # the method's own accountant by default
-    with pytest.raises(ValueError, match=r"accountant=None\) \(its own, 'tree'\)"):
+    with pytest.raises(PrivacyConfigError, match=r"accountant=None\) \(its own, 'tree'\)"):
         _model(PrivacySpec(epsilon=1.0, accountant="prv"))
-    with pytest.raises(ValueError, match="too few for one block"):
+    with pytest.raises(ConfigError, match="too few for one block"):
         make_trainer(max_epochs=1).fit(_model(), PrivatePublicDataModule(_data(10), batch_size=1))
 
 
@@ -257,7 +258,7 @@ def test_a_resume_with_another_inner_steps_is_refused_and_epsilon_never_decrease
     spent = first.epsilon
     assert spent >= _epsilon_of_nodes(_worst_example_nodes([r for _, r in releases.rounds], 8), 2.0, first.delta)
     resumed = _model(spec, inner_steps=2)
-    with pytest.raises(ValueError, match="another partition.*block_steps 8 -> 2"):
+    with pytest.raises(PrivacyConfigError, match="another partition.*block_steps 8 -> 2"):
         make_trainer(max_epochs=2).fit(
             resumed, PrivatePublicDataModule(_indexed_data(), batch_size=1), ckpt_path=str(tmp_path / "pass1.ckpt")
         )

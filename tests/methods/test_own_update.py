@@ -6,6 +6,7 @@ from torch import nn
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError
 from pl_dp.methods import O2NC, PAZOS, FirstOrderModule, OwnUpdateModule, PrivateModule
 from tests.conftest import blobs, make_trainer
 from tests.methods.test_constructors import METHODS
@@ -55,5 +56,5 @@ def test_every_member_refuses_an_optimizer_other_than_plain_sgd(method):
     """Tested for DPZero in test_lightning_conventions; PAZO-S and O2NC get the refusal from the family too."""
     model = method(nn.Linear(4, 3), clip=1.0, privacy=PrivacySpec(epsilon=50.0))
     data = PrivatePublicDataModule(blobs(60), public=blobs(20, seed=5), batch_size=10, public_batch_size=5)
-    with pytest.raises(ValueError, match="accepts only torch.optim.SGD"):
+    with pytest.raises(ConfigError, match="accepts only torch.optim.SGD"):
         make_trainer(max_steps=2).fit(model, data)

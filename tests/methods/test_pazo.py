@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError
 from pl_dp.methods import PAZOM, PAZOP, PAZOS, DPZero
 from pl_dp.privacy import NoiseSource
 from pl_dp.zo import Direction, PerturbationEngine, SubspaceEngine, flat_basis, privatize_sum
@@ -250,14 +251,14 @@ def test_public_only_steps_never_reach_the_accountant():
 def test_missing_public_data_fails_at_fit_start(cls):
     dm = PrivatePublicDataModule(_regression(12, 0), batch_size=6)
     model = cls(nn.Linear(3, 1), loss="mse", privacy=SPEC)
-    with pytest.raises(ValueError, match="public"):
+    with pytest.raises(ConfigError, match="public"):
         make_trainer(max_steps=1).fit(model, dm)
     assert model.private_steps == 0
 
 
 def test_too_small_public_set_for_k_batches_is_a_clear_error():
     dm = _dm(public_batch_size=8)  # 3 x 8 > 16 public examples
-    with pytest.raises(ValueError, match="disjoint public batches"):
+    with pytest.raises(ConfigError, match="disjoint public batches"):
         make_trainer(max_steps=1).fit(PAZOP(nn.Linear(3, 1), loss="mse", k=3, privacy=SPEC), dm)
 
 
@@ -273,7 +274,7 @@ def test_too_small_public_set_for_k_batches_is_a_clear_error():
     ],
 )
 def test_bad_hyperparameters(cls, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         cls(nn.Linear(3, 1), privacy=SPEC, **kwargs)
 
 

@@ -16,6 +16,7 @@ from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD, DPZero
 from tests.conftest import blobs, make_trainer
 
@@ -94,7 +95,7 @@ def test_per_example_gradient_hooks_refuse_multihead_attention_at_fit_start_nami
     """On main: Opacus failed mid-step (TypeError: missing 'key' and 'value')."""
     model = DPSGD(_transformer(), loss=next_token, clip=1.0, privacy=SPEC)
     data = PrivatePublicDataModule(_tokens(0), val=_tokens(1), batch_size=6)
-    with pytest.raises(ValueError, match=r"MultiheadAttention.*per_sample='functorch'.*DPZero"):
+    with pytest.raises(ConfigError, match=r"MultiheadAttention.*per_sample='functorch'.*DPZero"):
         make_trainer(max_steps=1).fit(model, data)
     assert model.private_steps == 0
     model = DPSGD(_transformer(), loss=next_token, clip=1.0, privacy=SPEC, per_sample="functorch")  # what works
@@ -121,7 +122,7 @@ def test_first_order_methods_use_the_net_s_own_configure_optimizers():
     trainer = make_trainer(max_steps=2)
     trainer.fit(model, _features())
     assert isinstance(trainer.optimizers[0], torch.optim.Adam) and model.lr == 1e-3
-    with pytest.raises(ValueError, match="both the net's configure_optimizers and DPSGD"):
+    with pytest.raises(ConfigError, match="both the net's configure_optimizers and DPSGD"):
         make_trainer(max_steps=1).fit(DPSGD(LitAutoEncoder(), loss=reconstruction, optimizer="adamw"), _features())
 
 

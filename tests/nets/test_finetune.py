@@ -13,6 +13,7 @@ from pl_dp.data import (
     vader_lexicon,
     vader_splits,
 )
+from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD, PAZOM, DPZero
 from pl_dp.nets import MLP, HFClassifier, MiniLMClassifier, minilm_path
 from tests.conftest import make_trainer
@@ -38,7 +39,7 @@ def test_packaged_minilm_loads_offline_and_runs(vader):
     bias = MiniLMClassifier(trainable="bias")
     names = [n for n, p in bias.model.named_parameters() if p.requires_grad]
     assert names and all(n.endswith(".bias") or n.startswith("classifier.") or ".pooler." in n for n in names)
-    with pytest.raises(ValueError, match="trainable"):
+    with pytest.raises(ConfigError, match="trainable"):
         MiniLMClassifier(trainable="some")
 
 

@@ -7,6 +7,7 @@ import torch
 from pl_dp import PrivacySpec
 from pl_dp.data import TextDataModule, minilm_embeddings, tokenize_prompts
 from pl_dp.data.collate import PaddingCollate
+from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import PromptClassifier
 from pl_dp.step.independence import probe_independence
@@ -147,15 +148,15 @@ def test_minilm_head_fine_tuning_with_dpzero_keeps_the_encoder_bit_identical():
 
 def test_prompt_configuration_errors(tiny_lm, minilm):
     kind = "masked" if "bert" in tiny_lm.name else "causal"
-    with pytest.raises(ValueError, match="template"):
+    with pytest.raises(ConfigError, match="template"):
         PromptClassifier(
             ["bad", "good"], model_path=tiny_lm, template="{text} It was" if kind == "masked" else "{mask}"
         )
-    with pytest.raises(ValueError, match="single token"):
+    with pytest.raises(ConfigError, match="single token"):
         PromptClassifier(["bad", "extraordinarily"], model_path=tiny_lm)
-    with pytest.raises(ValueError, match="separate head"):
+    with pytest.raises(ConfigError, match="separate head"):
         PromptClassifier(["terrible", "great"], model_path=tiny_lm, trainable="head")
-    with pytest.raises(ValueError, match="one word per class"):
+    with pytest.raises(ConfigError, match="one word per class"):
         PromptClassifier("great", model_path=tiny_lm)
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.nets import HFClassifier, TinyTransformerClassifier
 from pl_dp.per_sample import GhostClipping, PerSampleGradients
 from pl_dp.privacy import ClipFunction
@@ -215,13 +216,13 @@ def test_tied_weights_get_the_norm_of_the_sum_of_their_uses():
 
 
 def test_layers_ghost_clipping_cannot_handle_are_refused_at_construction():
-    with pytest.raises(ValueError, match=r"'rnn' \(LSTM\): use Opacus' DPRNN, DPLSTM or DPGRU"):
+    with pytest.raises(ConfigError, match=r"'rnn' \(LSTM\): use Opacus' DPRNN, DPLSTM or DPGRU"):
         GhostClipping(_WithLSTM(), cross_entropy)
-    with pytest.raises(ValueError, match=r"fp32 trainable parameters.*torch\.bfloat16"):
+    with pytest.raises(ConfigError, match=r"fp32 trainable parameters.*torch\.bfloat16"):
         GhostClipping(nn.Linear(4, 3).to(torch.bfloat16), cross_entropy)
     frozen = _Tied()
     frozen.embed.weight.requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameters"):
+    with pytest.raises(ConfigError, match="no trainable parameters"):
         GhostClipping(frozen, cross_entropy)
 
 

@@ -15,7 +15,7 @@ from pl_dp.per_sample import GhostClipping, ShardedGhostClipping
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.losses import resolve_loss
 from pl_dp.step.passes import ShardedPasses
-from tests.distributed import on_two_ranks
+from tests.distributed import two_ranks
 
 
 def _most_over_ranks(count: int) -> int:
@@ -61,8 +61,12 @@ def _worker(rank: int, mesh, results: dict) -> None:
         results["largest sent"] = max(float(t.norm()) for t in sent[first:])
 
 
+#: ``on_two_ranks(_worker)``, started in the background when the session starts (tests/background.py)
+RANKS = two_ranks.job("ghost_sharded", _worker)
+
+
 def test_the_first_pass_sends_no_unclipped_gradient():
-    results = on_two_ranks(_worker)
+    results = two_ranks.results(RANKS)
     assert results["norms match on rank 0"] and results["norms match on rank 1"]
     assert results["largest norm"] > 2  # the examples' gradients are above the clip bound C = 1
     assert results["first pass"] == 0

@@ -14,6 +14,7 @@ from dp_accounting.pld import privacy_loss_distribution
 from opacus.accountants.analysis import gdp as opacus_gdp
 
 from pl_dp import PrivacySpec
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy import (
     PLD,
     RDP,
@@ -126,5 +127,5 @@ def test_removed_gdp_gets_a_clear_error_from_a_spec_a_name_and_a_checkpoint():
         lambda: create_accountant("gdp"),
         lambda: RDP().load_state_dict({"mechanism": "gdp", "history": [[1.0, 0.01, 10]]}),
     ):
-        with pytest.raises(ValueError, match="'gdp' accountant was removed.*under-reports.*'pld'"):
+        with pytest.raises(PrivacyConfigError, match="'gdp' accountant was removed.*under-reports.*'pld'"):
             attempt()

@@ -12,6 +12,7 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 from torch import nn
 
 from pl_dp import PrivacySpec
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import O2NC, DPZero
 from pl_dp.privacy import (
     PLD,
@@ -96,7 +97,7 @@ def test_state_dict_round_trip_and_mechanism_check(cls):
     clone.load_state_dict(acc.state_dict())
     assert clone.history == acc.history
     assert clone.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
-    with pytest.raises(ValueError, match=acc.name):
+    with pytest.raises(PrivacyConfigError, match=acc.name):
         PRV().load_state_dict(acc.state_dict())
 
 
@@ -222,7 +223,7 @@ def test_the_registry_never_overwrites_a_name(monkeypatch):
     class Impostor(RDP):
         name = "prv"
 
-    with pytest.raises(ValueError, match="'prv' is taken by PRV"):
+    with pytest.raises(ConfigError, match="'prv' is taken by PRV"):
         register_accountant(Impostor)
     assert create_accountant("prv").__class__ is PRV
     register_accountant(RDP)  # the same class again: nothing changes
@@ -238,7 +239,7 @@ def test_the_registry_never_overwrites_a_name(monkeypatch):
     class Removed(RDP):
         name = "gdp"
 
-    with pytest.raises(ValueError, match="removed"):
+    with pytest.raises(PrivacyConfigError, match="removed"):
         register_accountant(Removed)
 
 
@@ -252,7 +253,7 @@ def test_a_registered_accountant_works_everywhere_without_another_file(monkeypat
 
     spec = PrivacySpec(epsilon=1.0, accountant="conservative-rdp")
     assert isinstance(DPZero(nn.Linear(2, 2), privacy=spec).accountant, Conservative)
-    with pytest.raises(ValueError, match="does not account O2NC's releases"):
+    with pytest.raises(PrivacyConfigError, match="does not account O2NC's releases"):
         O2NC(nn.Linear(2, 2), privacy=spec)
     state = {"method": "DPZero", "privacy": spec.to_dict(), "delta": 1e-5, "accountant": Conservative().state_dict()}
     assert PrivacyReport.from_state(state).adjacency == "add/remove-one"

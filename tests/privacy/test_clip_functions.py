@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pl_dp.errors import ConfigError
 from pl_dp.privacy import ClipFunction
 
 norms = st.lists(st.floats(0.0, 1e8, allow_nan=False), min_size=1, max_size=50)
@@ -44,5 +45,5 @@ def test_known_values():
     ("kwargs", "match"), [({"kind": "nope"}, "clip_fn"), ({"clip": 0}, "clip"), ({"kind": "automatic", "r": 0}, "r")]
 )
 def test_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         ClipFunction(**kwargs)

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy import PrivacySpec, SubsampledGaussian
 from pl_dp.privacy.ledger import PrivacyLedger
 
@@ -46,7 +47,7 @@ def test_a_tighter_target_stops_early_and_a_fixed_sigma_over_it_is_refused():
         steps += 1
     assert 0 < steps < 50 and ledger.epsilon <= 1.0
     fixed = _planned(PrivacySpec(epsilon=50.0, noise_multiplier=1.0))
-    with pytest.raises(ValueError, match="refusing to start"):
+    with pytest.raises(PrivacyConfigError, match="refusing to start"):
         fixed.add_target(0.5)
 
 
@@ -59,7 +60,7 @@ def test_the_state_round_trips_and_a_resume_under_another_spec_is_refused_unless
     resumed = _planned(PrivacySpec(epsilon=2.0), steps=40, restored=state)
     assert resumed.noise_multiplier == ledger.noise_multiplier
     assert resumed.accountant.history == ledger.accountant.history
-    with pytest.raises(ValueError, match="different privacy spec"):
+    with pytest.raises(PrivacyConfigError, match="different privacy spec"):
         _planned(PrivacySpec(epsilon=3.0), steps=40, restored=state)
     with pytest.warns(UserWarning, match="epsilon spent so far"):
         changed = _planned(PrivacySpec(epsilon=3.0), steps=40, restored=state, allow_change=True)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy import (
     RDP,
     NoiseSource,
@@ -156,7 +157,7 @@ def test_empty_poisson_batch_collates_to_zero_length_tensors():
 
 def test_shuffling_loader_is_refused():
     ds = TensorDataset(torch.randn(10, 2), torch.zeros(10, dtype=torch.long))
-    with pytest.raises(ValueError, match="Poisson"):
+    with pytest.raises(PrivacyConfigError, match="Poisson"):
         poisson_sampler_of(torch.utils.data.DataLoader(ds, batch_size=2, shuffle=True))
 
 
@@ -273,7 +274,7 @@ def test_per_sample_contract():
     ],
 )
 def test_privacy_spec_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(PrivacyConfigError, match=match):
         PrivacySpec(**kwargs)
 
 

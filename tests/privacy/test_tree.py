@@ -7,6 +7,7 @@ import dp_accounting.rdp
 import pytest
 import torch
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy import NoiseSource, calibrate_noise_multiplier, create_accountant
 from pl_dp.privacy.sampling import PartitionBatchSampler
 from pl_dp.privacy.tree import (
@@ -226,14 +227,14 @@ def test_ledger_refuses_what_it_cannot_interpret():
         accountant.record(2.0, TreeLeaf("p", 0, 0, 8, 2))
     with pytest.raises(ValueError, match="1 <= leaf <= tree_length"):
         TreeLeaf("p", 0, 0, 8, 9)
-    with pytest.raises(ValueError, match="not Poisson-subsampled"):
+    with pytest.raises(PrivacyConfigError, match="not Poisson-subsampled"):
         accountant.step(noise_multiplier=1.0, sample_rate=0.01)
-    with pytest.raises(ValueError, match="not subsampled"):
+    with pytest.raises(PrivacyConfigError, match="not subsampled"):
         accountant.epsilon_after(1e-5, 1, noise_multiplier=1.0, sample_rate=0.5)
     with pytest.raises(ValueError, match="no plan"):
         accountant.epsilon_after(1e-5, 1, noise_multiplier=1.0, sample_rate=1.0)
     old = {"mechanism": "tree", "history": [[2.0, 1.0, 147]], "tree_length": 8, "steps_per_pass": 144}
-    with pytest.raises(ValueError, match="cannot be resumed soundly"):
+    with pytest.raises(PrivacyConfigError, match="cannot be resumed soundly"):
         TreeAccountant().load_state_dict(old)
     assert create_accountant("tree").name == "tree"
 
@@ -247,5 +248,5 @@ def test_partition_is_disjoint_covers_blocks_and_repermutes_per_pass():
     assert len(flat) == len(set(flat)) == 92  # disjoint; the 8 left over are never used
     second = list(sampler)
     assert second != batches  # a new permutation for the second pass
-    with pytest.raises(ValueError, match="too few for one block"):
+    with pytest.raises(ConfigError, match="too few for one block"):
         PartitionBatchSampler(20, first_batch_size=9, batch_size=2, block_steps=8)

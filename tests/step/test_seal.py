@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from pl_dp.step.seal import isolate_failures, sealed
+from tests import background
+from tests.distributed import two_ranks
 
 
 def _warn(text: str) -> None:
@@ -210,6 +212,14 @@ def _forwards_in_step(rank: int, mesh, results: dict) -> None:
     }
 
 
+#: ``on_two_ranks(_forwards_in_step)``, started in the background when the session starts (tests/background.py)
+FORWARDS_IN_STEP = two_ranks.job(
+    "seal",
+    _forwards_in_step,
+    background.for_test("test_a_sharded_forward_that_raises_between_layers_on_one_rank_keeps_the_ranks_in_step"),
+)
+
+
 def test_a_sharded_forward_that_raises_between_layers_on_one_rank_keeps_the_ranks_in_step():
     """Without :class:`ForwardsInStep` rank 0 leaves its forward after the first layer's all-gather while rank 1
     goes on to gather the second: a collective mismatch (gloo aborts) at the pass whose batch held the record.
@@ -217,9 +227,7 @@ def test_a_sharded_forward_that_raises_between_layers_on_one_rank_keeps_the_rank
     afterwards, outside any guard — whose all-gathers FSDP prefetches from its post-forward history, reset on every
     rank at the end of every forward-only pass (rank 1's would hold one forward more: a hang) — gives the gradient of
     one process."""
-    from tests.distributed import on_two_ranks
-
-    results = on_two_ranks(_forwards_in_step)
+    results = two_ranks.results(FORWARDS_IN_STEP)
     for rank in (0, 1):
         assert results[rank]["failed"] == [1.0, 1.0, 1.0, 1.0]
         assert results[rank]["gradient_error"] < 1e-6

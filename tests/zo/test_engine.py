@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.zo import Direction, PerturbationEngine
 
 
@@ -74,7 +75,7 @@ def test_only_trainable_parameters_are_perturbed():
 
 def test_no_trainable_parameters_is_a_clear_error():
     net = _net().requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameters"):
+    with pytest.raises(ConfigError, match="no trainable parameters"):
         PerturbationEngine(net.parameters(), seed=0)
 
 
@@ -180,7 +181,7 @@ def test_cache_directions_default_keeps_what_fits_in_the_budget(monkeypatch):
     for step in range(3):
         engine.perturb((step, 0), 1e-3)
     assert list(engine._cache) == [(1, 0), (2, 0)]  # the least recently used direction is evicted
-    with pytest.raises(ValueError, match="cache_size"):
+    with pytest.raises(ConfigError, match="cache_size"):
         PerturbationEngine(params, 0, cache_size=0)
 
 

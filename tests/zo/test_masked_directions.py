@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.zo.engine import PerturbationEngine
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.pruning import importance_matrix, path_norm_scores
@@ -79,7 +80,7 @@ def test_importance_matrix_top_k_ties_rank_values_and_incremental():
     assert bool(new[old].all()) and int(new.sum()) == 6
     dynamic = importance_matrix(flipped, 0.5)
     assert not bool((torch.cat(dynamic.dense()) != 0)[old].all())  # a dynamic mask may drop them
-    with pytest.raises(ValueError, match="fraction"):
+    with pytest.raises(ConfigError, match="fraction"):
         importance_matrix(scores, 0.0)
 
 

@@ -15,7 +15,7 @@ from pl_dp.step.shards import layout_of
 from pl_dp.zo.engine import CPU_CHUNK, Direction, PerturbationEngine
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.master import MasterWeights
-from tests.distributed import on_two_ranks
+from tests.distributed import two_ranks
 
 # rows chosen so that chunks of CPU_CHUNK coordinates straddle the edge between the two ranks' blocks
 SHAPES = [(7, CPU_CHUNK // 3 + 5), (CPU_CHUNK + 11,), (5, 3)]
@@ -74,9 +74,13 @@ def _worker(rank: int, mesh, results: dict) -> None:
             results[case] = (full, [layout_of("p", p).offset for p in params])
 
 
+#: ``on_two_ranks(_worker)``, started in the background when the session starts (tests/background.py)
+RANKS = two_ranks.job("shards", _worker, needed_by=lambda item: "sharded" in item.fixturenames)
+
+
 @pytest.fixture(scope="module")
 def sharded():
-    return on_two_ranks(_worker)
+    return two_ranks.results(RANKS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'masked' if c[1] else 'dense'}-{c[2]}")
