@@ -437,16 +437,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             return
         trainer = self.trainer
         sampler = self.private_sampler_of(trainer.train_dataloader)
-        if trainer.world_size > 1:
-            self._setup_data_parallel(sampler)
+        self.setup_distribution(sampler)
         planned = trainer.estimated_stepping_batches
         if not math.isfinite(planned):
             raise ConfigError("private training needs a finite plan: set trainer max_steps or max_epochs.")
-        if self.sharded and self.log_private_metrics:
-            raise PrivacyConfigError(
-                "log_private_metrics is not available on a sharded net: its statistics of the private batch (forwards "
-                "and sums over ranks) would run only on the ranks whose share of the Poisson batch is not empty."
-            )
         if self.privacy is not None and trainer.accumulate_grad_batches != 1:
             raise PrivacyConfigError(
                 "accumulate_grad_batches must be 1: each Poisson batch is one private step "
@@ -464,11 +458,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             self._sampler_start = sampler.position
             self._batches_consumed = 0
         if self.privacy is None:
-            self._set_padding()
+            self.set_padding_example()
             return
         report = self.check_private_data()
         self.check_independence()
-        self._set_padding()
+        self.set_padding_example()
         self._seal_batching(report)
         self.ledger.fix_delta(sampler.num_samples)
         self.ledger.open_journal(restored, self._journal_directory(), self._broadcast)
@@ -551,16 +545,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         # a fixed example that is not private, to tell a net or loss that fails for every example from bad records
         self._reference = None if source == "private" else self._to_device(collate(examples[:1]))
 
-    def _set_padding(self) -> None:
-        """Sharded: give the step's passes (:attr:`sharded_passes`) a fixed example that is not private — the
-        reference example, else the first validation or public one — that pads the passes of a rank with fewer
-        sampled examples than another, at weight 0 (a sharded pass is a collective, which every rank runs; a net may
-        not run an empty batch). A non-private run may pad with its first training example; a private one without
-        validation or public data is refused."""
-        if self.sharded_passes is not None:
-            self.sharded_passes.padding = self._padding_example()
-
-    def _padding_example(self) -> Any:
+    def padding_example(self) -> Any:
+        """A fixed example that is not private, on this module's device: the reference example, else the first
+        validation or public one; a non-private run may use its first training example. It pads the passes of a
+        sharded step on a rank that sampled fewer examples than another (see
+        :meth:`~pl_dp.methods.parallel.DataParallelMixin.set_padding_example`); a private run without validation or
+        public data is refused."""
         if self._reference is not None:
             return self._reference
         dataset, collate = private_data_of(self.trainer.train_dataloader)
@@ -718,7 +708,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         or batches, unless the user seeded them); the non-finite count is zeroed."""
         state = super().__getstate__()
         state["nonfinite_total"] = 0
-        state["_reference"] = state["sharded_passes"] = None  # this process's fit's, rebuilt by the next one
+        state["_reference"] = None  # this process's fit's, rebuilt by the next one
+        state.pop("distribution", None)  # likewise: the class's, one process, until a trainer sets one up
         state["collective_bytes"] = 0  # retries make it depend on which records were sampled
         return state
 

@@ -23,8 +23,8 @@ from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.step.batches import batch_size_of, fill_rows, split_batch
 from pl_dp.step.independence import Release
 from pl_dp.step.losses import check_per_sample
-from pl_dp.step.seal import PlainAttributes, isolate_failures, sealed
-from pl_dp.step.shards import as_gradient_of, block, local
+from pl_dp.step.seal import PlainAttributes, sealed
+from pl_dp.step.shards import as_gradient_of, local
 
 T = TypeVar("T")
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -149,7 +149,7 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
             self._per_sample = None
         if self.clip_function is not None:  # before the fit-start checks: the probe runs the step's clipped sum
             mode = get_per_sample_mode(self.per_sample_mode)
-            self._per_sample = mode.build(self.net, self.loss_fn, self.sharded_passes)
+            self._per_sample = mode.build(self.net, self.loss_fn, self.distribution.passes)
         super().on_train_start()
         if self._per_sample is not None and self.privacy is not None:  # each clipped row: one example's whole gradient
             attributes = PlainAttributes(self.net)  # what the net stores from the (maybe private) examples
@@ -183,7 +183,7 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         depends on the batch's shape moves it (in fp32, by 1e-5·C at b = 256; the training-mode probe compares the
         other examples' summed gradient already, at 1e-5 of its norm, and the release check costs about three
         probes on MiniLM). Not on a sharded net, whose ranks hold different blocks of the sum."""
-        if self._per_sample is None or self.sharded or not self.computes_in_half_precision:
+        if self._per_sample is None or self.distribution.sharded or not self.computes_in_half_precision:
             return None
         clip = self.clip_function.sensitivity
 
@@ -214,19 +214,19 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         sums = [torch.zeros_like(local(p), dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
         physical = self.physical_rows or self.max_physical_batch_size
         parts = split_batch(batch, physical) if batch_size > 0 else []
-        blocks = [block(p) for p in params] if self.sharded else None
+        distribution, blocks = self.distribution, self.distribution.noise_blocks(params)
         if self.clip_function is None:  # non-private baseline: the plain mean gradient
 
             def gradient(part: Any, padding: bool = False) -> list[torch.Tensor | None]:
                 with torch.enable_grad():
                     losses = check_per_sample(self.loss_fn(self.net, part), batch_size_of(part))
-                    return self._gradient_of_sum(losses.sum() * (0.0 if padding else 1.0), params)
+                    return distribution.gradient_of_sum(losses.sum() * (0.0 if padding else 1.0), params)
 
             for grads in self._passes(parts, gradient)[0]:
                 for s, g in zip(sums, grads):
                     if g is not None:
                         s.add_(g)
-            sums, _ = self._sum_across_ranks(sums, torch.zeros(()))
+            sums, _ = distribution.sum_with_count(sums, torch.zeros(()))
             mechanism.privatize_(sums, self.noise, blocks=blocks)
             return sums, StepResult()
         device = params[0].device
@@ -247,7 +247,7 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
             nonfinite = nonfinite + part_nonfinite
         nonfinite = nonfinite + failed
         norms = torch.cat(norms)
-        sums, nonfinite = self._sum_across_ranks(sums, nonfinite)
+        sums, nonfinite = distribution.sum_with_count(sums, nonfinite)
         result = StepResult(nonfinite=nonfinite)
         if self.log_private_metrics and batch_size > 0:
             result.metrics.update(self._clip_diagnostics(sums, norms, mechanism))
@@ -257,50 +257,11 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         return sums, result
 
     def _passes(self, parts: list[Any], compute: Callable[[Any, bool], T]) -> tuple[list[T], int]:
-        """``compute(part, False)`` of each micro-batch, and how many examples were left out: sharded, in passes
-        every rank runs (:meth:`~pl_dp.step.passes.ShardedPasses.run`); in a private run, an example whose pass
-        raises is left out (weight 0) and counted (:func:`~pl_dp.step.seal.isolate_failures`): no record-dependent
-        crash."""
-        if self.sharded_passes is not None:
-            return self.sharded_passes.run(parts, compute)
-        if self.privacy is None:
-            return [compute(part, False) for part in parts], 0
-        done: list[T] = []
-        failed = 0
+        """``compute(part, False)`` of each micro-batch, and how many examples were left out, as the run's
+        distribution runs passes (:meth:`~pl_dp.step.distribution.Distribution.run`): in a private run an example
+        whose pass raises is left out (weight 0) and counted — no record-dependent crash."""
         reset = None if self._per_sample is None else self._per_sample.reset
-        for part in parts:
-            isolated, raised = isolate_failures(lambda examples: compute(examples, False), part, reset=reset)
-            done += [result for _, result in isolated]
-            failed += len(raised)
-        return done, failed
-
-    def _gradient_of_sum(self, loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
-        """∂loss/∂params; sharded, this rank's shard of the gradient summed over ranks (FSDP's reduce-scatter)."""
-        if not self.sharded:
-            return list(torch.autograd.grad(loss, params, allow_unused=True))
-        loss.backward()
-        grads = [None if p.grad is None else local(p.grad) for p in params]
-        for p in params:
-            p.grad = None
-        return grads
-
-    def _sum_across_ranks(
-        self, sums: list[torch.Tensor], count: torch.Tensor
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The weighted sums and the non-finite count summed over data-parallel ranks, in one collective
-        (before the noise, which every rank then adds identically: one draw per logical step). Sharded, the sums
-        are this rank's shards of sums over all ranks already (FSDP's reduce-scatter): only the count is summed."""
-        if not self.data_parallel:
-            return sums, count
-        if self.sharded:
-            return sums, self.all_reduce_sum(count.float().reshape(1))[0]
-        flat = torch.cat([s.reshape(-1) for s in sums] + [count.to(sums[0]).reshape(1)])
-        flat = self.all_reduce_sum(flat)
-        out, offset = [], 0
-        for s in sums:
-            out.append(flat[offset : offset + s.numel()].view_as(s))
-            offset += s.numel()
-        return out, flat[-1]
+        return self.distribution.run(parts, compute, isolate=self.privacy is not None, reset=reset)
 
     def _clip_diagnostics(
         self, sums: list[torch.Tensor], norms: torch.Tensor, mechanism: SubsampledGaussian
@@ -309,7 +270,7 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         the signal-to-noise ratio of Liu et al. 2023, §5.3)."""
         prefix = "diagnostics/not_private/"
         squares = torch.stack([s.double().square().sum() for s in sums]).sum().reshape(1)
-        signal = math.sqrt(float(self.all_reduce_sum(squares) if self.sharded else squares))
+        signal = math.sqrt(self.distribution.squared_norm(squares))
         dim = sum(p.numel() for p in self.trainable_parameters())
         noise = mechanism.noise_std * math.sqrt(dim)  # E‖σC·Z‖ ≈ σC√d
         fn = self.clip_function

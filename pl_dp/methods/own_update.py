@@ -106,7 +106,7 @@ class OwnUpdateModule(PrivateModule[MechanismT]):
             batch_size,
             self.max_physical_batch_size,
             isolate=self.privacy is not None,
-            sharded=self.sharded_passes,  # forwards are collectives: every rank runs as many
+            sharded=self.distribution.passes,  # forwards are collectives: every rank runs as many
             rows=self.physical_rows,  # a run in half precision: every forward of one shape (methods.precision)
         )
 

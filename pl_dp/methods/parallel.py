@@ -11,7 +11,6 @@ shards its net itself in ``configure_model``; :mod:`pl_dp.step.shards` says wher
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.sampling import PoissonBatchSampler
+from pl_dp.step.distribution import Distribution, Replicated, Sharded
 from pl_dp.step.passes import ShardedPasses
 from pl_dp.step.seal import ForwardsInStep
 from pl_dp.step.shards import is_sharded, meta_copy, whole
@@ -120,7 +120,8 @@ def allocate_gathered(net: nn.Module) -> None:
 class DataParallelMixin:
     """Collectives of a :class:`~pl_dp.methods.base.PrivateModule` under data parallelism.
 
-    Uses the module's ``trainer``, ``noise``, ``direction_seed``, ``privacy`` and ``collective_bytes``.
+    Uses the module's ``trainer``, ``noise``, ``direction_seed``, ``privacy``, ``log_private_metrics``,
+    ``collective_bytes`` and ``padding_example()``.
     """
 
     #: whether the method runs under data parallelism (sum-then-noise collectives; O2NC does not yet)
@@ -138,9 +139,9 @@ class DataParallelMixin:
     #: sharded: keeps the ranks' forwards in step when one raises (set by :meth:`configure_model`)
     forwards_in_step: ForwardsInStep | None = None
 
-    #: sharded: what the passes of a step share — the agreement on their number, the guard, the padding example
-    #: (set by :meth:`configure_model`, its padding example at fit start); None when the net is not sharded
-    sharded_passes: ShardedPasses | None = None
+    #: how a step's work is spread over the processes (:mod:`pl_dp.step.distribution`): one process, replicas (DDP)
+    #: or shards (FSDP2), chosen by :meth:`configure_model`; sharded, its passes get their padding example at fit start
+    distribution: Distribution = Distribution()
 
     @property
     def supports_sharding(self) -> bool:
@@ -164,7 +165,7 @@ class DataParallelMixin:
         ``pl-dp fit --trainer.strategy ModelParallelStrategy`` needs no code from the user.
         """
         if not self.sharded:
-            self.sharded_passes = None
+            self.distribution = Replicated(self.all_reduce_sum) if self.data_parallel else Distribution()
             return
         check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
         params = list(self.net.parameters())
@@ -184,7 +185,8 @@ class DataParallelMixin:
             if self.forwards_in_step is not None:  # a net swapped between fits: its hooks go with it
                 self.forwards_in_step.remove()
             self.forwards_in_step = ForwardsInStep(self.net)
-        self.sharded_passes = ShardedPasses(self.forwards_on_every_rank, self.forwards_in_step)
+        passes = ShardedPasses(self.forwards_on_every_rank, self.forwards_in_step)
+        self.distribution = Sharded(self.all_reduce_sum, passes)
 
     def whole_net(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
         """The net and the values of its parameters and buffers, for a computation that needs the whole parameters
@@ -223,8 +225,15 @@ class DataParallelMixin:
     def data_parallel(self) -> bool:
         return self._trainer is not None and self._trainer.world_size > 1
 
-    def _setup_data_parallel(self, sampler: Any) -> None:
-        """Make the ranks one logical private run at fit start.
+    def set_padding_example(self) -> None:
+        """Sharded: give the step's passes a fixed example that is not private (the host's ``padding_example()``),
+        which pads the passes of a rank with fewer sampled examples than another, at weight 0 (a sharded pass is a
+        collective, which every rank runs; a net may not run an empty batch). Otherwise nothing."""
+        if self.distribution.passes is not None:
+            self.distribution.passes.padding = self.padding_example()
+
+    def setup_distribution(self, sampler: Any) -> None:
+        """Make the ranks one logical private run at fit start (nothing to do on one process).
 
         Every rank gets rank 0's secrets — the noise key and the sampling seed, in process memory over
         the process group, never through storage — and its direction seed. The private sampler must
@@ -232,6 +241,13 @@ class DataParallelMixin:
         could appear world-size times per step). DDP's gradient all-reduce is switched off: pl_dp sums
         what it needs itself, and .grad is only ever the already-shared privatized gradient.
         """
+        if self.sharded and self.log_private_metrics:
+            raise PrivacyConfigError(
+                "log_private_metrics is not available on a sharded net: its statistics of the private batch (forwards "
+                "and sums over ranks) would run only on the ranks whose share of the Poisson batch is not empty."
+            )
+        if not self.data_parallel:
+            return
         trainer = self.trainer
         world, rank = trainer.world_size, trainer.global_rank
         if not self.supports_data_parallel:
@@ -268,8 +284,3 @@ class DataParallelMixin:
         self.collective_bytes += tensor.numel() * tensor.element_size()
         summed = self.trainer.strategy.reduce(tensor.to(self.device).contiguous(), reduce_op="sum")  # NCCL: on GPU
         return summed.to(tensor.device)
-
-    @property
-    def sum_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """:meth:`all_reduce_sum` under data parallelism, else None (for the estimators' ``reduce`` hooks)."""
-        return self.all_reduce_sum if self.data_parallel else None

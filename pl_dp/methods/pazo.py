@@ -248,7 +248,7 @@ class PAZOS(PublicDataMixin, OwnUpdateModule[SubsampledGaussian], shardable=True
 
         def query() -> float:
             nonlocal nonfinite
-            value, bad = privatize_sum(evaluate(), self.clip, mechanism, self.noise, self.sum_reducer)
+            value, bad = privatize_sum(evaluate(), self.clip, mechanism, self.noise, self.distribution.sum_reducer)
             nonfinite = nonfinite + bad
             return float(value)
 

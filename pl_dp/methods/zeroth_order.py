@@ -139,7 +139,8 @@ class ZerothOrderModule(OwnUpdateModule[SubsampledGaussian]):
     def zeroth_order_estimate(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> ZerothOrderEstimate:
         """Privatized q-query two-point estimate at the current parameters (θ left at θ − λu_q)."""
         evaluate = self.private_losses(batch, batch_size)
-        return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise, self.sum_reducer)
+        reduce = self.distribution.sum_reducer
+        return self.estimator.estimate(self.private_steps, evaluate, mechanism, self.noise, reduce)
 
     def load_privacy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_privacy_state_dict(state)

@@ -141,7 +141,7 @@ class _NormsOnly:
     that only some examples switch on (a mask times the extra term) is found whatever the batch.
     """
 
-    def __init__(self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str], sharded: bool):
+    def __init__(self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str]):
         self.active = False
         self.edges: list[GradientEdge] = []
         #: per hooked call: the module, the nodes of its output and the nodes of its inputs (where the call ends)
@@ -150,10 +150,12 @@ class _NormsOnly:
         self.gathered: dict[int, tuple[str, nn.Module]] = {}
         self._handles = [m.register_forward_hook(self._below_hook) for m in hooked]
         self._handles += [m.register_forward_hook(self._below_module) for m in tied]
-        if sharded:
-            holders = [m for m in names if any(p.requires_grad for p in m.parameters(recurse=False))]
-            self._handles += [m.register_forward_pre_hook(self._parameters) for m in holders]
         self._names = names
+
+    def watch_gathered(self) -> None:
+        """Record the parameters each layer's forward sees (sharded by FSDP2: its gathered ones, not the shards)."""
+        holders = [m for m in self._names if any(p.requires_grad for p in m.parameters(recurse=False))]
+        self._handles += [m.register_forward_pre_hook(self._parameters) for m in holders]
 
     def start(self) -> None:
         self.edges, self.calls, self.gathered, self.active = [], [], {}, True
@@ -300,9 +302,6 @@ class GhostClipping:
     A net sharded by FSDP2 takes :class:`ShardedGhostClipping`.
     """
 
-    #: whether the net's parameters are sharded by FSDP2 (:class:`ShardedGhostClipping`)
-    sharded = False
-
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
         self.net = net
         self.loss_fn = loss_fn
@@ -333,11 +332,7 @@ class GhostClipping:
                 "parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie them, or use "
                 "per_sample='hooks'."
             )
-        if is_sharded(self.params) != self.sharded:
-            wanted = "ShardedGhostClipping" if is_sharded(self.params) else "GhostClipping"
-            raise ConfigError(
-                f"the net's parameters are {'' if is_sharded(self.params) else 'not '}sharded by FSDP2: use {wanted}."
-            )
+        self._check_layout()
         self._tied = TiedNorms(net)  # no tie when sharded (refused): nothing to do
         options = dict(batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
         self._gsm = self._norm_module(options)
@@ -345,8 +340,12 @@ class GhostClipping:
         self._gsm.disable_hooks()
         hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
         modules = {m: name for name, m in net.named_modules()}
-        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, self.sharded)
+        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules)
         self._lookups = BroadcastLookups(net)
+
+    def _check_layout(self) -> None:
+        if is_sharded(self.params):
+            raise ConfigError("the net's parameters are sharded by FSDP2: use ShardedGhostClipping.")
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
         """Opacus' module whose hooks record the per-example norms (the tied parameters' modules skipped)."""
@@ -479,8 +478,6 @@ class ShardedGhostClipping(GhostClipping):
     that keeps the ranks' forwards in step, the padding example). Parameters tied across modules are refused.
     """
 
-    sharded = True
-
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, *, passes: ShardedPasses) -> None:
         if tied_parameters(net):
             names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
@@ -490,7 +487,12 @@ class ShardedGhostClipping(GhostClipping):
             )
         self.passes = passes
         super().__init__(net, loss_fn)
+        self._targets.watch_gathered()
         self.group = layout_of(self.names[0], self.params[0]).group
+
+    def _check_layout(self) -> None:
+        if not is_sharded(self.params):
+            raise ConfigError("the net's parameters are not sharded by FSDP2: use GhostClipping.")
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
         return _ShardedGhostNormModule(self.net, **options)

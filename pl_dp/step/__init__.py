@@ -2,7 +2,8 @@
 per-example loss contract (``losses``), input checks (``validation``), the seal around a private step (``seal``:
 nothing it prints, warns, raises or how it ends depends on which records were sampled), the pre-flight pass over
 the private set (``preflight``), the fit-start probe of per-example independence (``independence``), the shard
-layout of a net under FSDP2 (``shards``) and the passes of a sharded step, which every rank runs (``passes``).
+layout of a net under FSDP2 (``shards``), the passes of a sharded step, which every rank runs (``passes``), and how
+a step's work is spread over processes (``distribution``: one, DDP replicas or FSDP2 shards, chosen at set-up).
 
 Plain torch; imports no other pl_dp layer and no Lightning.
 """

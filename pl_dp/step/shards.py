@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 @dataclass(frozen=True)
@@ -87,13 +86,16 @@ def layout_of(name: str, tensor: torch.Tensor) -> ShardLayout:
             "Shard(0) (or Replicate) on a 1-D mesh only. Shard with fully_shard on a 1-D data-parallel mesh "
             "(ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1))."
         )
-    local_shape, global_offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    if tuple(local_shape) != tuple(tensor.to_local().shape):
-        raise NotImplementedError(f"{name}: its local shard {tuple(tensor.to_local().shape)} is not a block of rows.")
-    start = global_offset[0] if tensor.dim() else 0
-    stop = start + (local_shape[0] if tensor.dim() else 1)
-    row_size = math.prod(tensor.shape[1:]) if tensor.dim() else 1
     sharded = any(isinstance(p, Shard) for p in placements)
+    rows = tensor.shape[0] if tensor.dim() else 1
+    start, size = 0, rows
+    if sharded:  # torch.chunk's rows of this rank, as DTensor places Shard(0)
+        size, start = Shard.local_shard_size_and_offset(rows, mesh.size(), mesh.get_local_rank())
+    local_shape = tensor.to_local().shape
+    if (local_shape[0] if tensor.dim() else 1) != size or tuple(local_shape[1:]) != tuple(tensor.shape[1:]):
+        raise NotImplementedError(f"{name}: its local shard {tuple(local_shape)} is not a block of rows.")
+    stop = start + size
+    row_size = math.prod(tensor.shape[1:]) if tensor.dim() else 1
     owner = sharded or mesh.get_local_rank() == 0
     return ShardLayout(tensor.shape, start * row_size, (start, stop), owner, mesh.get_group())
 
