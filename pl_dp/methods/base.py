@@ -24,6 +24,7 @@ data parallelism (:mod:`pl_dp.methods.parallel`) and the precision a step comput
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poiss
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.step.batches import batch_size_of
+from pl_dp.step.distribution import Distribution
 from pl_dp.step.independence import (
     PROBE_MAX,
     PROBE_SIZE,
@@ -201,15 +203,29 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             )
         self.ledger = PrivacyLedger(privacy, self.accountant_name)
         self.log_private_metrics = log_private_metrics
-        self.nonfinite_total = 0  # un-noised private information: process memory only
-        self.collective_bytes = 0
+        self._process_state: dict[str, Any] = {}
+        self.add_process_state("nonfinite_total", 0)  # un-noised private information
+        self.add_process_state("collective_bytes", 0)  # retries make it depend on which records were sampled
+        # a public or validation example, set at fit start (see check_independence); how this fit's step is spread
+        # over processes (set up by configure_model): the next fit's own
+        self.add_process_state("_reference", None)
+        self.add_process_state("distribution", Distribution())
         self._sampler: CountingBatchSampler | None = None
         self._sampler_start = 0
         self._batches_consumed = 0
         self._restored: dict[str, Any] | None = None
-        self._reference: Any = None  # a public or validation example, set at fit start (see check_independence)
         self._plan_ready = False
         self._metrics: nn.ModuleDict = nn.ModuleDict()
+
+    def add_process_state(self, name: str, default: Any) -> None:
+        """Declare the attribute ``name`` as this process's own, and set it to ``default``.
+
+        A copy of the module (a pickle, a deep copy, a spawned process: :meth:`__getstate__`) holds ``default``
+        instead, and no checkpoint holds it (:meth:`privacy_state_dict` names what one does). For what is computed
+        from private data without noise, or depends on which records were sampled, and for what one fit sets up.
+        """
+        self._process_state[name] = default
+        setattr(self, name, copy.copy(default))
 
     # ---- the method's part -----------------------------------------------------------------
     def mechanism(self, batch_size: int) -> MechanismT:
@@ -705,12 +721,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         """What a pickle or a deep copy of the module holds (``torch.save(model)``, ``copy.deepcopy``, a spawned
         process): no secret and nothing computed from private data without noise. The noise source and the
         Poisson sampler leave their key and seed out (the copy draws its own, so it never replays this run's noise
-        or batches, unless the user seeded them); the non-finite count is zeroed."""
+        or batches, unless the user seeded them); what was declared this process's own (:meth:`add_process_state`:
+        the non-finite count, the bytes sent, this fit's set-up) holds its declared default."""
         state = super().__getstate__()
-        state["nonfinite_total"] = 0
-        state["_reference"] = None  # this process's fit's, rebuilt by the next one
-        state.pop("distribution", None)  # likewise: the class's, one process, until a trainer sets one up
-        state["collective_bytes"] = 0  # retries make it depend on which records were sampled
+        state.update({name: copy.copy(default) for name, default in self._process_state.items()})
         return state
 
     def privacy_state_dict(self) -> dict[str, Any]:

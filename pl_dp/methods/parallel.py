@@ -141,7 +141,8 @@ class DataParallelMixin:
 
     #: how a step's work is spread over the processes (:mod:`pl_dp.step.distribution`): one process, replicas (DDP)
     #: or shards (FSDP2), chosen by :meth:`configure_model`; sharded, its passes get their padding example at fit start
-    distribution: Distribution = Distribution()
+    #: (the host declares it its process's own: a copy of the module holds one process's)
+    distribution: Distribution
 
     @property
     def supports_sharding(self) -> bool:

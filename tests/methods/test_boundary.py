@@ -29,6 +29,7 @@ from pl_dp.methods import DPSGD, PAZOM, PAZOP, PAZOS, DPZero
 from pl_dp.methods.base import PrivateModule
 from pl_dp.nets import TinyTransformerClassifier
 from pl_dp.per_sample import per_sample_mode_names
+from pl_dp.step.distribution import Distribution, Replicated
 from tests.conftest import blobs, make_trainer
 
 METHODS = [DPSGD, DPZero]
@@ -490,11 +491,18 @@ def test_user_seeded_secrets_are_public_and_copies_keep_them(cls):
     assert copy.deepcopy(sampler).batch(3) == sampler.batch(3)
 
 
-def test_a_copy_holds_no_un_noised_count():
+def test_a_copy_holds_no_un_noised_count_and_none_of_this_fits_set_up():
     model = DPZero(nn.Linear(4, 3), loss=_nan_for_every_example, clip=1.0, privacy=SPEC, preflight=False)
     make_trainer(max_steps=2).fit(model, PrivatePublicDataModule(blobs(40), batch_size=20))
     assert model.nonfinite_total > 0
-    assert copy.deepcopy(model).nonfinite_total == 0
+    model.collective_bytes = 8
+    model.distribution = Replicated(lambda tensor: tensor)  # as a DDP fit sets it up
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert clone.nonfinite_total == 0 and clone.collective_bytes == 0
+        assert type(clone.distribution) is Distribution  # one process, until a trainer sets one up
 
 
 def _nan_for_every_example(net, batch):
