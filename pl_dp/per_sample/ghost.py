@@ -372,7 +372,7 @@ class GhostClipping:
         if self._any_nonfinite(finite):  # 0·NaN is NaN: the others' sum is computed again without them
             del losses
             keep = finite.nonzero().squeeze(1)
-            if keep.numel():
+            if keep.numel() and not padding:  # the padding example runs again as padding, at weight 0
                 part, kept = _finite_rows(batch, keep, counted, size)
                 sums, _, more = self.clipped_sum(part, clip_fn, rows=kept)
             else:

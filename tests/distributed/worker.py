@@ -255,6 +255,8 @@ SHARDED_METHODS = {
     ),
     # rows of zeros in the private set give a NaN gradient (√|0| of a bias-free layer) with a finite loss: the
     # rank that samples one must make every rank run the micro-batch again without it
+    # one example per pass: a rank pads a round while another reruns it without a non-finite example — the padding
+    # must stay at weight 0 then too (found by an independent review: it joined the sum, sensitivity 2C)
     "dpsgd_ghost_nonfinite": lambda: DPSGD(
         nn.Linear(12, 4, bias=False),
         loss=_root_loss,
@@ -263,6 +265,7 @@ SHARDED_METHODS = {
         per_sample="ghost",
         privacy=_spec(),
         noise_seed=7,
+        max_physical_batch_size=1,
     ),
     "dpzero_touchy": lambda: _touchy(DPZero, nn.Linear(12, 4), loss=_touchy_loss, lr=0.05, queries=2),
     "dpsgd_ghost_touchy": lambda: _touchy(DPSGD, _mlp(), loss=_touchy_loss, lr=0.5, per_sample="ghost"),
