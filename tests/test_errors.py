@@ -3,7 +3,7 @@
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
@@ -89,6 +89,23 @@ class NamedLabels(Dataset):
         return x, LABEL_NAMES[int(y)]
 
 
+class BagOfWords(nn.Module):
+    """A bag-of-words classifier over ``[batch, words]`` indices through ``nn.EmbeddingBag``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(words))
+
+
+def bags(n: int = 40) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, 10, (n, 5), generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
 def _fit(model, dataset, steps: int = 1):
     make_trainer(max_steps=steps).fit(model, datamodule=PrivatePublicDataModule(dataset, batch_size=8))
 
@@ -117,6 +134,22 @@ def test_string_labels_are_refused_at_fit_start_with_how_to_map_them_and_no_labe
     message = str(raised.value) + "".join(getattr(raised.value, "__notes__", ()))
     assert "index[label]" in message and not any(name in message for name in LABEL_NAMES)
     assert model.private_steps == 0
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_embedding_bag_is_refused_by_the_opacus_modes_before_any_pass_with_a_pointer_to_functorch(mode):
+    model = DPSGD(BagOfWords(), lr=0.1, clip=1.0, privacy=SPEC, per_sample=mode)
+    with pytest.raises(
+        ConfigError, match=rf"(?s)per_sample='{mode}'.*'bag' \(EmbeddingBag\).*use per_sample='functorch'"
+    ):
+        _fit(model, bags())
+    assert model.private_steps == 0
+
+
+def test_embedding_bag_trains_under_functorch():
+    model = DPSGD(BagOfWords(), lr=0.1, clip=1.0, privacy=SPEC, per_sample="functorch")
+    _fit(model, bags(), steps=2)
+    assert model.private_steps == 2
 
 
 def test_what_a_refusal_names_is_a_type_never_a_value():
