@@ -33,6 +33,13 @@ stopped) and a FutureWarning torch raises about Lightning's internals are hidden
 <subcommand> ...`` or ``PL_DP_VERBOSE=1`` shows them again. This is the command line's choice only:
 the library itself filters no warning but Opacus' "Optimal order is the largest alpha" (see
 :func:`pl_dp.privacy.accountants.opacus_rdp_conversion`).
+
+A refusal of pl_dp's — a :class:`~pl_dp.errors.PlDpError` (a bad config, a privacy request that cannot be met,
+unusable private data, a net that mixes examples), or a ``NotImplementedError`` with a message raised in pl_dp's own
+code — is printed as ``pl-dp: error: <message>`` on stderr, without a traceback, and ``pl-dp`` exits with status 2
+(:data:`REFUSED`, as ``argparse`` does for a command line it cannot run; 1 stays an audit's violation). ``pl-dp
+--verbose ...`` or ``PL_DP_VERBOSE=1`` raises it with its traceback instead. Any other exception (a bug, in pl_dp or
+elsewhere) keeps its traceback.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from pl_dp.audit import audit
 from pl_dp.audit_run import audit_run
+from pl_dp.errors import PlDpError
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.spec import PrivacySpec
 
@@ -212,16 +220,53 @@ def verbose_requested(argv: list[str]) -> bool:
     return flag or os.environ.get("PL_DP_VERBOSE", "0") not in ("", "0")
 
 
+#: ``pl-dp``'s exit status when pl_dp refuses to run what it was asked (1 is an audit's violation)
+REFUSED = 2
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is one of pl_dp's refusals, printed without a traceback: a :class:`~pl_dp.errors.PlDpError`,
+    or a ``NotImplementedError`` with a message raised in pl_dp's own code (an unsupported strategy, layout or model;
+    a bare one, an abstract method left unimplemented, is a bug and keeps its traceback)."""
+    if isinstance(error, PlDpError):
+        return True
+    if not isinstance(error, NotImplementedError) or not str(error).strip():
+        return False
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and frame.tb_frame.f_globals.get("__name__", "").split(".")[0] == "pl_dp"
+
+
+def refusal_message(error: BaseException) -> str:
+    """``pl-dp: error: <message>`` with the error's notes, its type and how to see the traceback."""
+    lines = [str(error).strip(), *getattr(error, "__notes__", ())]
+    return (
+        "pl-dp: error: "
+        + "\n".join(lines)
+        + f"\n({type(error).__name__}; 'pl-dp --verbose SUBCOMMAND ...' or PL_DP_VERBOSE=1 shows the traceback)"
+    )
+
+
 def main(args: list[str] | None = None) -> None:
-    """``pl-dp [--verbose] SUBCOMMAND ...`` (``args``: the command line without the program name)."""
+    """``pl-dp [--verbose] SUBCOMMAND ...`` (``args``: the command line without the program name).
+
+    A refusal of pl_dp's (:func:`is_refusal`) is printed to stderr as ``pl-dp: error: <message>`` and ends the
+    command with ``SystemExit(2)`` (:data:`REFUSED`); verbose, it is raised as it is, with its traceback."""
     argv = sys.argv[1:] if args is None else list(args)
     verbose = verbose_requested(argv)
     if args is None:  # LightningCLI reads sys.argv itself
         sys.argv = sys.argv[:1] + argv
         if verbose:  # Lightning's DDP launcher re-runs this command line, without the flag, on the other ranks
             os.environ["PL_DP_VERBOSE"] = "1"
-    with contextlib.nullcontext() if verbose else quiet_lightning():
-        _run(argv, None if args is None else argv)
+    try:
+        with contextlib.nullcontext() if verbose else quiet_lightning():
+            _run(argv, None if args is None else argv)
+    except Exception as error:
+        if verbose or not is_refusal(error):
+            raise
+        print(refusal_message(error), file=sys.stderr)
+        raise SystemExit(REFUSED) from None
 
 
 #: what ``pl-dp --help`` says beside LightningCLI's subcommands
@@ -236,7 +281,8 @@ EPILOG = (
     "audits one private step of a config's method (an empirical lower bound on epsilon next to the claim; "
     "--audit.* options); 'pl-dp audit --run' audits a whole training run with canaries (its options: 'pl-dp audit "
     "--run --help'). 'pl-dp --verbose SUBCOMMAND ...' (or PL_DP_VERBOSE=1) shows Lightning's info lines, which are "
-    "hidden by default."
+    "hidden by default, and the traceback of a refusal: without it a refusal prints 'pl-dp: error: ...' and exits "
+    "with status 2."
 )
 REPORT_USAGE = (
     "usage: pl-dp report PATH.ckpt\n\nPrint the privacy report of a pl_dp checkpoint: epsilon, delta, sigma, q, steps, "

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch.strategies import FSDPStrategy
 
+from pl_dp.errors import ConfigError, PrivacyConfigError
+from pl_dp.methods import PrivateModule
+from pl_dp.methods.parallel import check_strategy
 from tests import background
 from tests.methods.test_constructors import METHODS
 
@@ -237,6 +241,51 @@ def test_verbose_is_a_flag_before_the_subcommand_or_an_environment_variable(monk
     assert logger.level == before  # main() called from Python leaves the caller's logging as it was
 
 
+def _refused_fit(tmp_path):
+    """A fit of the shipped DP-SGD config that pl_dp refuses at fit start (no finite plan), in 1-2 s."""
+    config = str(ROOT / "configs/digits/dpsgd.yaml")
+    options = ["--trainer.max_epochs=-1", "--trainer.max_steps=-1", "--trainer.enable_progress_bar", "false"]
+    return ["fit", "--config", config, *options, "--trainer.default_root_dir", str(tmp_path)]
+
+
+def test_a_refusal_prints_one_error_line_and_exits_2_without_a_traceback(tmp_path, capsys, monkeypatch):
+    from pl_dp.cli import REFUSED, main
+
+    monkeypatch.delenv("PL_DP_VERBOSE", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(_refused_fit(tmp_path))
+    assert exited.value.code == REFUSED == 2
+    err = capsys.readouterr().err
+    assert "pl-dp: error: private training needs a finite plan: set trainer max_steps or max_epochs." in err
+    assert "(ConfigError; 'pl-dp --verbose SUBCOMMAND ...' or PL_DP_VERBOSE=1 shows the traceback)" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_verbose_raises_the_refusal_with_its_traceback(tmp_path, monkeypatch, how):
+    from pl_dp.cli import main
+
+    monkeypatch.setenv("PL_DP_VERBOSE", "1" if how == "environment" else "0")
+    with pytest.raises(ConfigError, match="private training needs a finite plan"):
+        main((["--verbose"] if how == "flag" else []) + _refused_fit(tmp_path))
+
+
+def test_pl_dps_not_implemented_refusals_are_refusals_and_other_errors_are_not():
+    from pl_dp.cli import is_refusal, refusal_message
+
+    with pytest.raises(NotImplementedError) as unsupported:
+        check_strategy(FSDPStrategy(), "DPZero", shardable=True)  # raised in pl_dp, with a message
+    assert is_refusal(unsupported.value)
+    assert refusal_message(unsupported.value).startswith("pl-dp: error: pl_dp supports the single-device and DDP")
+    with pytest.raises(NotImplementedError) as abstract:
+        PrivateModule.mechanism(None, 8)  # a bare one: a method left unimplemented, a bug
+    assert not is_refusal(abstract.value)
+    with pytest.raises(NotImplementedError) as elsewhere:
+        raise NotImplementedError("not pl_dp's")
+    assert not is_refusal(elsewhere.value)
+    assert not is_refusal(ValueError("a plain ValueError")) and is_refusal(PrivacyConfigError("refused"))
+
+
 @pytest.mark.slow
 def test_the_documented_resume_under_a_larger_budget_trains_under_it(tmp_path):
     """docs/callbacks.md's command. On main LightningCLI put the checkpoint's hyperparameters over the command line:
@@ -256,7 +305,10 @@ def test_the_documented_resume_under_a_larger_budget_trains_under_it(tmp_path):
     assert "target epsilon 4" in resumed.stdout and "36 private steps (planned 36)" in resumed.stdout
     more = ["--trainer.max_epochs", "2", *change[1:]]  # a changed spec, not allowed: refused, loudly
     refused = _run("fit", "--config", str(path), "--ckpt_path", str(checkpoint), *more)
-    assert refused.returncode != 0 and "AllowPrivacySpecChange" in refused.stderr
+    assert refused.returncode == 2 and "AllowPrivacySpecChange" in refused.stderr
+    # one readable error, not a 40-line traceback (issue [record]); --verbose brings the traceback back
+    assert "pl-dp: error: the checkpoint was trained with privacy=" in refused.stderr
+    assert "Traceback" not in refused.stderr and "(PrivacyConfigError; 'pl-dp --verbose" in refused.stderr
 
 
 @pytest.mark.slow

@@ -323,7 +323,9 @@ class GhostClipping:
             raise ConfigError(
                 "per_sample='ghost' cannot compute per-example gradient norms for these trainable layers:\n  - "
                 + "\n  - ".join(unsupported)
-                + "\n(opacus.validators.ModuleValidator.fix(net) swaps them), or freeze them (requires_grad=False)."
+                + "\n(opacus.validators.ModuleValidator.fix(net) swaps the attention and recurrent layers). Or use "
+                "per_sample='functorch' (torch.func differentiates them as they are; not on a net sharded by FSDP2), "
+                "or freeze them (requires_grad=False)."
             )
         shared = unsupported_ties(net)
         if shared:

@@ -149,13 +149,26 @@ OPACUS_RNNS = (DPRNN, DPLSTM, DPGRU)
 _REPLACED_BY_OPACUS = {nn.MultiheadAttention: "DPMultiheadAttention", nn.RNNBase: "DPRNN, DPLSTM or DPGRU"}
 
 
+#: trainable layers whose per-example gradients Opacus' hooks get wrong, and what to use instead. Opacus' sampler of
+#: ``nn.EmbeddingBag`` unpacks ``(input, offsets)``, so a bag called on a 2-D batch of indices fails with "not enough
+#: values to unpack"; called with offsets, it adds a row once however often a bag repeats its index.
+_WRONG_UNDER_OPACUS = {
+    nn.EmbeddingBag: "Opacus' hooks compute no correct per-example gradient for it (they need offsets and count an "
+    "index repeated in a bag once); use per_sample='functorch', or nn.Embedding followed by a sum or mean over the bag"
+}
+
+
 def unsupported_layers(net: nn.Module) -> list[str]:
-    """One line per trainable layer of ``net`` that Opacus' hooks cannot give per-example gradients or norms for."""
+    """One line per trainable layer of ``net`` that Opacus' hooks cannot give per-example gradients or norms for.
+
+    Found from the net's structure alone, when the engine is built at fit start: never from the data."""
     found = []
     for name, module in trainable_modules(net):
+        label = f"{name or '<the net itself>'!r} ({type(module).__name__})"
         for kind, replacement in _REPLACED_BY_OPACUS.items():
             if isinstance(module, kind) and not isinstance(module, OPACUS_RNNS):
-                found.append(f"{name or '<the net itself>'!r} ({type(module).__name__}): use Opacus' {replacement}")
+                found.append(f"{label}: use Opacus' {replacement}")
+        found += [f"{label}: {advice}" for kind, advice in _WRONG_UNDER_OPACUS.items() if isinstance(module, kind)]
     return found
 
 
@@ -232,9 +245,10 @@ class PerSampleGradients:
                 raise ConfigError(
                     "per_sample='hooks' cannot compute per-example gradients for these trainable layers:\n  - "
                     + "\n  - ".join(unsupported)
-                    + "\n(opacus.validators.ModuleValidator.fix(net) swaps them; Opacus' DPMultiheadAttention takes no "
-                    "causal masks). Or use per_sample='functorch' (torch.func differentiates them as they are), a "
-                    "zeroth-order method (DPZero needs only forward passes), or freeze them (requires_grad=False)."
+                    + "\n(opacus.validators.ModuleValidator.fix(net) swaps the attention and recurrent layers; Opacus' "
+                    "DPMultiheadAttention takes no causal masks). Or use per_sample='functorch' (torch.func "
+                    "differentiates them as they are), a zeroth-order method (DPZero needs only forward passes), or "
+                    "freeze them (requires_grad=False)."
                 )
             self._gsm = _RecordingGradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
             self._gsm.disable_hooks()

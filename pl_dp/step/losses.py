@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pl_dp.errors import ConfigError
+from pl_dp.errors import ConfigError, DataError
 from pl_dp.step.batches import prediction_inputs
 
 PerSampleLoss = Callable[[nn.Module, Any], torch.Tensor]
@@ -40,22 +40,72 @@ _OWN_LOSS = (
 )
 
 
+def kind_of(value: Any) -> str:
+    """What ``value`` is, by type only (never its contents, which may come from private examples): ``"a Tensor"``,
+    ``"a tuple of 2 (Tensor, Tensor)"``, ``"a tuple of str"`` (a collated batch of strings), ``"a dict with keys
+    ['hidden', 'out']"`` (keys are the code's), ``"None"``."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    if isinstance(value, Mapping):
+        return f"a {name} with keys {sorted(str(key) for key in value)[:8]}"
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(item).__name__ for item in value})
+        if len(kinds) == 1 and not isinstance(value[0], (torch.Tensor, list, tuple, Mapping)):
+            return f"a {name} of {kinds[0]}"  # a batch of scalars: how many is the batch size, left out
+        items = ", ".join(type(item).__name__ for item in value[:4]) + (", …" if len(value) > 4 else "")
+        return f"a {name} of {len(value)} ({items})"
+    return f"a {name}"
+
+
 def forward(net: nn.Module, inputs: Any) -> torch.Tensor:
-    """Call ``net`` on inputs (a tensor or keyword mapping); unwrap Hugging Face outputs to logits."""
+    """Call ``net`` on inputs (a tensor or keyword mapping); unwrap Hugging Face outputs to logits.
+
+    Raises :class:`~pl_dp.errors.ConfigError` when the net returns something other than a tensor (or an output with
+    a tensor ``logits``), e.g. ``return logits, hidden``: the built-in losses need the logits alone."""
     out = net(**inputs) if isinstance(inputs, Mapping) else net(inputs)
-    return getattr(out, "logits", out)
+    logits = getattr(out, "logits", out)
+    if not isinstance(logits, torch.Tensor):
+        raise ConfigError(
+            f"the net returned {kind_of(out)}, not a tensor of logits: the built-in losses (loss='cross_entropy', "
+            "'mse', 'causal_lm') need the net to return one tensor, the logits, of shape (batch, classes) (or "
+            "(batch, tokens, vocabulary) for 'causal_lm'; a Hugging Face output with .logits is fine). Make the "
+            "net's forward return the logits alone (`return logits`, not `return logits, hidden`), or pass loss= "
+            "a callable (net, batch) -> Tensor[B] of your own that takes them from what the net returns."
+        )
+    return logits
+
+
+def _target_tensor(targets: Any, loss: str, needed: str, example: str) -> torch.Tensor:
+    """``targets`` if it is a tensor; else a :class:`~pl_dp.errors.DataError` naming its type (not its values)."""
+    if isinstance(targets, torch.Tensor):
+        return targets
+    raise DataError(
+        f"the labels of the batch are {kind_of(targets)}, not a tensor: loss={loss!r} needs {needed}. {example}"
+    )
+
+
+_CLASS_INDICES = (
+    "Map each label to its integer class index in your Dataset, e.g. index = {name: i for i, name in "
+    "enumerate(sorted(class_names))} once, then `return x, index[label]` in __getitem__ (the label a Python int or a "
+    "0-d torch.long tensor)."
+)
 
 
 def cross_entropy(net: nn.Module, batch: Any) -> torch.Tensor:
     """Per-example cross-entropy, computed in fp32 whatever the model's dtype."""
     inputs, targets = split_inputs_targets(batch)
-    return F.cross_entropy(forward(net, inputs).float(), targets, reduction="none")
+    logits = forward(net, inputs).float()
+    needed = "integer class indices (a torch.long tensor of shape (batch,))"
+    return F.cross_entropy(logits, _target_tensor(targets, "cross_entropy", needed, _CLASS_INDICES), reduction="none")
 
 
 def mse(net: nn.Module, batch: Any) -> torch.Tensor:
     """Per-example mean squared error (mean over all but the batch dimension), in fp32."""
     inputs, targets = split_inputs_targets(batch)
-    err = (forward(net, inputs).float() - targets.float()) ** 2
+    needed = "numeric targets (a float tensor of the net's output shape)"
+    example = "Return each target as a number or a float tensor from your Dataset."
+    err = (forward(net, inputs).float() - _target_tensor(targets, "mse", needed, example).float()) ** 2
     return err.reshape(err.shape[0], -1).mean(dim=1)
 
 
