@@ -488,6 +488,7 @@ class ShardedGhostClipping(GhostClipping):
                 "them in one process, freeze or untie them."
             )
         self.passes = passes
+        self._padding_leaves: list[torch.Tensor] = []  # what a padding pass's graph reaches, zeroed in its backward
         super().__init__(net, loss_fn)
         self._targets.watch_gathered()
         self.group = layout_of(self.names[0], self.params[0]).group
@@ -529,6 +530,7 @@ class ShardedGhostClipping(GhostClipping):
                     self.passes.abandon()  # on every rank: the same FSDP state for the passes that follow
                     raise PassFailed(here=error is not None) from error
                 reached = self._first_backward(losses)  # no parameter gradient: nothing to reduce-scatter
+            self._padding_leaves = reached if padding else []
             names = dict(zip(map(id, self.params), self.names))
             owners = {**holders, **self._targets.gathered}  # a shard used directly, or its layer's gathered copy
             missed = sorted(
@@ -567,11 +569,19 @@ class ShardedGhostClipping(GhostClipping):
 
     def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
         """Second pass, sharded: ``backward`` of Σ_i c_i·ℓ_i, whose reduce-scatter leaves this rank its shard of
-        Σ_i c_i·g_i over every rank's examples."""
+        Σ_i c_i·g_i over every rank's examples. A padding pass (weight 0) gives every gradient it reaches the value
+        0 before FSDP reduces it: the padding example's own gradient may be non-finite at the current parameters,
+        and 0·∞ = NaN would reach every rank's sum at the steps where some rank pads, which depend on the sample."""
         for p in self.params:
             p.grad = None
-        with torch.enable_grad(), _full_precision(self.params[0].device):
-            (weights.detach() * losses).sum().backward()
+        zeroed = [leaf.register_hook(torch.zeros_like) for leaf in self._padding_leaves if leaf.requires_grad]
+        try:
+            with torch.enable_grad(), _full_precision(self.params[0].device):
+                (weights.detach() * losses).sum().backward()
+        finally:
+            for handle in zeroed:
+                handle.remove()
+            self._padding_leaves = []
         sums = [
             torch.zeros_like(local(p), dtype=torch.float32) if p.grad is None else local(p.grad).float()
             for p in self.params

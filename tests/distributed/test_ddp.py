@@ -5,7 +5,6 @@ The 2-process fits run once per session in a subprocess (tests/distributed/worke
 launcher starts rank 1); the single-process references run in this process with the same seeds.
 """
 
-
 import pytest
 import torch
 

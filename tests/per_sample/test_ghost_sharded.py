@@ -75,3 +75,42 @@ def test_the_first_pass_sends_no_unclipped_gradient():
     assert results["both passes, FSDP reductions"] > 0  # the second pass's
     assert results["second pass"] > 0
     assert results["largest sent"] <= 4 * 1.0 + 1e-5  # a clipped sum of 4 examples, each at most C
+
+
+def _root_of_first_logit(net, batch):
+    """Cross-entropy plus √|first logit|: finite at every input, its gradient infinite where that logit is 0."""
+    inputs, labels = batch
+    out = net(inputs)
+    return nn.functional.cross_entropy(out, labels, reduction="none") + out[:, 0].abs().sqrt()
+
+
+def _padding_worker(rank: int, mesh, results: dict) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
+    alone = GhostClipping(copy.deepcopy(net), _root_of_first_logit)
+    shard(net, mesh)
+    padding = (torch.zeros(1, 4), torch.tensor([0]))  # its first logit is 0: a non-finite gradient
+    passes = ShardedPasses(_most_over_ranks, padding=padding)
+    ghost = ShardedGhostClipping(net, _root_of_first_logit, passes=passes)
+    clip = ClipFunction("constant", 1.0)
+    example = (torch.randn(1, 4, generator=torch.Generator().manual_seed(5)), torch.tensor([1]))
+    parts = [] if rank == 0 else [example]  # rank 0 sampled nothing: it runs the padding example at weight 0
+    done, _ = passes.run(parts, lambda part, pad: ghost.clipped_sum(part, clip, padding=pad))
+    expected = alone.clipped_sum(example, clip)[0]
+    blocks: list = [None, None]
+    dist.all_gather_object(blocks, done[0][0])  # each rank's rows of each parameter's sum
+    whole = [torch.cat([mine, theirs]) for mine, theirs in zip(*blocks)]
+    results[f"padding norm on rank {rank}"] = float(ghost.per_example_norms(padding)[0])
+    results[f"released on rank {rank}"] = torch.cat([w.reshape(-1) for w in whole]).tolist()
+    results["one process"] = torch.cat([e.reshape(-1) for e in expected]).tolist()
+
+
+PADDING = two_ranks.job("ghost_sharded_padding", _padding_worker)
+
+
+def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_release():
+    results = two_ranks.results(PADDING)
+    assert results["padding norm on rank 0"] != results["padding norm on rank 0"]  # NaN: what a padding pass meets
+    released = torch.tensor(results["released on rank 0"])
+    assert torch.isfinite(released).all()
+    assert torch.allclose(released, torch.tensor(results["one process"]), atol=1e-6)
