@@ -141,7 +141,9 @@ class _NormsOnly:
     that only some examples switch on (a mask times the extra term) is found whatever the batch.
     """
 
-    def __init__(self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str]):
+    def __init__(
+        self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str], whole: list[nn.Module]
+    ):
         self.active = False
         self.edges: list[GradientEdge] = []
         #: per hooked call: the module, the nodes of its output and the nodes of its inputs (where the call ends)
@@ -151,6 +153,9 @@ class _NormsOnly:
         self._handles = [m.register_forward_hook(self._below_hook) for m in hooked]
         self._handles += [m.register_forward_hook(self._below_module) for m in tied]
         self._names = names
+        #: modules whose hooks measure every parameter under them (Opacus' functorch path, e.g. a block holding a
+        #: LayerScale ``gamma`` beside an ``nn.Linear``): a use inside their call is measured
+        self._whole = whole
 
     def watch_gathered(self) -> None:
         """Record the parameters each layer's forward sees (sharded by FSDP2: its gathered ones, not the shards)."""
@@ -243,6 +248,10 @@ class _NormsOnly:
         holders: dict[int, set[nn.Module]] = {}
         for module in self._names:
             for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    holders.setdefault(id(p), set()).add(module)
+        for module in self._whole:
+            for p in module.parameters():
                 if p.requires_grad:
                     holders.setdefault(id(p), set()).add(module)
         for key, (_, module) in self.gathered.items():
@@ -342,7 +351,8 @@ class GhostClipping:
         self._gsm.disable_hooks()
         hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
         modules = {m: name for name, m in net.named_modules()}
-        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules)
+        whole = [m for m in hooked if type(m) not in self._gsm.GRAD_SAMPLERS]  # per-example gradients by functorch
+        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, whole)
         self._lookups = BroadcastLookups(net)
 
     def _check_layout(self) -> None:

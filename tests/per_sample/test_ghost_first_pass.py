@@ -81,6 +81,43 @@ ARCHITECTURES = ["gpt2", "opt", "llama"]
 _OPT_FROZEN = ("embed_positions", "fc1", "fc2", "layers.0.final_layer_norm", "layers.1.final_layer_norm")
 
 
+class _LayerScaleBlock(nn.Module):
+    """A residual block with a raw LayerScale parameter beside its layer (ViT/CaiT/ConvNeXt): Opacus measures the
+    whole block (its ``gamma`` and its layer's weights) by functorch."""
+
+    def __init__(self, width: int = 5):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.gamma = nn.Parameter(torch.full((width,), 0.5))
+
+    def forward(self, x):
+        return x + self.gamma * torch.tanh(self.fc(x))
+
+
+class _LayerScaleNet(nn.Module):
+    """Two LayerScale blocks, a head, and a raw output scale on the root itself (the root then measured whole)."""
+
+    def __init__(self, root_scale: bool, width: int = 5):
+        super().__init__()
+        self.blocks = nn.Sequential(_LayerScaleBlock(width), _LayerScaleBlock(width))
+        self.head = nn.Linear(width, 3)
+        self.scale = nn.Parameter(torch.full((3,), 2.0)) if root_scale else None
+
+    def forward(self, x):
+        out = self.head(self.blocks(x))
+        return out if self.scale is None else out * self.scale
+
+
+class _LayerScaleWeightAgain(_LayerScaleNet):
+    """A block's inner weight read again outside the block: not inside the call that measures it."""
+
+    def __init__(self):
+        super().__init__(root_scale=False, width=4)
+
+    def forward(self, x):
+        return super().forward(x) + x[:, :3] @ self.blocks[0].fc.weight[:3, :3].T
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return {arch: tiny_model(tmp_path_factory.mktemp(arch), arch) for arch in ["bert-cls", *ARCHITECTURES]}
@@ -102,6 +139,8 @@ def _case(name, models):
         return _Recurrent(), (torch.randint(0, 20, (6, 5), generator=g), labels), cross_entropy
     if name == "two-inputs":
         return _TwoInputs(), (torch.randn(6, 5, generator=g), labels), cross_entropy
+    if name in ("layer-scale", "root-scale"):
+        return _LayerScaleNet(name == "root-scale"), (torch.randn(6, 5, generator=g), labels), cross_entropy
     if name == "transformer":
         net = TinyTransformerClassifier(vocab_size=50, width=16, depth=2, heads=2, max_length=8, num_classes=3)
         return net.eval(), (torch.randint(1, 50, (6, 8), generator=g), labels), cross_entropy
@@ -133,7 +172,8 @@ def _per_example_norms(net, batch, loss_fn):
     return torch.stack(norms)
 
 
-CASES = ["mlp", "conv", "embeddings", "lstm", "two-inputs", "transformer", "bert", *ARCHITECTURES]
+CASES = ["mlp", "conv", "embeddings", "lstm", "two-inputs", "layer-scale", "root-scale", "transformer", "bert"]
+CASES += ARCHITECTURES
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -155,7 +195,7 @@ def test_norms_and_clipped_sums_are_those_of_the_full_first_pass_and_of_per_exam
         for n, s, e in zip(after.names, sums, expected):
             torch.testing.assert_close(s, e, rtol=1e-6, atol=1e-9, msg=f"{kind}: {n}")
     torch.testing.assert_close(norms.double(), reference, rtol=1e-5, atol=1e-8)
-    if name in ("mlp", "conv", "embeddings"):  # torch.func's per-example gradients (vmap)
+    if name in ("mlp", "conv", "embeddings", "layer-scale", "root-scale"):  # torch.func's (vmap)
         _, functorch_norms, _ = PerSampleGradients(copy.deepcopy(net), loss_fn, "functorch").clipped_sum(batch, fn)
         torch.testing.assert_close(norms, functorch_norms, rtol=1e-5, atol=1e-8)
 
@@ -247,8 +287,9 @@ def _regularized(net, batch):
         (_AgainForSomeExamples, cross_entropy, "dense"),
         (_HeadTiedByFunction, cross_entropy, "ids"),
         (_AgainInTheNet, _regularized, "dense"),
+        (_LayerScaleWeightAgain, cross_entropy, "dense"),
     ],
-    ids=["in the net", "for some examples", "a head tied by F.linear", "in the loss"],
+    ids=["in the net", "for some examples", "a head tied by F.linear", "in the loss", "outside a block measured whole"],
 )
 def test_a_parameter_used_in_its_layer_and_again_outside_it_is_refused(net, loss, batch):
     """Its layer's hooks measure only that layer's part of each example's gradient: the other use would go
@@ -261,7 +302,7 @@ def test_a_parameter_used_in_its_layer_and_again_outside_it_is_refused(net, loss
         if batch == "dense"
         else (torch.randint(0, 7, (4,)), torch.randint(0, 7, (4,)))
     )
-    with pytest.raises(ValueError, match=r"cannot clip \['(fc|embedding)\.weight'\]: .* outside the layer"):
+    with pytest.raises(ValueError, match=r"cannot clip \['(blocks\.0\.fc|fc|embedding)\.weight'\]: .* outside the"):
         GhostClipping(net(), loss).clipped_sum(data, ClipFunction("constant", 1.0))
 
 
