@@ -12,7 +12,6 @@ def test_every_exported_method_has_one_entry():
     missing = catalog.exported_methods() - set(registered)
     assert not missing, f"register {sorted(cls.__name__ for cls in missing)} in tests/catalog.py's METHODS"
     assert len(registered) == len(set(registered)) and set(registered) == catalog.exported_methods()
-    assert {cls.__name__ for cls in registered} == {"DPZero", "PAZOM", "PAZOP", "PAZOS", "O2NC", "DPSGD", "Coupling"}
 
 
 def test_ids_are_unique_and_variants_say_what_they_change():
