@@ -181,6 +181,6 @@ def select(
     return chosen
 
 
-def classes(**capabilities: Any) -> list[type[PrivateModule]]:
-    """The method classes whose entries have the given capabilities."""
-    return [entry.cls for entry in select(**capabilities)]
+def classes(entries: list[Entry] | None = None, **capabilities: Any) -> list[type[PrivateModule]]:
+    """The classes of the entries (:data:`METHODS` by default) with the given capabilities."""
+    return [entry.cls for entry in select(entries, **capabilities)]
