@@ -13,8 +13,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import PrivateModule
 from pl_dp.methods.parallel import check_strategy
-from tests import background
-from tests.methods.test_constructors import METHODS
+from tests import background, catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -115,7 +114,7 @@ def test_help_lists_the_methods_arguments():
     assert "--model" in out.stdout and "--data" in out.stdout
 
 
-@pytest.mark.parametrize("method", [method.__name__ for method in METHODS])
+@pytest.mark.parametrize("method", [entry.name for entry in catalog.METHODS])
 def test_method_help_lists_inherited_arguments(method, capsys):
     """Each method states only the arguments it adds; ``--model.help`` still lists those of every class above it."""
     from pl_dp.cli import main

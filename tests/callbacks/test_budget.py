@@ -10,7 +10,8 @@ from pl_dp import PrivacySpec
 from pl_dp.callbacks import PrivacyBudget, StagewiseSchedule
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import PrivacyConfigError
-from pl_dp.methods import DPSGD, PAZOM, Coupling, DPZero
+from pl_dp.methods import DPZero
+from tests import catalog
 from tests.conftest import blobs, make_trainer
 
 
@@ -81,12 +82,8 @@ def test_final_epsilon_never_exceeds_the_target(
     assert model.epsilon <= min(target, epsilon) + 1e-9
 
 
-_METHODS = {
-    "dpzero": lambda spec: DPZero(nn.Linear(4, 3), lr=0.05, clip=1.0, privacy=spec),
-    "pazo-m": lambda spec: PAZOM(nn.Linear(4, 3), lr=0.05, clip=1.0, alpha=0.5, privacy=spec),
-    "dpsgd": lambda spec: DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, clip_fn="automatic", privacy=spec),
-    "coupling": lambda spec: Coupling(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=spec),
-}
+#: every method whose release both accountants drawn below account (O2NC's tree takes its own)
+_METHODS = {entry.id: entry for entry in catalog.select(accountable="rdp") if entry.accountable("pld")}
 
 
 @pytest.mark.slow
@@ -107,8 +104,9 @@ def test_no_method_accountant_or_schedule_ends_above_its_epsilon(
     """Random small configurations of (method, accountant, ε, batch, plan, schedule): the run either
     refuses to start, touching nothing, or ends with ε ≤ the target, every step accounted."""
     torch.manual_seed(0)
-    model = _METHODS[method](PrivacySpec(epsilon=epsilon, accountant=accountant))
-    callbacks = [StagewiseSchedule(stages=2, proximal=None)] if stagewise and method in ("dpzero", "pazo-m") else []
+    entry = _METHODS[method]
+    model = entry.build(privacy=PrivacySpec(epsilon=epsilon, accountant=accountant))
+    callbacks = [StagewiseSchedule(stages=2, proximal=None)] if stagewise and entry.zeroth_order else []
     dm = PrivatePublicDataModule(blobs(80), public=blobs(20, seed=3), batch_size=batch_size, public_batch_size=5)
     try:
         make_trainer(callbacks=callbacks, **plan).fit(model, dm)

@@ -16,8 +16,9 @@ from pl_dp import PrivacySpec
 from pl_dp.callbacks import AllowPrivacySpecChange
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import PrivacyConfigError
-from pl_dp.methods import DPSGD, PAZOM, PAZOS, Coupling, DPZero
+from pl_dp.methods import DPSGD, DPZero
 from pl_dp.privacy.accountants import create_accountant
+from tests import catalog
 from tests.conftest import blobs, make_trainer
 
 
@@ -318,26 +319,21 @@ def test_validation_and_test_never_reach_the_accountant():
     assert model.accountant.history == history and model.epsilon == eps and model.private_steps == 3
 
 
-FAMILIES = {
-    "pazo-m": (PAZOM, dict(lr=0.05, clip=1.0, alpha=0.5, queries=2)),
-    "pazo-s": (PAZOS, dict(lr=0.1, clip=2.0, k=2)),
-    "dpsgd-psac-adam": (DPSGD, dict(lr=0.05, clip=1.0, clip_fn="psac", optimizer="adam")),
-    "coupling-adamix": (
-        Coupling,
-        dict(lr=0.1, clip=1.0, alpha=0.5, clip_fn="constant", clip_quantile=0.5, quantile_noise=5.0),
-    ),
-}
+#: one method per kind of state a resume restores (a kill-and-resume fit each, so not every catalog entry): the
+#: public loader's position (PAZO-M), an own update outside the zeroth-order engine (PAZO-S), an optimizer's moments
+#: (DP-SGD with Adam) and an adaptive clip threshold (AdaMix); the other methods resume through the same code
+FAMILIES = {entry.id: entry for entry in catalog.by_id("pazo-m", "pazo-s", "dpsgd-psac-adam", "coupling-adamix")}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kill_and_resume_is_exact_for_every_method_family(tmp_path, family):
     """Reproduction mode: public-loader position, optimizer moments and the adaptive clip threshold resume,
     and the user-seeded secrets are re-derived from their seeds."""
-    cls, kwargs = FAMILIES[family]
+    entry = FAMILIES[family]
 
     def make_model():
         L.seed_everything(0)
-        return cls(nn.Linear(4, 3), privacy=PrivacySpec(epsilon=3.0, accountant="rdp"), noise_seed=5, **kwargs)
+        return entry.build(privacy=PrivacySpec(epsilon=3.0, accountant="rdp"), noise_seed=5)
 
     def make_dm():
         return PrivatePublicDataModule(

@@ -14,6 +14,7 @@ from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPSGD, O2NC, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 from pl_dp.privacy.accountants import create_accountant
+from tests import catalog
 from tests.conftest import blobs, make_trainer
 
 SPEC = PrivacySpec(epsilon=2.0, accountant="rdp")
@@ -102,7 +103,7 @@ def _mean_loss(net, batch):
     return F.cross_entropy(net(x), y)
 
 
-@pytest.mark.parametrize("cls", [DPZero, DPSGD])
+@pytest.mark.parametrize("cls", catalog.classes(catalog.REPRESENTATIVES))
 @pytest.mark.parametrize(
     ("loss", "error", "match"),
     [(_int_loss, TypeError, "floating point"), (_mean_loss, ValueError, "one value per example")],
@@ -122,7 +123,7 @@ class _InfForLargeInputs:
         return torch.where(x[:, 0] > 1.0, losses * float("inf"), losses)
 
 
-@pytest.mark.parametrize("cls", [DPSGD, DPZero])
+@pytest.mark.parametrize("cls", catalog.classes(catalog.REPRESENTATIVES))
 def test_nonfinite_per_example_values_contribute_zero_and_are_counted(cls):
     torch.manual_seed(0)
     # preflight=False: the pre-flight pass would name those examples and refuse to train

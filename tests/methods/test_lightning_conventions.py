@@ -28,6 +28,7 @@ from pl_dp.methods import DPSGD, O2NC, PAZOM, PAZOP, PAZOS, Coupling, DPZero
 from pl_dp.methods.parallel import check_strategy
 from pl_dp.per_sample import clipped_sum
 from pl_dp.privacy import ClipFunction
+from tests import catalog
 from tests.conftest import blobs, make_trainer
 
 SPEC = PrivacySpec(epsilon=5.0, accountant="rdp")
@@ -182,23 +183,13 @@ def test_resuming_past_the_spent_plan_says_so_at_fit_start(tmp_path):
 
 
 # ---- 7. precision -------------------------------------------------------------------------------------
-METHODS = {
-    "dpzero": (DPZero, {}),
-    "pazo-m": (PAZOM, {}),
-    "pazo-p": (PAZOP, {"k": 2}),
-    "pazo-s": (PAZOS, {}),
-    "o2nc": (O2NC, {}),
-    "dpsgd-hooks": (DPSGD, {}),
-    "dpsgd-functorch": (DPSGD, {"per_sample": "functorch"}),
-    "dpsgd-ghost": (DPSGD, {"per_sample": "ghost"}),
-    "coupling": (Coupling, {}),
-}
+#: every method, and DP-SGD in every per-sample mode (hooks and functorch run under autocast, ghost in fp32)
+METHODS = {entry.id: entry for entry in [*catalog.METHODS, *catalog.select(catalog.VARIANTS, aspects=("per_sample",))]}
 
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_trains_under_bf16_mixed_precision(name):
-    cls, kwargs = METHODS[name]
-    model = cls(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), privacy=PrivacySpec(5.0), **kwargs)
+    model = METHODS[name].build(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), privacy=PrivacySpec(5.0))
     dm = PrivatePublicDataModule(blobs(100), public=blobs(40, seed=3), batch_size=10, public_batch_size=8)
     make_trainer(max_steps=3, precision="bf16-mixed").fit(model, dm)
     assert model.private_steps == 3 and 0 < model.epsilon <= 5.0
@@ -345,10 +336,9 @@ def test_sharding_is_declared_by_each_class_never_inherited():
 def test_every_method_that_declares_sharding_has_sharded_fits_in_the_fsdp_tests():
     """The classes the FSDP2 test runs (tests/distributed/worker.py's SHARDED_METHODS) cover every exported method
     that declares ``shardable``."""
-    from pl_dp import methods
     from tests.distributed import worker
 
-    declared = {name for name in methods.__all__ if getattr(getattr(methods, name), "shardable", False)}
+    declared = {entry.name for entry in catalog.METHODS if entry.cls.shardable}
     tested = {type(build()).__name__ for build in worker.SHARDED_METHODS.values()}
     assert declared == {"DPZero", "PAZOM", "PAZOP", "PAZOS", "DPSGD", "Coupling"}
     assert declared <= tested, sorted(declared - tested)
@@ -361,15 +351,14 @@ def _digits_net() -> nn.Module:
     return MLP(64, [32], 10)
 
 
-@pytest.mark.parametrize("name", ["DPZero", "PAZOM", "PAZOP", "PAZOS", "O2NC", "DPSGD", "Coupling"])
-def test_every_method_runs_with_the_bundled_digits_defaults(name):
+@pytest.mark.parametrize("method", catalog.classes(), ids=lambda cls: cls.__name__)
+def test_every_method_runs_with_the_bundled_digits_defaults(method):
     from pl_dp.data import DigitsDataModule
-    from pl_dp.methods import __dict__ as methods
 
-    model = methods[name](_digits_net(), privacy=PrivacySpec(epsilon=4.0))  # the method's own accountant
+    model = method(_digits_net(), privacy=PrivacySpec(epsilon=4.0))  # the method's own accountant
     make_trainer(max_steps=3, limit_val_batches=1).fit(model, DigitsDataModule())
     assert model.private_steps == 3 and 0 < model.epsilon <= 4.0
-    assert model.accountant_name == ("tree" if name == "O2NC" else "prv")
+    assert model.accountant_name == method.default_accountant == ("tree" if method is O2NC else "prv")
 
 
 def test_every_shipped_config_shows_the_progress_bar():

@@ -13,7 +13,8 @@ from torch import nn
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import IndependenceError
-from pl_dp.methods import DPSGD, DPZero
+from pl_dp.methods import DPSGD
+from tests import catalog
 from tests.conftest import RunningInputMean, SubtractBatchMean, blobs, make_trainer
 
 SPEC = PrivacySpec(epsilon=2.0, accountant="rdp")
@@ -32,7 +33,7 @@ def _untouched(model) -> bool:
     return model.private_steps == 0 and not model.accountant.history
 
 
-@pytest.mark.parametrize("cls", [DPSGD, DPZero])
+@pytest.mark.parametrize("cls", catalog.classes(catalog.REPRESENTATIVES))
 def test_audit_batchnorm_without_parameters_is_refused_at_fit_start(cls):
     # the audit's black-box case: nothing trainable, so neither Opacus nor the ZO path saw it; at batch 200 it
     # measured a per-example sensitivity of 17.6 C (DP-SGD) and 7.8 C (DPZero)
@@ -52,7 +53,7 @@ def _loss_relative_to_the_batch(net: nn.Module, batch) -> torch.Tensor:
     return losses / losses.mean()
 
 
-@pytest.mark.parametrize("cls", [DPSGD, DPZero])
+@pytest.mark.parametrize("cls", catalog.classes(catalog.REPRESENTATIVES))
 @pytest.mark.parametrize(
     ("middle", "loss"),
     [(SubtractBatchMean(), _squared_error), (nn.Identity(), _loss_relative_to_the_batch)],
@@ -66,7 +67,7 @@ def test_unknown_parameter_free_mixing_is_caught_by_the_probe_at_fit_start(cls, 
     assert _untouched(model)
 
 
-@pytest.mark.parametrize("cls", [DPSGD, DPZero])
+@pytest.mark.parametrize("cls", catalog.classes(catalog.REPRESENTATIVES))
 def test_a_forward_that_writes_a_buffer_is_refused_at_fit_start(cls):
     model = cls(_net(RunningInputMean(16, "in place")), clip=1.0, privacy=SPEC)
     with pytest.raises(IndependenceError, match=r"10 validation examples, the forward pass wrote \['norm\.seen'\]"):

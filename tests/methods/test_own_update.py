@@ -8,8 +8,10 @@ from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import ConfigError
 from pl_dp.methods import O2NC, PAZOS, FirstOrderModule, OwnUpdateModule, PrivateModule
+from tests import catalog
 from tests.conftest import blobs, make_trainer
-from tests.methods.test_constructors import METHODS
+
+METHODS = catalog.classes()
 
 
 def test_the_methods_that_write_their_own_update_are_one_family():
@@ -29,7 +31,7 @@ def test_privatemodule_keeps_only_what_every_method_shares():
     assert not model.noise.secure and model.private_loss_modes == ("train",)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if issubclass(m, OwnUpdateModule)])
+@pytest.mark.parametrize("method", catalog.classes(own_update=True))
 def test_each_member_gets_the_family_defaults(method):
     model = method(nn.Linear(2, 2), master_weights=False)
     assert model.noise.secure and model.private_loss_modes == ("eval",)

@@ -18,6 +18,7 @@ from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD, DPZero
+from tests import catalog
 from tests.conftest import blobs, make_trainer
 
 SPEC = PrivacySpec(epsilon=5.0, accountant="rdp")
@@ -52,7 +53,7 @@ def _features() -> PrivatePublicDataModule:
     return PrivatePublicDataModule(data(0), val=data(1), test=data(2), batch_size=16)
 
 
-@pytest.mark.parametrize("cls", [DPSGD, DPZero])
+@pytest.mark.parametrize("cls", catalog.classes(catalog.REPRESENTATIVES))
 def test_a_module_without_forward_is_evaluated_through_the_user_s_loss(cls):
     """On main: trained, then crashed in validation ("missing the required forward function")."""
     model = cls(LitAutoEncoder(), loss=reconstruction, clip=1.0, lr=0.01, privacy=SPEC)

@@ -8,7 +8,7 @@ from torch import nn
 from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import ConfigError
-from pl_dp.methods import DPSGD, Coupling
+from pl_dp.methods import DPSGD
 from pl_dp.per_sample import (
     PerSampleGradients,
     PerSampleMode,
@@ -17,6 +17,7 @@ from pl_dp.per_sample import (
     per_sample_mode_names,
     register_per_sample_mode,
 )
+from tests import catalog
 from tests.conftest import blobs, make_trainer
 
 
@@ -63,7 +64,7 @@ def _fit(method, per_sample):
     return [p.detach().clone() for p in net.parameters()], model
 
 
-@pytest.mark.parametrize("method", [DPSGD, Coupling])
+@pytest.mark.parametrize("method", catalog.classes(first_order=True))  # the methods that take per_sample
 def test_a_registered_mode_is_what_the_method_runs(mirror, method):
     """The registry is the only place a method learns its mode from: one registration, and the fits of DPSGD and
     Coupling with it end where those with the mode it mirrors end."""
