@@ -159,6 +159,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
     #: version of the checkpointed privacy state (2: no secrets — noise key and sampling seed — saved)
     PRIVACY_STATE_VERSION = 2
 
+    # this process's own (declared in __init__ by add_process_state): the non-finite count, the bytes sent, the
+    # fit's reference example
+    _nonfinite: int | torch.Tensor
+    collective_bytes: int
+    _reference: Any
+
     def __init__(
         self,
         net: nn.Module,
@@ -204,7 +210,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self.ledger = PrivacyLedger(privacy, self.accountant_name)
         self.log_private_metrics = log_private_metrics
         self._process_state: dict[str, Any] = {}
-        self.add_process_state("nonfinite_total", 0)  # un-noised private information
+        self.add_process_state("_nonfinite", 0)  # un-noised private information, added up where it was computed
         self.add_process_state("collective_bytes", 0)  # retries make it depend on which records were sampled
         # a public or validation example, set at fit start (see check_independence); how this fit's step is spread
         # over processes (set up by configure_model): the next fit's own
@@ -670,7 +676,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             yield
 
     def _log_step(self, result: StepResult) -> None:
-        self._count_nonfinite(int(result.nonfinite))
+        self._count_nonfinite(result.nonfinite)
         logging = self._logging_step()
         if self.privacy is not None and self.touches_private_data and (logging or self._batches_consumed == 1):
             self.check_reference()
@@ -690,16 +696,23 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             self.log("privacy/epsilon", eps, on_step=True, on_epoch=False, prog_bar=True)
             self.log("privacy/budget_left", self.privacy.epsilon - eps, on_step=True, on_epoch=False, prog_bar=True)
 
-    def _count_nonfinite(self, count: int) -> None:
+    @property
+    def nonfinite_total(self) -> int:
+        """How many sampled examples contributed 0 so far in this process (see :meth:`_count_nonfinite`; reading it
+        waits for the device)."""
+        return int(self._nonfinite)
+
+    def _count_nonfinite(self, count: int | torch.Tensor) -> None:
         """Count examples whose per-example value was non-finite or whose pass raised (they contributed 0, keeping
         the bound).
 
         The count is a function of the private data with no noise — logging it, or even warning that it is not
         zero, would tell an adversary whether a record with an infinite loss was sampled — so it stays in process
         memory (``nonfinite_total``, never pickled or checkpointed) and is logged only under
-        ``log_private_metrics``. Bad records are reported before training instead, by the pre-flight pass.
+        ``log_private_metrics``. Bad records are reported before training instead, by the pre-flight pass. It is
+        added up on the device it was computed on: a step does not wait for the device to count.
         """
-        self.nonfinite_total += count
+        self._nonfinite = self._nonfinite + count
 
     def _logging_step(self) -> bool:
         """Whether to log this step's on-step metrics: on the loggers' cadence and at the end.
