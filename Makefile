@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow docs lint typecheck bench reproduce
+.PHONY: install demo test test-slow test-gpu docs lint typecheck bench reproduce
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow tests
+
+# the tests of methods, per-sample gradients, the zeroth-order engine, noise, the fit-start checks and checkpoints,
+# with their trainers on a CUDA device (tests/conftest.py DEVICE); with no CUDA device every test skips, saying so
+test-gpu: $(STAMP)
+	PL_DP_TEST_DEVICE=cuda WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests/methods \
+		tests/per_sample tests/zo tests/privacy tests/step tests/callbacks tests/nets
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict

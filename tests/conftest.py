@@ -22,10 +22,21 @@ warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).
 
 _ROOT_DIR = tempfile.mkdtemp(prefix="pl_dp_tests_")  # Lightning's and pl_dp's default files, out of the repo
 
+#: the device the suite's trainers (and the tests that take the ``device`` fixture) run on: ``cpu``, or what
+#: ``PL_DP_TEST_DEVICE`` names (``make test-gpu``: ``cuda``). The one place that knows it.
+DEVICE = torch.device(os.environ.get("PL_DP_TEST_DEVICE", "cpu"))
+_NO_DEVICE = DEVICE.type == "cuda" and not torch.cuda.is_available()
+
 
 def make_trainer(**kwargs) -> L.Trainer:
-    """The audits' quiet one-process CPU Trainer, writing its default files out of the repo."""
-    return quiet_trainer(**{"default_root_dir": _ROOT_DIR, **kwargs})
+    """The audits' quiet one-process Trainer on :data:`DEVICE`, writing its default files out of the repo."""
+    return quiet_trainer(**{"default_root_dir": _ROOT_DIR, "accelerator": DEVICE.type, **kwargs})
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """:data:`DEVICE`, for a test that builds its tensors and nets itself."""
+    return DEVICE
 
 
 def blobs(n: int = 200, dim: int = 4, classes: int = 3, seed: int = 0) -> TensorDataset:
@@ -78,8 +89,18 @@ def pytest_collection_modifyitems(session, config, items):
     each in one piece and in their order: the runs have the whole session to end in."""
     from tests import background
 
+    if _NO_DEVICE:
+        skip = pytest.mark.skip(reason=f"PL_DP_TEST_DEVICE={DEVICE.type}: no CUDA device on this machine")
+        for item in items:
+            item.add_marker(skip)
+        return
     waiting = {item.module for item in items if any(job.wanted(item) for job in background.JOBS)}
     items.sort(key=lambda item: getattr(item, "module", None) in waiting)  # stable: the order is kept otherwise
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _NO_DEVICE:
+        terminalreporter.write_line(f"PL_DP_TEST_DEVICE={DEVICE.type}: no CUDA device on this machine, every test skipped")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -88,7 +109,7 @@ def background_runs(request, tmp_path_factory):
     running when the session ends."""
     from tests import background
 
-    started = background.start(request.session.items, tmp_path_factory)
+    started = [] if _NO_DEVICE else background.start(request.session.items, tmp_path_factory)
     yield
     for job in started:
         job.cancel()

@@ -41,8 +41,10 @@ def _case(name, tiny_bert=None):
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer", "bert", "bert-last-1"])
-def test_ghost_norms_and_clipped_sums_equal_those_of_per_example_gradients(name, tiny_bert):
+def test_ghost_norms_and_clipped_sums_equal_those_of_per_example_gradients(name, tiny_bert, device):
     net, batch = _case(name, tiny_bert)
+    net = net.to(device)
+    batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else [t.to(device) for t in batch]
     hooks = PerSampleGradients(copy.deepcopy(net), cross_entropy, "hooks")
     ghost = GhostClipping(copy.deepcopy(net), cross_entropy)
     assert ghost.names == hooks.names  # the same trainable subset

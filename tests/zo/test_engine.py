@@ -10,13 +10,13 @@ from pl_dp.errors import ConfigError
 from pl_dp.zo import Direction, PerturbationEngine
 
 
-def _net(seed=0):
+def _net(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(device)
 
 
-def test_perturb_restore_drift_fp32_after_1000_cycles():
-    net = _net()
+def test_perturb_restore_drift_fp32_after_1000_cycles(device):
+    net = _net(device=device)
     before = [p.detach().clone() for p in net.parameters()]
     engine = PerturbationEngine(net.parameters(), seed=1)
     for step in range(1000):
@@ -29,8 +29,8 @@ def test_perturb_restore_drift_fp32_after_1000_cycles():
     assert (drift / scale).item() <= 1e-6  # a single -2λ move instead of two -λ moves gives ~2e-6
 
 
-def test_same_seed_replays_the_same_update_bit_for_bit():
-    nets = [_net(), _net()]
+def test_same_seed_replays_the_same_update_bit_for_bit(device):
+    nets = [_net(device=device), _net(device=device)]
     for net in nets:
         engine = PerturbationEngine(net.parameters(), seed=42)
         for step in range(5):
