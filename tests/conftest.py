@@ -100,7 +100,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _NO_DEVICE:
-        terminalreporter.write_line(f"PL_DP_TEST_DEVICE={DEVICE.type}: no CUDA device on this machine, every test skipped")
+        terminalreporter.write_line(f"PL_DP_TEST_DEVICE={DEVICE.type}: no CUDA device here, every test skipped")
 
 
 @pytest.fixture(scope="session", autouse=True)
