@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 
+from pl_dp.methods.host import Host
 from pl_dp.step.batches import batch_size_of, prediction_inputs
 from pl_dp.step.losses import check_per_sample, cross_entropy, forward, split_inputs_targets
 
 
-class EvaluationMixin:
+class EvaluationMixin(Host):
     """Lightning's evaluation and prediction hooks for a :class:`~pl_dp.methods.base.PrivateModule`.
 
     Uses the module's ``net``, ``loss_fn``, ``_metrics`` (a ``ModuleDict``) and ``data_parallel``.
@@ -103,7 +104,7 @@ class EvaluationMixin:
         self.log(
             f"{stage}/loss", losses.float().mean(), on_epoch=True, prog_bar=stage == "val", sync_dist=self.data_parallel
         )
-        if logits is not None and logits.dim() == 2 and targets.dim() == 1:
+        if logits is not None and targets is not None and logits.dim() == 2 and targets.dim() == 1:
             name = f"{stage}_acc".replace("/", "_")
             metric = self._metric(name, logits.shape[-1])
             metric(logits, targets)

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pl_dp.errors import ConfigError, PrivacyConfigError
+from pl_dp.methods.host import Host
 from pl_dp.privacy.sampling import PoissonBatchSampler
 from pl_dp.step.distribution import Distribution, Replicated, Sharded
 from pl_dp.step.passes import ShardedPasses
@@ -117,7 +118,7 @@ def allocate_gathered(net: nn.Module) -> None:
             module.reshard()
 
 
-class DataParallelMixin:
+class DataParallelMixin(Host):
     """Collectives of a :class:`~pl_dp.methods.base.PrivateModule` under data parallelism.
 
     Uses the module's ``trainer``, ``noise``, ``direction_seed``, ``privacy``, ``log_private_metrics``,
@@ -265,7 +266,7 @@ class DataParallelMixin:
                 f"got {type(sampler).__name__} with num_replicas={getattr(sampler, 'num_replicas', 1)}."
             )
         self.noise.share(self._broadcast)
-        self.direction_seed = int(self._broadcast(self.direction_seed))
+        self.direction_seed = int(self._broadcast(self.direction_seed))  # type: ignore[has-type]  # mypy: cycle
         if isinstance(sampler, PoissonBatchSampler):  # one global Poisson batch: the same secret mask on every rank
             sampler.seed, sampler.seeded = self._broadcast((sampler.seed, sampler.seeded))
         wrapped = trainer.strategy.model

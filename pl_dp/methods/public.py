@@ -14,12 +14,13 @@ from typing import Any
 import torch
 
 from pl_dp.errors import ConfigError
+from pl_dp.methods.host import Host
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.losses import check_per_sample
 from pl_dp.step.shards import replicated_gradient
 
 
-class PublicDataMixin:
+class PublicDataMixin(Host):
     """Public batches and gradients for a :class:`~pl_dp.methods.base.PrivateModule` that needs public data."""
 
     requires_public_data = True
@@ -30,7 +31,7 @@ class PublicDataMixin:
         return 1
 
     def on_train_start(self) -> None:
-        super().on_train_start()
+        super().on_train_start()  # type: ignore[safe-super]  # the host's (a LightningModule's), not the protocol's
         self._public_source().check_public(self.public_batches_per_step)  # fail now, not at step 1
 
     def _public_source(self) -> Any:
