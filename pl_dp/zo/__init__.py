@@ -10,6 +10,7 @@ from pl_dp.zo.estimator import (
     eval_mode,
     per_sample_evaluator,
     privatize_sum,
+    privatize_sums,
 )
 from pl_dp.zo.mask import DirectionMask
 from pl_dp.zo.master import MasterWeights
@@ -30,4 +31,5 @@ __all__ = [
     "path_norm_scores",
     "per_sample_evaluator",
     "privatize_sum",
+    "privatize_sums",
 ]

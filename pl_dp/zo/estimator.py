@@ -170,12 +170,28 @@ def privatize_sum(
     non-finite value contribute 0 and are counted. ``reduce`` sums the clipped sums and the count
     across data-parallel ranks before the noise is added (once). Returns the release and the count.
     """
-    clipped, bad = clip_per_example(values, clip)
-    sums = (clipped.unsqueeze(1) if clipped.dim() == 1 else clipped).sum(dim=0)
-    packed = torch.cat([sums, bad.float().reshape(1)]).cpu()
+    return privatize_sums([values], clip, mechanism, noise, reduce)[0]
+
+
+def privatize_sums(
+    values: Sequence[torch.Tensor],
+    clip: float | None,
+    mechanism: SubsampledGaussian,
+    noise: NoiseSource,
+    reduce: Reduce | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`privatize_sum` of each of ``values``, in order (the same noise draws as one call each), with one copy
+    to the host and one ``reduce`` for all of them: a step waits for the device once, not once per release."""
+    packed, sizes = [], []
+    for v in values:
+        clipped, bad = clip_per_example(v, clip)
+        sums = (clipped.unsqueeze(1) if clipped.dim() == 1 else clipped).sum(dim=0)
+        packed += [sums, bad.float().reshape(1)]
+        sizes.append(sums.numel() + 1)
+    flat = torch.cat(packed).cpu()
     if reduce is not None:
-        packed = reduce(packed)
-    return mechanism.privatize(packed[:-1], noise), packed[-1]
+        flat = reduce(flat)
+    return [(mechanism.privatize(part[:-1], noise), part[-1]) for part in flat.split(sizes)]
 
 
 @dataclass
@@ -254,15 +270,16 @@ class PrivateTwoPointEstimator:
             else:
                 self.engine.perturb(key, self.smoothing)
                 diffs = (evaluate() - baseline) / self.smoothing
-            results.append(diffs if self.joint_clip else privatize_sum(diffs, clip, mechanism, noise, reduce))
+            results.append(diffs)
             keys.append(key)
             if j < self.queries - 1:
                 self.engine.perturb(key, restore)  # restore before the next direction
         if self.joint_clip:
             scalars, nonfinite = privatize_sum(torch.stack(results, dim=1), clip, mechanism, noise, reduce)
-        else:
-            scalars = torch.cat([r[0] for r in results])
-            nonfinite = sum((r[1] for r in results), torch.zeros(()))
+        else:  # one release per query, all drawn once the last query is in: one wait for the device
+            released = privatize_sums(results, clip, mechanism, noise, reduce)
+            scalars = torch.cat([r[0] for r in released])
+            nonfinite = sum((r[1] for r in released), torch.zeros(()))
         return ZerothOrderEstimate(keys, scalars, nonfinite, restore)
 
     @torch.no_grad()
