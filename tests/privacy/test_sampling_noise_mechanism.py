@@ -20,6 +20,7 @@ from pl_dp.privacy import (
 )
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.step import check_per_sample
+from pl_dp.zo import privatize_sum, privatize_sums
 
 
 def test_poisson_inclusion_rate_and_variable_sizes():
@@ -282,3 +283,16 @@ def test_delta_defaults_to_one_over_n_and_warns_when_large():
     assert PrivacySpec(1.0).resolve_delta(200) == 1 / 200
     with pytest.warns(UserWarning, match="1/n_private"):
         PrivacySpec(1.0, delta=0.1).resolve_delta(200)
+
+
+def test_releases_privatized_together_are_those_privatized_one_by_one():
+    """``privatize_sums`` (one host copy and one reduce for a zeroth-order step's q releases) draws the same noise,
+    in the same order, as q calls of ``privatize_sum``; a non-finite value contributes 0 and is counted either way."""
+    mech = SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.1, sensitivity=1.0, expected_batch_size=10)
+    values = [torch.tensor([0.3, -2.0, 0.5]), torch.tensor([float("nan"), 0.1, 4.0]), torch.randn(3, 2)]
+    source = NoiseSource(seed=7)
+    one_by_one = [privatize_sum(v, 1.0, mech, source) for v in values]
+    together = privatize_sums(values, 1.0, mech, NoiseSource(seed=7))
+    for (release, count), (expected, expected_count) in zip(together, one_by_one):
+        assert torch.equal(release, expected) and float(count) == float(expected_count)
+    assert [float(count) for _, count in together] == [0.0, 1.0, 0.0]
