@@ -167,7 +167,7 @@ class DataParallelMixin(Host):
         ``pl-dp fit --trainer.strategy ModelParallelStrategy`` needs no code from the user.
         """
         if not self.sharded:
-            self.distribution = Replicated(self.all_reduce_sum) if self.data_parallel else Distribution()
+            self.distribution = self._replicas()
             return
         check_strategy(self.trainer.strategy, type(self).__name__, self.supports_sharding)
         params = list(self.net.parameters())
@@ -234,8 +234,16 @@ class DataParallelMixin(Host):
         if self.distribution.passes is not None:
             self.distribution.passes.padding = self.padding_example()
 
+    def _replicas(self) -> Distribution:
+        """The layout of a run whose net is not sharded: DDP's replicas, or one process."""
+        return Replicated(self.all_reduce_sum) if self.data_parallel else Distribution()
+
     def setup_distribution(self, sampler: Any) -> None:
         """Make the ranks one logical private run at fit start (nothing to do on one process).
+
+        The layout is checked against the strategy first: a method whose own ``configure_model`` does not call
+        pl_dp's would otherwise run DDP as one process per rank (each rank's sum alone under the shared noise draw,
+        so that the replicas' difference is un-noised), and is refused sharded.
 
         Every rank gets rank 0's secrets — the noise key and the sampling seed, in process memory over
         the process group, never through storage — and its direction seed. The private sampler must
@@ -243,6 +251,13 @@ class DataParallelMixin(Host):
         could appear world-size times per step). DDP's gradient all-reduce is switched off: pl_dp sums
         what it needs itself, and .grad is only ever the already-shared privatized gradient.
         """
+        if not self.sharded:
+            self.distribution = self._replicas()
+        elif not isinstance(self.distribution, Sharded):
+            raise ConfigError(
+                f"{type(self).__name__}.configure_model does not call super().configure_model(): under "
+                "ModelParallelStrategy pl_dp shards the net and sets up the passes every rank runs there."
+            )
         if self.sharded and self.log_private_metrics:
             raise PrivacyConfigError(
                 "log_private_metrics is not available on a sharded net: its statistics of the private batch (forwards "

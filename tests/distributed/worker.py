@@ -182,12 +182,23 @@ def _spec() -> PrivacySpec:
     return PrivacySpec(epsilon=50.0, accountant="rdp", noise_multiplier=SIGMA)
 
 
+class OwnConfigureModel(DPSGD):
+    """A method whose ``configure_model`` (Lightning's place to build a net) does not call pl_dp's: the layout of its
+    steps over the ranks must still be DDP's (found by an independent review: it ran as one process per rank)."""
+
+    def configure_model(self) -> None:
+        pass
+
+
 METHODS = {
     "dpzero": lambda: DPZero(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=3, privacy=_spec(), noise_seed=7),
     "pazo_m": lambda: PAZOM(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=2, alpha=0.5, privacy=_spec(), noise_seed=7),
     "pazo_s": lambda: PAZOS(nn.Linear(12, 4), lr=0.1, clip=2.0, k=2, privacy=_spec(), noise_seed=7),
     "dpsgd": lambda: DPSGD(nn.Linear(12, 4), lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7),
     "coupling": lambda: Coupling(nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, privacy=_spec(), noise_seed=7),
+    "own_configure_model": lambda: OwnConfigureModel(
+        nn.Linear(12, 4), lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7
+    ),
     # entropy-drawn secrets (noise key, sampling seed) and a different global seed on every rank: rank 0's
     # secrets and direction seed must be shared, in memory, for the replicas to stay identical
     "dpzero_rank_seeded": lambda: DPZero(nn.Linear(12, 4), lr=0.05, clip=CLIP, queries=3, privacy=_spec()),
