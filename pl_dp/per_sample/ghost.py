@@ -60,6 +60,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.distributed.fsdp import FSDPModule
 
 from pl_dp.errors import ConfigError
 from pl_dp.per_sample.gradients import (
@@ -156,6 +157,7 @@ class _NormsOnly:
         #: modules whose hooks measure every parameter under them (Opacus' functorch path, e.g. a block holding a
         #: LayerScale ``gamma`` beside an ``nn.Linear``): a use inside their call is measured
         self._whole = whole
+        self._handles += [m.register_forward_hook(self._whole_call, with_kwargs=True) for m in whole]
 
     def watch_gathered(self) -> None:
         """Record the parameters each layer's forward sees (sharded by FSDP2: its gathered ones, not the shards)."""
@@ -195,6 +197,24 @@ class _NormsOnly:
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         self._call(module, inputs, output)
         self.edges += [get_gradient_edge(t) for t in inputs or _tensors(output) if t.requires_grad]
+
+    def _whole_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A module measured whole must be called with one tensor and return one: Opacus recomputes its per-example
+        gradients from its first input and its output's gradient only, so another argument (a mask, a gate) or
+        output would be left out of the norm while the second pass sums the true gradient — under-clipped (found
+        by an independent review: 2.2·C). Refused from the call's structure, whatever the batch."""
+        if not self.active:
+            return
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+            given = [type(a).__name__ for a in args] + [f"{key}=" for key in kwargs]
+            raise ConfigError(
+                f"per_sample='ghost' measures {self._names.get(module) or '<the net itself>'!r} "
+                f"({type(module).__name__}) whole — it holds a raw parameter beside its layers — through Opacus' "
+                f"per-example gradients of the module, which see only its first input and its output; it was called "
+                f"with ({', '.join(given)}) and returned {type(output).__name__}. Call it with one tensor and return "
+                "one (pass a mask or gate to its layers, not to it), hold the raw parameter in a module of its own, "
+                "or use per_sample='functorch'."
+            )
 
     def _call(self, module: nn.Module, inputs: list[torch.Tensor], output: Any) -> None:
         """Record where a hooked call's part of the graph begins (its output: forward hooks see it before a full
@@ -288,8 +308,27 @@ class _NormsOnly:
             return self.gathered[id(variable)][0]
         module = next(iter(modules))
         prefix = self._names.get(module, "")
-        name = next(n for n, p in module.named_parameters(recurse=False) if p is variable)
+        name = next(n for n, p in module.named_parameters() if p is variable)  # a whole module's: under it
         return f"{prefix}.{name}" if prefix else name
+
+
+def _refuse_shared_under_whole(net: nn.Module, whole: list[nn.Module], names: dict[nn.Module, str]) -> None:
+    """Refuse a module under one measured whole that is also a child of a module outside it: Opacus would count
+    its use inside the whole module twice (norms below the true ones, found by an independent review)."""
+    parents: dict[nn.Module, list[nn.Module]] = {}
+    for module in net.modules():
+        for child in module.children():
+            parents.setdefault(child, []).append(module)
+    for outer in whole:
+        inside = set(outer.modules())
+        shared = [m for m in inside - {outer} if any(p not in inside for p in parents.get(m, []))]
+        if shared:
+            raise ConfigError(
+                f"per_sample='ghost' measures {names.get(outer) or '<the net itself>'!r} whole (it holds a raw "
+                f"parameter beside its layers), but {sorted(names.get(m, '?') for m in shared)} under it is also a "
+                "child of another module: its uses would be measured twice. Register each layer once, or use "
+                "per_sample='functorch'."
+            )
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
@@ -351,7 +390,8 @@ class GhostClipping:
         self._gsm.disable_hooks()
         hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
         modules = {m: name for name, m in net.named_modules()}
-        whole = [m for m in hooked if type(m) not in self._gsm.GRAD_SAMPLERS]  # per-example gradients by functorch
+        whole = [m for m in hooked if self._gsm._get_module_type(m) not in self._gsm.GRAD_SAMPLERS]  # by functorch
+        _refuse_shared_under_whole(net, whole, modules)
         self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, whole)
         self._lookups = BroadcastLookups(net)
 
@@ -496,6 +536,20 @@ class ShardedGhostClipping(GhostClipping):
             raise ConfigError(
                 f"per_sample='ghost' cannot clip parameters tied across modules on a sharded net: {names}. Train "
                 "them in one process, freeze or untie them."
+            )
+        whole = [
+            name or "<the net itself>"
+            for name, m in net.named_modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+            and (m.__class__.__bases__[1] if isinstance(m, FSDPModule) else type(m))
+            not in _ShardedGhostNormModule.GRAD_SAMPLERS
+        ]
+        if whole:  # Opacus' per-example gradients of a module (functorch) copy it, which FSDP2 refuses
+            raise ConfigError(
+                f"per_sample='ghost' on a net sharded by FSDP2 measures only layers with a norm sampler; {whole[:3]} "
+                "hold raw parameters (a LayerScale gamma, a scale on the net) that would need per-example gradients "
+                "of the whole module, which FSDP2 does not allow. Freeze them, move them into a layer, or train in "
+                "one process."
             )
         self.passes = passes
         self._padding_leaves: list[torch.Tensor] = []  # what a padding pass's graph reaches, zeroed in its backward

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pl_dp.errors import ConfigError
 from pl_dp.nets import CausalLM, HFClassifier, TinyTransformerClassifier
 from pl_dp.per_sample import GhostClipping, PerSampleGradients
 from pl_dp.privacy import ClipFunction
@@ -116,6 +117,50 @@ class _LayerScaleWeightAgain(_LayerScaleNet):
 
     def forward(self, x):
         return super().forward(x) + x[:, :3] @ self.blocks[0].fc.weight[:3, :3].T
+
+
+class _GatedBlock(_LayerScaleBlock):
+    """A block measured whole that takes a second argument: Opacus' per-example gradients of it see the first only."""
+
+    def forward(self, x, gate=None):
+        return x + self.gamma * torch.tanh(self.fc(x)) * (1.0 if gate is None else gate)
+
+
+class _GatedNet(nn.Module):
+    def __init__(self, keyword: bool):
+        super().__init__()
+        self.block, self.head, self.keyword = _GatedBlock(), nn.Linear(5, 3), keyword
+
+    def forward(self, x):
+        gate = 1.0 + 9.0 * (x[:, :1] > 50).float()  # switched on by a record no probe example resembles
+        return self.head(self.block(x, gate=gate) if self.keyword else self.block(x, gate))
+
+
+class _SharedNorm(nn.Module):
+    """A LayerNorm under a block measured whole, registered again beside it: Opacus would count it twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _LayerScaleBlock()
+        self.block.norm = nn.LayerNorm(5)
+        self.norm, self.head = self.block.norm, nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.norm(self.block(x)))
+
+
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+def test_a_block_measured_whole_called_with_more_than_its_input_is_refused(keyword):
+    """Its per-example gradient would leave the gate out while the second pass sums the true gradient: one gated
+    example moved the sum by 2.2·C (independent review). Refused from the call's structure, whatever the batch."""
+    batch = (torch.randn(4, 5), torch.randint(0, 3, (4,)))
+    with pytest.raises(ConfigError, match=r"'block' \(_GatedBlock\) whole .* called with"):
+        GhostClipping(_GatedNet(keyword), cross_entropy).clipped_sum(batch, ClipFunction("constant", 1.0))
+
+
+def test_a_layer_under_a_block_measured_whole_and_registered_again_is_refused():
+    with pytest.raises(ConfigError, match=r"\['block.norm'\] under it is also a child of another module"):
+        GhostClipping(_SharedNorm(), cross_entropy)
 
 
 @pytest.fixture(scope="module")

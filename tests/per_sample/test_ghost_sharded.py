@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
+from pl_dp.errors import ConfigError
 from pl_dp.methods.parallel import shard
 from pl_dp.per_sample import GhostClipping, ShardedGhostClipping
 from pl_dp.privacy.clip_functions import ClipFunction
@@ -101,6 +102,13 @@ def _padding_worker(rank: int, mesh, results: dict) -> None:
     dist.all_gather_object(blocks, done[0][0])  # each rank's rows of each parameter's sum
     whole = [torch.cat([mine, theirs]) for mine, theirs in zip(*blocks)]
     results[f"padding norm on rank {rank}"] = float(ghost.per_example_norms(padding)[0])
+    scaled = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    scaled.register_parameter("gamma", nn.Parameter(torch.ones(2)))  # a raw parameter: the net measured whole
+    shard(scaled, mesh)
+    try:
+        ShardedGhostClipping(scaled, _root_of_first_logit, passes=passes)
+    except ConfigError as refused:
+        results[f"raw parameter on rank {rank}"] = str(refused)
     results[f"released on rank {rank}"] = torch.cat([w.reshape(-1) for w in whole]).tolist()
     results["one process"] = torch.cat([e.reshape(-1) for e in expected]).tolist()
 
@@ -111,6 +119,7 @@ PADDING = two_ranks.job("ghost_sharded_padding", _padding_worker)
 def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_release():
     results = two_ranks.results(PADDING)
     assert results["padding norm on rank 0"] != results["padding norm on rank 0"]  # NaN: what a padding pass meets
+    assert "FSDP2 does not allow" in results["raw parameter on rank 0"]  # not Opacus' failed deepcopy
     released = torch.tensor(results["released on rank 0"])
     assert torch.isfinite(released).all()
     assert torch.allclose(released, torch.tensor(results["one process"]), atol=1e-6)
