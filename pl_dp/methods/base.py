@@ -614,6 +614,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self.prepare_strategy()
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
+        if self.privacy is not None and self._restored is not None:
+            # the resumed checkpoint's spec, checked now: a checkpoint with no step left to train never reaches the
+            # plan (Lightning skips the training loop), and would otherwise be resumed under another spec silently
+            self.ledger.check_resume(self._restored, self.allow_privacy_change)
 
     def on_train_start(self) -> None:
         self.setup_privacy()
