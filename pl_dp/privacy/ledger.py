@@ -333,9 +333,11 @@ class PrivacyLedger:
             return 0.0
         return self.accountant.get_epsilon(self.delta)
 
-    def logged_epsilon(self) -> float | None:
-        """A cheap per-step ε for logging, never below the true one (None before a plan)."""
-        return None if self._tracker is None else self._tracker.epsilon()
+    def logged_epsilon(self, final: bool = False, written: bool = True) -> dict[str, float]:
+        """The ε values a logged step logs (:meth:`EpsilonTracker.metrics`; none before a plan): ``"epsilon"``,
+        the accountant's exact ε, where it is evaluated (always at the fit's ``final`` step), and for PRV and
+        PLD ``"epsilon_rdp"``, the Rényi-DP upper bound of the same history."""
+        return {} if self._tracker is None else self._tracker.metrics(final, written)
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
