@@ -4,7 +4,8 @@
   multiplier, sample rate, δ, planned private steps, accountant and clip bound (every
   hyperparameter is logged by Lightning itself from the module's ``hparams``);
 * every step, through the module's own ``self.log`` (so CSV and TensorBoard get the same keys):
-  ``privacy/epsilon``, ``privacy/budget_left``, ``privacy/private_steps`` and the method's
+  ``privacy/epsilon`` (the exact ε; PRV and PLD: at points of the plan, with their Rényi-DP bound
+  ``privacy/epsilon_rdp`` at every logged step), ``privacy/budget_left``, ``privacy/private_steps`` and the method's
   privatized statistics (α, chosen candidate, …); non-private diagnostics only when the module's
   ``log_private_metrics`` is on, under ``diagnostics/not_private/``;
 * at the end: the last step's ``privacy/*`` values (whatever the loggers' cadence) and a summary with the exact

@@ -620,6 +620,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self.prepare_strategy()
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
+        if self.privacy is not None and self._restored is not None:
+            # the resumed checkpoint's spec, checked now: a checkpoint with no step left to train never reaches the
+            # plan (Lightning skips the training loop), and would otherwise be resumed under another spec silently
+            self.ledger.check_resume(self._restored, self.allow_privacy_change)
 
     def on_train_start(self) -> None:
         self.setup_privacy()
@@ -642,6 +646,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         """One private step: ask the guard, draw this step's noise, run the method's math, record it."""
         if self.privacy is not None and self.touches_private_data and not self.ledger.allows_next_step():
             self.trainer.should_stop = True
+            self._log_epsilon(final=True)  # the fit ends here: the loggers write its exact ε (should_stop)
             return None
         batch_size = batch_size_of(batch)
         mechanism = self.mechanism(batch_size)
@@ -691,10 +696,46 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
                 "diagnostics/not_private/nonfinite_total", float(self.nonfinite_total), on_step=True, on_epoch=False
             )
         self.log("privacy/private_steps", float(self.private_steps), on_step=True, on_epoch=False)
-        eps = self.ledger.logged_epsilon()
-        if eps is not None:
-            self.log("privacy/epsilon", eps, on_step=True, on_epoch=False, prog_bar=True)
-            self.log("privacy/budget_left", self.privacy.epsilon - eps, on_step=True, on_epoch=False, prog_bar=True)
+        self._log_epsilon(final=self._last_step_of_fit())
+
+    def _log_epsilon(self, final: bool) -> None:
+        """``privacy/epsilon`` — the accountant's exact ε, the report's — and ``privacy/budget_left`` where ε is
+        evaluated, and for PRV and PLD ``privacy/epsilon_rdp``, the Rényi-DP upper bound of the same history, at
+        every logged step (:class:`~pl_dp.privacy.calibration.EpsilonTracker`).
+
+        RDP and the tree accountant evaluate ε at every logged step. PRV and PLD do on a grid of the plan and at the
+        fit's last step only, and there ε goes to the loggers directly, at the step Lightning writes this batch's
+        metrics at: through ``self.log`` Lightning would write its last value again at every later step of the
+        epoch, an ε the history at those steps does not have. ``self.log(logger=False)`` keeps it in
+        ``callback_metrics`` and the progress bar (the latest evaluation).
+        """
+        if self.privacy is None:
+            return
+        trainer = self.trainer
+        every = trainer.log_every_n_steps
+        values = self.ledger.logged_epsilon(final, written=every > 0 and trainer.global_step % every == 0)
+        sparse = "epsilon_rdp" in values  # PRV, PLD: ε is evaluated at some logged steps only
+        if "epsilon" in values:
+            exact = {
+                "privacy/epsilon": values["epsilon"],
+                "privacy/budget_left": self.privacy.epsilon - values["epsilon"],
+            }
+            for name, value in exact.items():
+                self.log(name, value, on_step=True, on_epoch=False, prog_bar=True, logger=not sparse)
+            if sparse:
+                step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning writes this batch's metrics
+                for logger in trainer.loggers:
+                    logger.log_metrics(exact, step=step)
+        if sparse:
+            self.log("privacy/epsilon_rdp", values["epsilon_rdp"], on_step=True, on_epoch=False)
+
+    def _last_step_of_fit(self) -> bool:
+        """Whether this step is the fit's last: a stop, ``max_steps`` reached, or the last batch of the last epoch."""
+        trainer = self.trainer
+        if trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step:
+            return True
+        max_epochs = trainer.max_epochs
+        return bool(trainer.is_last_batch and max_epochs is not None and trainer.current_epoch + 1 >= max_epochs > 0)
 
     @property
     def nonfinite_total(self) -> int:

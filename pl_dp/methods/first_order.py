@@ -28,6 +28,8 @@ from pl_dp.step.shards import as_gradient_of, local
 
 T = TypeVar("T")
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+#: ``optimizer=`` for the net's own ``configure_optimizers`` (what the hyperparameters record when it is used)
+NET_OPTIMIZER = "net"
 
 
 class FirstOrderModule(PrivateModule[SubsampledGaussian]):
@@ -41,7 +43,9 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` — post-processing of the privatized
             gradient, so momentum and adaptive steps cost no privacy. When ``net`` is a LightningModule with its
             own ``configure_optimizers``, that is used instead (leave ``optimizer``, ``momentum`` and
-            ``weight_decay`` at their defaults; ``lr`` is then the net optimizer's).
+            ``weight_decay`` at their defaults, or say ``optimizer="net"``; ``lr`` is then the net optimizer's). The
+            hyperparameters then record what optimizes: ``optimizer: "net"`` and the net optimizer's ``lr``, and for
+            the loggers also ``net_optimizer`` (its class and settings), ``net_lr_schedulers`` and ``net_hparams``.
         momentum, weight_decay: optimizer options.
         per_sample: a registered per-sample mode (:mod:`pl_dp.per_sample.modes`): ``"hooks"`` (Opacus
             GradSampleModule), ``"functorch"`` (``torch.func.vmap``) or ``"ghost"`` (ghost clipping, Li et al. 2022:
@@ -104,8 +108,11 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         self.quantile_lr = float(quantile_lr)
         if clip is None and self.privacy is not None:
             raise ConfigError("clip must be a number > 0 for a private run, got None.")
-        if optimizer not in _OPTIMIZERS:
-            raise ConfigError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}.")
+        if optimizer not in _OPTIMIZERS and optimizer != NET_OPTIMIZER:
+            raise ConfigError(
+                f"optimizer must be one of {sorted(_OPTIMIZERS)} or {NET_OPTIMIZER!r} (the net's "
+                f"configure_optimizers), got {optimizer!r}."
+            )
         self.clip_function = None if clip is None else ClipFunction(clip_fn, clip, r)
         self.optimizer_name = optimizer
         self.momentum = float(momentum)
@@ -119,8 +126,13 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         LightningModule with its own ``configure_optimizers``, that one (its optimizers and LR schedulers, as
         returned; the privatized gradient is post-processing, so any optimizer costs no privacy)."""
         own = self.net_configure_optimizers()
+        if own is None and self.optimizer_name == NET_OPTIMIZER:
+            raise ConfigError(
+                f"optimizer={NET_OPTIMIZER!r} uses the net's own configure_optimizers, but {type(self.net).__name__} "
+                "is not a LightningModule that defines one."
+            )
         if own is not None:
-            if (self.optimizer_name, self.momentum, self.weight_decay) != ("sgd", 0.0, 0.0):
+            if self.optimizer_name not in ("sgd", NET_OPTIMIZER) or (self.momentum, self.weight_decay) != (0.0, 0.0):
                 raise ConfigError(
                     f"both the net's configure_optimizers and {type(self).__name__}(optimizer={self.optimizer_name!r}, "
                     f"momentum={self.momentum}, weight_decay={self.weight_decay}) say how to optimize: keep one "
@@ -131,6 +143,34 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         if self.optimizer_name == "sgd":
             kwargs["momentum"] = self.momentum
         return _OPTIMIZERS[self.optimizer_name](self.trainable_parameters(), **kwargs)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self._record_net_optimizer()
+
+    def _record_net_optimizer(self) -> None:
+        """When the net's own ``configure_optimizers`` optimizes, say so in the hyperparameters (the checkpoints')
+        and in what the loggers record (Lightning logs them after this hook): ``optimizer: "net"`` and the net
+        optimizer's starting ``lr`` — values the constructor takes back (``load_from_checkpoint``) — and, for the
+        loggers only, its class and settings, its LR schedulers and the net's own ``hparams``. All of it is
+        configuration, public."""
+        optimizers = self.trainer.optimizers
+        if self.net_configure_optimizers() is None or not optimizers:
+            return
+        optimizer = optimizers[0]
+        group = optimizer.param_groups[0]
+        lr = float(group.get("initial_lr", group["lr"]))  # a scheduler has not stepped yet; initial_lr is its start
+        settings = {k: _plain(v) for k, v in optimizer.defaults.items() if _plain(v) is not None}
+        settings["lr"] = lr
+        for hparams in (self.hparams, self._hparams_initial):
+            hparams.update(optimizer=NET_OPTIMIZER, lr=lr)
+        self._hparams_initial.update(
+            net_optimizer={"class": type(optimizer).__name__, **settings},
+            net_lr_schedulers=[type(config.scheduler).__name__ for config in self.trainer.lr_scheduler_configs],
+        )
+        net_hparams = dict(getattr(self.net, "hparams", None) or {})
+        if net_hparams:
+            self._hparams_initial["net_hparams"] = {k: _plain(v) for k, v in net_hparams.items()}
 
     def mechanism(self, batch_size: int) -> SubsampledGaussian:
         """One d-dimensional release per step: the weighted per-example sum, sensitivity C (the current
@@ -432,3 +472,12 @@ class Coupling(PublicDataMixin, FirstOrderModule, shardable=True):
             result.nonfinite = part.nonfinite
         self.set_gradients(params, combined)
         return result
+
+
+def _plain(value: Any) -> Any:
+    """A setting as plain data for the loggers (numbers, strings, booleans, lists of them); None for what is not."""
+    if isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple) and all(isinstance(v, bool | int | float | str) for v in value):
+        return list(value)
+    return None if value is None else str(value)

@@ -149,6 +149,20 @@ class Accountant(abc.ABC):
         self.history.extend(other.history)
         self._cache = None
 
+    def segments(self) -> list[tuple[float, float | None, int]]:
+        """The history as runs of consecutive steps with one (σ, q): ``(noise_multiplier, sample_rate, steps)``.
+
+        What the privacy report shows: a run whose plan changed (a resume under another spec or sample rate)
+        has one segment per plan, in the order the history composes them. A function of the history alone.
+        """
+        runs: list[tuple[float, float | None, int]] = []
+        for sigma, rate, steps in self.history:
+            if runs and runs[-1][:2] == (sigma, rate):
+                runs[-1] = (sigma, rate, runs[-1][2] + steps)
+            else:
+                runs.append((sigma, rate, steps))
+        return runs
+
     # ---- queries ---------------------------------------------------------------------------
     def get_epsilon(self, delta: float) -> float:
         """ε spent so far at ``delta`` (memoized on the history)."""

@@ -117,24 +117,23 @@ class StepBudget:
 
 
 class EpsilonTracker:
-    """A per-step ε for logging that costs (almost) nothing and is never below the true ε.
+    """What a run logs of ε at a logged step, at (almost) no cost; never an ε the history does not give.
 
-    For cheap accountants (RDP with its cached curve, the tree ledger) it is the exact ε. PRV and PLD take a
-    tenth of a second to a second per evaluation on a CPU, so for them it is the smaller of two upper bounds
-    on the ε spent so far:
+    * ``"epsilon"`` — the accountant's own ε of the history so far, the number ``model.epsilon`` and the
+      privacy report give. For cheap accountants (RDP with its cached curve, the tree ledger) at every logged
+      step. PRV and PLD take a tenth of a second to a second per evaluation on a CPU, so for them at the first
+      step the loggers write (``written``) on or past each of ``evaluations`` grid points spread evenly over the
+      plan (every 1/8 of it by default) and at the fit's last step (``final``): at most ``evaluations`` + 2
+      evaluations a fit, the last one memoized for the summary and the report. With ``log_every_n_steps`` at
+      least 1/8 of the plan, every written step has it.
+    * ``"epsilon_rdp"`` — for PRV and PLD, at every logged step: the Rényi-DP ε of the same history (Mironov
+      2017; Mironov, Talwar & Zhang 2019 for the subsampled Gaussian; the conversion to (ε, δ) of Balle et al.
+      2020, as in Opacus), exact for the RDP accountant and microseconds with the cached per-step curve. It is
+      an upper bound on ε, above the PRV and PLD values wherever ε is not negligible (by 5 % to many times over
+      σ ∈ [0.6, 20], q ∈ [0.001, 0.2], 1–3000 steps, δ ∈ {1e-5, 1e-2}): a different curve, logged under its
+      own name.
 
-    * the accountant's exact ε at the next of ``evaluations`` grid points spread evenly over the plan (ε grows
-      with the step count): exact on the grid, the last point being the end of the plan, and evaluated at most
-      ``evaluations`` times per plan;
-    * the Rényi-DP bound of the same history (Mironov 2017; Mironov, Talwar & Zhang 2019 for the subsampled
-      Gaussian; the conversion to (ε, δ) of Balle et al. 2020, as in Opacus), microseconds with the cached
-      per-step curve — tighter than the first bound just after a grid point.
-
-    Both bound the true ε from above, so their minimum does too. The RDP bound is also above the PRV and PLD
-    values wherever ε is not negligible (by 5 % to many times over σ ∈ [0.6, 20], q ∈ [0.001, 0.2], 1–3000
-    steps, δ ∈ {1e-5, 1e-2}), so the logged value stays at or above ``model.epsilon`` (always the accountant's
-    exact value); only where ε is about 0.001 can it fall below PRV's value, whose own numerical error
-    (``eps_error`` = 0.01) is then the larger bound.
+    Both are functions of the accountant history (what was released) and δ alone.
     """
 
     def __init__(self, accountant: Accountant, delta: float, planned_steps: int, evaluations: int = 8) -> None:
@@ -142,22 +141,19 @@ class EpsilonTracker:
         self.delta = float(delta)
         self.horizon = max(int(planned_steps), 1)
         self.stride = max(1, math.ceil(self.horizon / evaluations))
-        self._rdp_bound = accountant.supports(SubsampledGaussian)  # a history of subsampled-Gaussian steps
-        self._upto: tuple[tuple, int, float] | None = None
+        self._next = (accountant.steps // self.stride + 1) * self.stride  # the next grid point
+        self._rdp_curve = accountant.supports(SubsampledGaussian) and not accountant.is_cheap
 
-    def epsilon(self) -> float:
+    def metrics(self, final: bool = False, written: bool = True) -> dict[str, float]:
+        """The ε values to log at this step: ``"epsilon"`` when it is evaluated now, ``"epsilon_rdp"`` for PRV
+        and PLD (see the class doc). ``final``: the fit's last step, where ``"epsilon"`` is always given;
+        ``written``: whether the loggers write this step (a grid point waits for one that they do)."""
         acc = self.accountant
-        if acc.is_cheap or not acc.history:
-            return acc.get_epsilon(self.delta)
-        sigma, rate, _ = acc.history[-1]
-        prefix = tuple(acc.history[:-1])
         steps = acc.steps
-        if self._upto is None or self._upto[0] != (sigma, rate, prefix) or steps > self._upto[1]:
-            target = math.ceil(steps / self.stride) * self.stride
-            if steps <= self.horizon:
-                target = min(target, self.horizon)
-            eps = acc.epsilon_after(self.delta, target - steps, noise_multiplier=sigma, sample_rate=rate)
-            self._upto = ((sigma, rate, prefix), target, eps)
-        if not self._rdp_bound:
-            return self._upto[2]
-        return min(self._upto[2], rdp_epsilon(acc.history, self.delta))
+        values = {}
+        if acc.is_cheap or final or (written and steps >= min(self._next, self.horizon)):
+            values["epsilon"] = acc.get_epsilon(self.delta)
+            self._next = (steps // self.stride + 1) * self.stride
+        if self._rdp_curve:
+            values["epsilon_rdp"] = rdp_epsilon(acc.history, self.delta) if acc.history else 0.0
+        return values

@@ -60,6 +60,8 @@ class PrivacyLedger:
         # the record
         self.private_steps = 0
         self.user_seeded = {"noise": False, "sampling": False}  # sticky across fits and resumes
+        #: the specs allowed resumes replaced: {"private_steps": steps before the change, "from": spec, "to": spec}
+        self.spec_changes: list[dict[str, Any]] = []
         self.lineage: str | None = None
         self.journal: PrivacyJournal | None = None
         self._segment: Accountant | None = None  # this fit's own steps, for the journal
@@ -214,26 +216,38 @@ class PrivacyLedger:
             delta, steps, noise_multiplier=self.noise_multiplier, sample_rate=self._sample_rate
         )
 
-    def _resume_plan(self, saved: dict[str, Any], steps_left: int, allow_change: bool) -> None:
+    def check_resume(self, saved: dict[str, Any], allow_change: bool, sample_rate: float | None = None) -> list[str]:
+        """What a resume of the checkpoint state ``saved`` changes: its privacy spec, and its sample rate when
+        ``sample_rate`` (the loader's) is given. A change is refused unless ``allow_change``; an allowed change of
+        the spec is recorded (:attr:`spec_changes`, once per resume), so the report says what the earlier steps
+        were planned for. Runs when a fit resumes a checkpoint — before its loader is read, so also when the
+        checkpoint has no step left to train — and again in the plan, with the loader's sample rate.
+        """
         changes = []
-        if saved["privacy"] != self._spec.to_dict():
+        spec = self._spec.to_dict()
+        if saved["privacy"] != spec:
+            changes.append(f"the checkpoint was trained with privacy={saved['privacy']} but this run asks for {spec}")
+        if sample_rate is not None and not math.isclose(saved["sample_rate"], sample_rate, rel_tol=1e-12):
             changes.append(
-                f"the checkpoint was trained with privacy={saved['privacy']} but this run asks for "
-                f"{self._spec.to_dict()}"
+                f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's {sample_rate:g}"
             )
-        if not math.isclose(saved["sample_rate"], self._sample_rate, rel_tol=1e-12):
-            changes.append(
-                f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's {self._sample_rate:g}"
-            )
-        if not changes:
-            self.noise_multiplier = saved["noise_multiplier"]
-            return
-        if not allow_change:
+        if changes and not allow_change:
             raise PrivacyConfigError(
                 "; ".join(changes) + ": resuming under a different privacy spec or sample rate is refused (the "
                 "accountant would no longer describe the run). To continue on purpose, with the saved history "
                 "kept and sigma re-planned for the rest, add the callback pl_dp.callbacks.AllowPrivacySpecChange."
             )
+        if saved["privacy"] != spec:
+            change = {"private_steps": int(saved["private_steps"]), "from": saved["privacy"], "to": spec}
+            if not self.spec_changes or self.spec_changes[-1] != change:
+                self.spec_changes.append(change)
+        return changes
+
+    def _resume_plan(self, saved: dict[str, Any], steps_left: int, allow_change: bool) -> None:
+        changes = self.check_resume(saved, allow_change, self._sample_rate)
+        if not changes:
+            self.noise_multiplier = saved["noise_multiplier"]
+            return
         self._replan_after_change(changes, steps_left)
 
     def _replan_after_change(self, changes: list[str], steps_left: int) -> None:
@@ -319,9 +333,11 @@ class PrivacyLedger:
             return 0.0
         return self.accountant.get_epsilon(self.delta)
 
-    def logged_epsilon(self) -> float | None:
-        """A cheap per-step ε for logging, never below the true one (None before a plan)."""
-        return None if self._tracker is None else self._tracker.epsilon()
+    def logged_epsilon(self, final: bool = False, written: bool = True) -> dict[str, float]:
+        """The ε values a logged step logs (:meth:`EpsilonTracker.metrics`; none before a plan): ``"epsilon"``,
+        the accountant's exact ε, where it is evaluated (always at the fit's ``final`` step), and for PRV and
+        PLD ``"epsilon_rdp"``, the Rényi-DP upper bound of the same history."""
+        return {} if self._tracker is None else self._tracker.metrics(final, written)
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -336,6 +352,7 @@ class PrivacyLedger:
             "private_steps": self.private_steps,
             "accountant": self.accountant.state_dict() if self.accountant else None,
             "user_seeded": dict(self.user_seeded),
+            "spec_changes": [dict(change) for change in self.spec_changes],
             "lineage": self.lineage,
             "journal": str(self.journal.path) if self.journal is not None else None,
         }
@@ -351,6 +368,7 @@ class PrivacyLedger:
         self.planned_steps = state["planned_steps"]
         for secret, seeded in state.get("user_seeded", {}).items():
             self.user_seeded[secret] |= bool(seeded)
+        self.spec_changes = [dict(change) for change in state.get("spec_changes") or ()]
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
 

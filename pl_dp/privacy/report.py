@@ -38,6 +38,13 @@ NOT_PROTECTED = (
 )
 
 
+def _plain(value: Any) -> str:
+    """A spec's value as the report writes it (2.0 as 2, None as "none")."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "none" if value is None else str(value)
+
+
 @dataclass(frozen=True)
 class PrivacyReport:
     """What one run spent and what the number means. ``str(report)`` is a readable block."""
@@ -57,6 +64,10 @@ class PrivacyReport:
     user_seeded: tuple[str, ...]
     secure_rng: bool
     charged_steps: int = 0  # the steps the accountant composes: these and what the lineage's journal adds
+    #: the composed history as runs of one plan: (noise multiplier, sample rate — None for a partition —, steps)
+    segments: tuple[tuple[float, float | None, int], ...] = ()
+    #: the privacy specs a resume replaced (``AllowPrivacySpecChange``): after how many private steps, from, to
+    spec_changes: tuple[dict[str, Any], ...] = ()
     #: how far one record may move the other examples' part of a release, in units of C (checked at fit start)
     release_tolerance: float = RELEASE_TOLERANCE
 
@@ -65,10 +76,12 @@ class PrivacyReport:
         """The report of a privacy state (a module's ``privacy_state_dict()`` or a checkpoint's ``"pl_dp"``)."""
         spec = state.get("privacy")
         accountant_state = state.get("accountant")
-        epsilon, charged = 0.0, 0
-        if spec is not None and accountant_state is not None and state.get("delta") is not None:
+        epsilon, charged, segments = 0.0, 0, []
+        if spec is not None and accountant_state is not None:
             accountant = load_accountant(accountant_state)
-            epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
+            segments = accountant.segments()
+            if state.get("delta") is not None:
+                epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
         name = accountant_state[STATE_NAME_KEY] if accountant_state else None
         return cls(
             method=state["method"],
@@ -86,6 +99,8 @@ class PrivacyReport:
             user_seeded=tuple(k for k, v in state.get("user_seeded", {}).items() if v),
             secure_rng=bool(state.get("secure_rng", False)),
             charged_steps=int(charged),
+            segments=tuple(segments),
+            spec_changes=tuple(dict(change) for change in state.get("spec_changes") or ()),
         )
 
     @classmethod
@@ -103,7 +118,46 @@ class PrivacyReport:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for loggers' hyperparameters, YAML, JSON)."""
-        return asdict(self) | {"user_seeded": list(self.user_seeded), "is_guarantee": self.is_guarantee}
+        segments = [{"noise_multiplier": s, "sample_rate": q, "steps": n} for s, q, n in self.segments]
+        return asdict(self) | {
+            "user_seeded": list(self.user_seeded),
+            "is_guarantee": self.is_guarantee,
+            "segments": segments,
+            "spec_changes": [dict(change) for change in self.spec_changes],
+        }
+
+    def _plan_lines(self) -> list[str]:
+        """σ, q and steps as they ran: one line for one plan, a line per segment when the plan changed."""
+        planned = f" (planned {self.planned_steps})" if self.planned_steps else ""
+        if len(self.segments) <= 1:
+            sigma = self.segments[0][0] if self.segments else self.noise_multiplier
+            return [
+                f"  accountant    {self.accountant}; noise multiplier {sigma:.4g}; "
+                f"{self.private_steps} private steps{planned}"
+            ]
+        lines = [
+            f"  accountant    {self.accountant}; {self.private_steps} private steps{planned}, in "
+            f"{len(self.segments)} segments of one noise multiplier and sample rate (the plan changed: epsilon "
+            "composes them all)"
+        ]
+        for index, (sigma, rate, steps) in enumerate(self.segments, 1):
+            sampled = "" if rate is None else f", sample rate {rate:.4g}"
+            lines.append(f"  segment {index:<5} {steps} steps at noise multiplier {sigma:.4g}{sampled}")
+        return lines
+
+    def _change_lines(self) -> list[str]:
+        lines = []
+        for change in self.spec_changes:
+            before, after = change.get("from") or {}, change.get("to") or {}
+            moved = [
+                f"{k} {_plain(before.get(k))} -> {_plain(after.get(k))}" for k in after if before.get(k) != after.get(k)
+            ]
+            lines.append(
+                f"  spec changed  after {change.get('private_steps')} private steps a resume changed the privacy "
+                f"spec ({', '.join(moved)}), as AllowPrivacySpecChange allowed; the steps before it were planned "
+                f"for target epsilon {_plain(before.get('epsilon'))}"
+            )
+        return lines
 
     def __str__(self) -> str:
         if not self.private:
@@ -117,8 +171,8 @@ class PrivacyReport:
                 else "  guarantee     nothing spent: no private fit yet"
             )
             + (f"; target epsilon {self.target_epsilon:g}" if self.target_epsilon is not None else ""),
-            f"  accountant    {self.accountant}; noise multiplier {self.noise_multiplier:.4g}; "
-            f"{self.private_steps} private steps" + (f" (planned {self.planned_steps})" if self.planned_steps else ""),
+            *self._plan_lines(),
+            *self._change_lines(),
         ]
         if self.charged_steps > self.private_steps:
             lines.append(
@@ -131,7 +185,11 @@ class PrivacyReport:
             lines.append("  sampling      a fixed partition of the private set (each example in one round per pass)")
         elif self.sample_rate is not None:
             expected = "" if self.expected_batch_size is None else f" (expected batch {self.expected_batch_size:.4g})"
-            lines.append(f"  sampling      Poisson, rate {self.sample_rate:.4g}{expected}")
+            rates = {rate for _, rate, _ in self.segments}
+            rate = (
+                f"rate {self.sample_rate:.4g}" if len(rates) <= 1 else f"rate per segment; now {self.sample_rate:.4g}"
+            )
+            lines.append(f"  sampling      Poisson, {rate}{expected}")
         if self.user_seeded:
             lines.append(
                 f"  secrets       USER-SEEDED ({', '.join(self.user_seeded)}): epsilon is NO guarantee against "

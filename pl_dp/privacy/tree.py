@@ -317,6 +317,16 @@ class TreeAccountant(Accountant):
         """Total number of released leaves."""
         return sum(run.trees * run.leaves for run in self.history)
 
+    def segments(self) -> list[tuple[float, float | None, int]]:
+        """Runs of consecutive released leaves with one noise multiplier: ``(z, None, leaves)`` (not subsampled)."""
+        runs: list[tuple[float, float | None, int]] = []
+        for run in self.history:
+            if runs and runs[-1][0] == run.noise_multiplier:
+                runs[-1] = (run.noise_multiplier, None, runs[-1][2] + run.trees * run.leaves)
+            else:
+                runs.append((run.noise_multiplier, None, run.trees * run.leaves))
+        return runs
+
     # ---- queries ---------------------------------------------------------------------------
     def epsilon_after(self, delta: float, num_steps: int, *, noise_multiplier: float, sample_rate: float) -> float:
         """ε after the next ``num_steps`` leaves of the plan, released with multiplier z; the ledger is unchanged."""

@@ -18,6 +18,7 @@ from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import PrivacyConfigError
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.privacy.accountants import create_accountant
+from pl_dp.privacy.report import PrivacyReport
 from tests import catalog
 from tests.conftest import blobs, make_trainer
 
@@ -250,6 +251,64 @@ def test_an_explicit_override_keeps_the_spent_history_and_replans_sigma(tmp_path
         resumed.delta, 12, noise_multiplier=resumed.noise_multiplier, sample_rate=_dm().sample_rate
     )
     assert fresh < resumed.epsilon
+
+
+def test_a_resume_under_a_new_spec_reports_each_segment_it_ran(tmp_path):
+    """The report of a run whose plan changed shows every (σ, q, steps) it ran: read literally, it gives its ε."""
+    first = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+    trainer = make_trainer(max_steps=4)
+    trainer.fit(first, _dm())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    resumed = _model(PrivacySpec(epsilon=4.0, accountant="rdp"))
+    trainer = make_trainer(max_steps=8, callbacks=[AllowPrivacySpecChange()])
+    with pytest.warns(UserWarning, match="epsilon spent so far"):
+        trainer.fit(resumed, _dm(), ckpt_path=str(tmp_path / "a.ckpt"))
+    trainer.save_checkpoint(tmp_path / "b.ckpt")
+    q = _dm().sample_rate
+    old, new = first.noise_multiplier, resumed.noise_multiplier
+    assert new != old
+    for report in (resumed.privacy_report(), PrivacyReport.from_checkpoint(tmp_path / "b.ckpt")):
+        assert report.segments == ((old, q, 4), (new, q, 4))
+        assert report.to_dict()["segments"] == [
+            {"noise_multiplier": old, "sample_rate": q, "steps": 4},
+            {"noise_multiplier": new, "sample_rate": q, "steps": 4},
+        ]
+        text = str(report)
+        assert f"4 steps at noise multiplier {old:.4g}, sample rate {q:.4g}" in text
+        assert f"4 steps at noise multiplier {new:.4g}, sample rate {q:.4g}" in text
+        assert "after 4 private steps a resume changed the privacy spec (epsilon 2 -> 4)" in text
+        assert report.spec_changes[0]["from"]["epsilon"] == 2.0
+        # the segments, composed by a fresh accountant, give the reported epsilon
+        literal = create_accountant("rdp")
+        for sigma, rate, steps in report.segments:
+            literal.step(noise_multiplier=sigma, sample_rate=rate, num_steps=steps)
+        assert literal.get_epsilon(report.delta) == pytest.approx(report.epsilon, rel=1e-12)
+    one_plan = str(first.privacy_report())  # a run of one plan keeps its one line
+    assert f"noise multiplier {old:.4g}; 4 private steps" in one_plan and "segment" not in one_plan
+
+
+def test_resuming_a_finished_run_under_another_spec_is_refused_unless_allowed(tmp_path):
+    """A checkpoint with no step left to train (max_steps reached) is still checked against the new spec."""
+    first = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
+    trainer = make_trainer(max_steps=2)
+    trainer.fit(first, _dm())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    with pytest.raises(PrivacyConfigError, match="different privacy spec"):
+        make_trainer(max_steps=2).fit(
+            _model(PrivacySpec(epsilon=4.0, accountant="rdp")), _dm(), ckpt_path=str(tmp_path / "a.ckpt")
+        )
+    resumed = _model(PrivacySpec(epsilon=4.0, accountant="rdp"))
+    make_trainer(max_steps=2, callbacks=[AllowPrivacySpecChange()]).fit(
+        resumed, _dm(), ckpt_path=str(tmp_path / "a.ckpt")
+    )
+    report = resumed.privacy_report()
+    assert resumed.private_steps == 2 and report.epsilon == pytest.approx(first.epsilon, rel=1e-12)
+    assert report.segments == ((first.noise_multiplier, _dm().sample_rate, 2),)  # what ran, and nothing else
+    text = str(report)
+    assert f"noise multiplier {first.noise_multiplier:.4g}; 2 private steps" in text
+    assert "target epsilon 4" in text
+    assert "after 2 private steps a resume changed the privacy spec (epsilon 2 -> 4)" in text
+    assert "planned for target epsilon 2" in text
 
 
 def test_an_override_cannot_go_below_what_was_already_spent(tmp_path):

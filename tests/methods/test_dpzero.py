@@ -1,5 +1,6 @@
 """DPZero end to end: the step formula by hand, empty batches, bad inputs, logging."""
 
+import csv
 import math
 
 import lightning as L
@@ -14,7 +15,7 @@ from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPZero
-from pl_dp.privacy import NoiseSource, poisson_loader
+from pl_dp.privacy import NoiseSource, create_accountant, poisson_loader
 from pl_dp.zo import PerturbationEngine
 from tests.conftest import blobs, make_trainer
 
@@ -272,13 +273,35 @@ def test_existing_lightning_module_as_net():
     assert not torch.equal(user.layer.weight, before)
 
 
-def test_logged_epsilon_is_present_and_bounded(tmp_path):
+def test_logged_epsilon_is_the_exact_epsilon_and_the_rdp_bound_has_its_own_name(tmp_path):
+    """PRV: ``privacy/epsilon`` is the accountant's exact ε wherever it is logged (on a grid of the plan and at the
+    last step), never a bound above it nor a value of an earlier step; ``privacy/epsilon_rdp``, the Rényi-DP bound,
+    is logged at every step."""
     dm = PrivatePublicDataModule(blobs(100), batch_size=20)
     model = DPZero(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=2.0))  # PRV: tracker path
-    trainer = make_trainer(max_epochs=2, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    logger = CSVLogger(tmp_path)
+    trainer = make_trainer(max_steps=16, logger=logger, log_every_n_steps=1)
     trainer.fit(model, dm)
-    logged = float(trainer.callback_metrics["privacy/epsilon"])
-    assert model.epsilon <= logged <= 2.0 + 1e-9
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps_at = {r["step"]: int(float(r["privacy/private_steps"])) for r in rows if r["privacy/private_steps"]}
+    assert sorted(steps_at.values()) == list(range(1, 17))
+    exact = create_accountant("prv")
+
+    def truth(steps):
+        exact.history = [(model.noise_multiplier, dm.sample_rate, steps)]
+        return exact.get_epsilon(model.delta)
+
+    for r in rows:
+        if r["privacy/private_steps"]:
+            assert float(r["privacy/epsilon_rdp"]) >= truth(steps_at[r["step"]])
+    logged = {steps_at[r["step"]]: float(r["privacy/epsilon"]) for r in rows if r["privacy/epsilon"]}
+    assert sorted(logged) == [2, 4, 6, 8, 10, 12, 14, 16]  # every 1/8 of the plan, the last step included
+    for steps, epsilon in logged.items():
+        assert epsilon == pytest.approx(truth(steps), rel=0.01)
+    left = [float(r["privacy/budget_left"]) for r in rows if r["privacy/budget_left"]]
+    assert left == pytest.approx([2.0 - logged[steps] for steps in sorted(logged)])
+    assert float(trainer.callback_metrics["privacy/epsilon"]) == pytest.approx(model.epsilon, rel=1e-6)
 
 
 def test_joint_clip_step_equals_the_vector_mechanism_by_hand():

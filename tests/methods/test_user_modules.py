@@ -5,12 +5,15 @@ whose loss casts its inputs, and a LightningModule's own ``configure_optimizers`
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from lightning.pytorch.demos import LightningTransformer
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -125,6 +128,46 @@ def test_first_order_methods_use_the_net_s_own_configure_optimizers():
     assert isinstance(trainer.optimizers[0], torch.optim.Adam) and model.lr == 1e-3
     with pytest.raises(ConfigError, match="both the net's configure_optimizers and DPSGD"):
         make_trainer(max_steps=1).fit(DPSGD(LitAutoEncoder(), loss=reconstruction, optimizer="adamw"), _features())
+
+
+class OwnAdam(L.LightningModule):
+    """A user's net with its own optimizer and schedule, and hyperparameters of its own."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 3))
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)}
+
+
+def test_the_hyperparameters_record_the_net_s_own_optimizer(tmp_path):
+    """On main: trained with the net's Adam at lr 1e-2, the hparams (loggers, checkpoints) said sgd at lr 0.1."""
+    logger = CSVLogger(tmp_path)
+    model = DPSGD(OwnAdam(), clip=1.0, privacy=SPEC)
+    trainer = make_trainer(max_steps=2, logger=logger)
+    trainer.fit(model, _features())
+    assert isinstance(trainer.optimizers[0], torch.optim.Adam)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    saved = torch.load(tmp_path / "run.ckpt", weights_only=False)["hyper_parameters"]
+    assert (saved["optimizer"], saved["lr"]) == ("net", 1e-2)
+    logged = yaml.safe_load((Path(logger.log_dir) / "hparams.yaml").read_text())
+    assert (logged["optimizer"], logged["lr"]) == ("net", 1e-2)
+    assert logged["net_optimizer"]["class"] == "Adam" and logged["net_optimizer"]["lr"] == 1e-2
+    assert logged["net_lr_schedulers"] == ["StepLR"] and logged["net_hparams"] == {"width": 8}
+    loaded = DPSGD.load_from_checkpoint(tmp_path / "run.ckpt", net=OwnAdam())  # the record builds the method again
+    assert loaded.optimizer_name == "net" and loaded.private_steps == 2
+    # a net without its own optimizer keeps the method's, as recorded
+    plain = DPSGD(nn.Linear(16, 3), clip=1.0, optimizer="adam", lr=0.05, privacy=SPEC)
+    make_trainer(max_steps=1).fit(plain, _features())
+    assert (plain.hparams["optimizer"], plain.hparams["lr"]) == ("adam", 0.05) and "net_optimizer" not in plain.hparams
+    with pytest.raises(ConfigError, match="optimizer='net' uses the net's own configure_optimizers"):
+        make_trainer(max_steps=1).fit(DPSGD(nn.Linear(16, 3), clip=1.0, optimizer="net"), _features())
 
 
 def test_methods_that_write_their_own_update_say_the_net_s_optimizer_is_not_used():

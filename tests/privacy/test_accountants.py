@@ -1,6 +1,5 @@
 """Accountant values pinned to Opacus' known numbers (Opacus 1.6 and its own tests) and calibration round trips."""
 
-import math
 import time
 import warnings
 
@@ -31,7 +30,7 @@ from pl_dp.privacy import (
 )
 from pl_dp.privacy.accountants import opacus_rdp_conversion, rdp_epsilon
 from pl_dp.privacy.calibration import EpsilonTracker
-from pl_dp.privacy.tree import TreeAccountant
+from pl_dp.privacy.tree import TreeAccountant, TreeLeaf
 
 
 def _eps(acc, sigma, q, steps, delta=1e-5):
@@ -114,50 +113,61 @@ def test_step_budget_stops_exactly_at_the_limit():
     assert steps > 10
 
 
-def test_epsilon_tracker_is_an_upper_bound_exact_on_the_grid():
-    acc = PRV()
-    tracker = EpsilonTracker(acc, 1e-5, planned_steps=40, evaluations=4)
-    for t in range(1, 41):
-        acc.step(noise_multiplier=1.0, sample_rate=0.05)
-        logged = tracker.epsilon()
-        exact = acc.get_epsilon(1e-5) if t % 10 == 0 else None
-        if exact is not None:
-            assert logged == pytest.approx(exact, rel=1e-9)
-    assert math.isfinite(logged)
-
-
-def test_epsilon_tracker_never_below_exact():
-    acc = PRV()
-    tracker = EpsilonTracker(acc, 1e-5, planned_steps=30, evaluations=3)
-    for t in range(1, 16):
-        acc.step(noise_multiplier=1.0, sample_rate=0.05)
-        if t in (3, 11, 15):
-            assert tracker.epsilon() >= acc.get_epsilon(1e-5) - 1e-12
-
-
 @pytest.mark.parametrize("cls", [PRV, PLD])
-def test_epsilon_tracker_takes_the_rdp_bound_between_few_exact_evaluations(cls, monkeypatch):
+def test_epsilon_tracker_logs_the_exact_epsilon_on_a_grid_and_the_rdp_curve_under_its_own_name(cls, monkeypatch):
     acc = cls()
     exact_calls = []
     evaluate = cls._epsilon
     monkeypatch.setattr(cls, "_epsilon", lambda self, h, d: exact_calls.append(h) or evaluate(self, h, d))
     tracker = EpsilonTracker(acc, 1e-5, planned_steps=400, evaluations=4)
-    checks = {1: None, 101: None, 150: None, 399: None, 400: None}
+    exact_at = []
     for t in range(1, 401):
         acc.step(noise_multiplier=1.0, sample_rate=0.05)
-        logged = tracker.epsilon()
-        if t in checks:
-            checks[t] = logged
-    assert len(exact_calls) == 4  # once per grid point (100, 200, 300, 400), whatever the logging cadence
-    history = list(acc.history)
-    for t, logged in checks.items():
-        spent = evaluate(acc, [(1.0, 0.05, t)], 1e-5)
-        next_grid = evaluate(acc, [(1.0, 0.05, min(400, -(-t // 100) * 100))], 1e-5)
-        assert spent - 1e-12 <= logged <= next_grid + 1e-12  # never below the accountant's own epsilon
-        if t == 101:  # just past a grid point the RDP bound is the tighter one
-            assert logged == pytest.approx(rdp_epsilon([(1.0, 0.05, t)], 1e-5))
-            assert logged < next_grid
-    assert checks[400] == pytest.approx(evaluate(acc, history, 1e-5), rel=1e-12)  # exact at the end of the plan
+        logged = tracker.metrics(final=t == 400, written=t % 25 == 0 or t == 101)
+        assert logged["epsilon_rdp"] == pytest.approx(rdp_epsilon([(1.0, 0.05, t)], 1e-5), rel=1e-12)
+        if "epsilon" in logged:
+            exact_at.append(t)
+            # exactly the accountant's own epsilon of the history so far: what model.epsilon and the report give
+            assert logged["epsilon"] == pytest.approx(evaluate(acc, [(1.0, 0.05, t)], 1e-5), rel=1e-12)
+            assert logged["epsilon"] < logged["epsilon_rdp"]
+    assert exact_at == [100, 200, 300, 400]  # once per grid point, whatever the logging cadence
+    assert len(exact_calls) == 4
+
+
+def test_epsilon_tracker_waits_for_a_written_step_and_is_exact_at_the_last_one():
+    acc = PRV()
+    tracker = EpsilonTracker(acc, 1e-5, planned_steps=40, evaluations=4)  # grid: 10, 20, 30, 40
+    exact_at = []
+    for t in range(1, 31):
+        acc.step(noise_multiplier=1.0, sample_rate=0.05)
+        if "epsilon" in tracker.metrics(final=t == 27, written=t % 7 == 0):
+            exact_at.append(t)
+    assert exact_at == [14, 21, 27]  # the first written step past 10 and 20, and the fit's last step
+
+
+def test_segments_are_the_history_grouped_by_plan_for_every_accountant():
+    """What the privacy report shows: consecutive steps of one (σ, q), also across composed journal segments."""
+    acc, later = create_accountant("prv"), create_accountant("prv")
+    acc.step(noise_multiplier=1.0, sample_rate=0.05, num_steps=3)
+    later.step(noise_multiplier=1.0, sample_rate=0.05, num_steps=2)
+    acc.compose(later)  # a resume's steps, appended as their own entry
+    assert len(acc.history) == 2 and acc.segments() == [(1.0, 0.05, 5)]
+    acc.step(noise_multiplier=0.8, sample_rate=0.05)
+    acc.step(noise_multiplier=0.8, sample_rate=0.1)
+    assert acc.segments() == [(1.0, 0.05, 5), (0.8, 0.05, 1), (0.8, 0.1, 1)]
+    tree = TreeAccountant()
+    for tree_index, leaves, sigma in ((0, 4, 1.0), (1, 2, 1.0), (2, 1, 0.5)):
+        for leaf in range(1, leaves + 1):
+            tree.record(sigma, TreeLeaf("p", 0, tree_index, 4, leaf))
+    assert tree.segments() == [(1.0, None, 6), (0.5, None, 1)]  # not subsampled: no sample rate
+
+
+def test_epsilon_tracker_of_a_cheap_accountant_is_exact_at_every_step():
+    acc = create_accountant("rdp")
+    tracker = EpsilonTracker(acc, 1e-5, planned_steps=30, evaluations=3)
+    for _ in range(15):
+        acc.step(noise_multiplier=1.0, sample_rate=0.05)
+        assert tracker.metrics(written=False) == {"epsilon": acc.get_epsilon(1e-5)}  # no second curve to log
 
 
 def test_pld_composes_a_constant_stretch_in_one_evaluation_and_memoizes_it():
