@@ -130,7 +130,6 @@ class FitMemory(L.Callback):
         self.fit_peak_mb = (max(peak, self.warmup_peak) - self.base) / 1024
 
 
-
 def per_world_size(
     script: str, doc: str, steps: int, worker: Callable[[int, int, Path], None], read: Callable[[Path], Any]
 ) -> tuple[argparse.Namespace, dict[int, Any]] | None:
