@@ -142,9 +142,7 @@ class _NormsOnly:
     that only some examples switch on (a mask times the extra term) is found whatever the batch.
     """
 
-    def __init__(
-        self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str], whole: list[nn.Module]
-    ):
+    def __init__(self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str]):
         self.active = False
         self.edges: list[GradientEdge] = []
         #: per hooked call: the module, the nodes of its output and the nodes of its inputs (where the call ends)
@@ -154,10 +152,6 @@ class _NormsOnly:
         self._handles = [m.register_forward_hook(self._below_hook) for m in hooked]
         self._handles += [m.register_forward_hook(self._below_module) for m in tied]
         self._names = names
-        #: modules whose hooks measure every parameter under them (Opacus' functorch path, e.g. a block holding a
-        #: LayerScale ``gamma`` beside an ``nn.Linear``): a use inside their call is measured
-        self._whole = whole
-        self._handles += [m.register_forward_hook(self._whole_call, with_kwargs=True) for m in whole]
 
     def watch_gathered(self) -> None:
         """Record the parameters each layer's forward sees (sharded by FSDP2: its gathered ones, not the shards)."""
@@ -197,24 +191,6 @@ class _NormsOnly:
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         self._call(module, inputs, output)
         self.edges += [get_gradient_edge(t) for t in inputs or _tensors(output) if t.requires_grad]
-
-    def _whole_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """A module measured whole must be called with one tensor and return one: Opacus recomputes its per-example
-        gradients from its first input and its output's gradient only, so another argument (a mask, a gate) or
-        output would be left out of the norm while the second pass sums the true gradient — under-clipped (found
-        by an independent review: 2.2·C). Refused from the call's structure, whatever the batch."""
-        if not self.active:
-            return
-        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
-            given = [type(a).__name__ for a in args] + [f"{key}=" for key in kwargs]
-            raise ConfigError(
-                f"per_sample='ghost' measures {self._names.get(module) or '<the net itself>'!r} "
-                f"({type(module).__name__}) whole — it holds a raw parameter beside its layers — through Opacus' "
-                f"per-example gradients of the module, which see only its first input and its output; it was called "
-                f"with ({', '.join(given)}) and returned {type(output).__name__}. Call it with one tensor and return "
-                "one (pass a mask or gate to its layers, not to it), hold the raw parameter in a module of its own, "
-                "or use per_sample='functorch'."
-            )
 
     def _call(self, module: nn.Module, inputs: list[torch.Tensor], output: Any) -> None:
         """Record where a hooked call's part of the graph begins (its output: forward hooks see it before a full
@@ -270,10 +246,6 @@ class _NormsOnly:
             for p in module.parameters(recurse=False):
                 if p.requires_grad:
                     holders.setdefault(id(p), set()).add(module)
-        for module in self._whole:
-            for p in module.parameters():
-                if p.requires_grad:
-                    holders.setdefault(id(p), set()).add(module)
         for key, (_, module) in self.gathered.items():
             holders.setdefault(key, set()).add(module)
         inside: dict[Node, set[nn.Module]] = {}
@@ -308,27 +280,25 @@ class _NormsOnly:
             return self.gathered[id(variable)][0]
         module = next(iter(modules))
         prefix = self._names.get(module, "")
-        name = next(n for n, p in module.named_parameters() if p is variable)  # a whole module's: under it
+        name = next(n for n, p in module.named_parameters(recurse=False) if p is variable)
         return f"{prefix}.{name}" if prefix else name
 
 
-def _refuse_shared_under_whole(net: nn.Module, whole: list[nn.Module], names: dict[nn.Module, str]) -> None:
-    """Refuse a module under one measured whole that is also a child of a module outside it: Opacus would count
-    its use inside the whole module twice (norms below the true ones, found by an independent review)."""
-    parents: dict[nn.Module, list[nn.Module]] = {}
-    for module in net.modules():
-        for child in module.children():
-            parents.setdefault(child, []).append(module)
-    for outer in whole:
-        inside = set(outer.modules())
-        shared = [m for m in inside - {outer} if any(p not in inside for p in parents.get(m, []))]
-        if shared:
-            raise ConfigError(
-                f"per_sample='ghost' measures {names.get(outer) or '<the net itself>'!r} whole (it holds a raw "
-                f"parameter beside its layers), but {sorted(names.get(m, '?') for m in shared)} under it is also a "
-                "child of another module: its uses would be measured twice. Register each layer once, or use "
-                "per_sample='functorch'."
-            )
+def raw_parameters_beside_layers(net: nn.Module) -> list[str]:
+    """The trainable raw parameters of ``net`` held by a module that also holds trainable layers (or the net itself
+    around them), by name: Opacus would measure such a module whole, on a copy (see :class:`GhostClipping`). From
+    the net's structure alone."""
+    found = []
+    for prefix, module in net.named_modules():
+        children = any(p.requires_grad for child in module.children() for p in child.parameters())
+        measured = type(module) in GradSampleModuleFastGradientClipping.GRAD_SAMPLERS or type(module) in OPACUS_RNNS
+        if children and not measured:  # Opacus' recurrent layers hold their cells' parameters, measured by them
+            found += [
+                f"{prefix}.{name}" if prefix else name
+                for name, p in module.named_parameters(recurse=False)
+                if p.requires_grad
+            ]
+    return found
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
@@ -375,6 +345,17 @@ class GhostClipping:
                 "per_sample='functorch' (torch.func differentiates them as they are; not on a net sharded by FSDP2), "
                 "or freeze them (requires_grad=False)."
             )
+        beside = raw_parameters_beside_layers(net)
+        if beside:
+            raise ConfigError(
+                f"per_sample='ghost' cannot clip raw parameters held beside layers (a LayerScale gamma, a scale on the "
+                f"net): {beside}. Opacus would measure their module's per-example gradients — its layers' included — "
+                "on a copy of the module taken when the engine is built, which sees neither what its forward reads at "
+                "each step (state set by the caller, its training mode) nor any argument but its first, while the "
+                "second pass sums the true gradient: examples under-clipped (up to 3.4·C, found by an independent "
+                "review). Use per_sample='hooks' or 'functorch' (each sums the gradients it clips), hold the raw "
+                "parameter in a module of its own, or freeze it."
+            )
         shared = unsupported_ties(net)
         if shared:
             raise ConfigError(
@@ -390,9 +371,7 @@ class GhostClipping:
         self._gsm.disable_hooks()
         hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
         modules = {m: name for name, m in net.named_modules()}
-        whole = [m for m in hooked if self._gsm._get_module_type(m) not in self._gsm.GRAD_SAMPLERS]  # by functorch
-        _refuse_shared_under_whole(net, whole, modules)
-        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, whole)
+        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules)
         self._lookups = BroadcastLookups(net)
 
     def _check_layout(self) -> None:
@@ -547,9 +526,8 @@ class ShardedGhostClipping(GhostClipping):
         if whole:  # Opacus' per-example gradients of a module (functorch) copy it, which FSDP2 refuses
             raise ConfigError(
                 f"per_sample='ghost' on a net sharded by FSDP2 measures only layers with a norm sampler; {whole[:3]} "
-                "hold raw parameters (a LayerScale gamma, a scale on the net) that would need per-example gradients "
-                "of the whole module, which FSDP2 does not allow. Freeze them, move them into a layer, or train in "
-                "one process."
+                "hold raw parameters that would need per-example gradients of the whole module, which FSDP2 does "
+                "not allow. Freeze them, move them into a layer, or train in one process."
             )
         self.passes = passes
         self._padding_leaves: list[torch.Tensor] = []  # what a padding pass's graph reaches, zeroed in its backward

@@ -149,18 +149,20 @@ class _SharedNorm(nn.Module):
         return self.head(self.norm(self.block(x)))
 
 
-@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
-def test_a_block_measured_whole_called_with_more_than_its_input_is_refused(keyword):
-    """Its per-example gradient would leave the gate out while the second pass sums the true gradient: one gated
-    example moved the sum by 2.2·C (independent review). Refused from the call's structure, whatever the batch."""
-    batch = (torch.randn(4, 5), torch.randint(0, 3, (4,)))
-    with pytest.raises(ConfigError, match=r"'block' \(_GatedBlock\) whole .* called with"):
-        GhostClipping(_GatedNet(keyword), cross_entropy).clipped_sum(batch, ClipFunction("constant", 1.0))
-
-
-def test_a_layer_under_a_block_measured_whole_and_registered_again_is_refused():
-    with pytest.raises(ConfigError, match=r"\['block.norm'\] under it is also a child of another module"):
-        GhostClipping(_SharedNorm(), cross_entropy)
+@pytest.mark.parametrize(
+    "net",
+    [lambda: _LayerScaleNet(False), lambda: _LayerScaleNet(True), lambda: _GatedNet(True), _SharedNorm],
+    ids=["layer-scale block", "scale on the net", "gated block", "layer registered twice"],
+)
+def test_raw_parameters_beside_layers_are_refused_when_the_engine_is_built(net):
+    """Opacus would measure their module whole, on a copy taken when the engine is built, from its first input only:
+    a gate, a scale set after the build, a training-mode branch go unseen by the norm while the second pass sums the
+    true gradient (an independent review measured up to 3.4·C). Refused from the net's structure; 'hooks' and
+    'functorch' clip them (each sums the gradients it clips)."""
+    with pytest.raises(
+        ConfigError, match=r"cannot clip raw parameters held beside layers .*'(blocks\.0\.|block\.)?gamma"
+    ):
+        GhostClipping(net(), cross_entropy)
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +186,6 @@ def _case(name, models):
         return _Recurrent(), (torch.randint(0, 20, (6, 5), generator=g), labels), cross_entropy
     if name == "two-inputs":
         return _TwoInputs(), (torch.randn(6, 5, generator=g), labels), cross_entropy
-    if name in ("layer-scale", "root-scale"):
-        return _LayerScaleNet(name == "root-scale"), (torch.randn(6, 5, generator=g), labels), cross_entropy
     if name == "transformer":
         net = TinyTransformerClassifier(vocab_size=50, width=16, depth=2, heads=2, max_length=8, num_classes=3)
         return net.eval(), (torch.randint(1, 50, (6, 8), generator=g), labels), cross_entropy
@@ -217,8 +217,7 @@ def _per_example_norms(net, batch, loss_fn):
     return torch.stack(norms)
 
 
-CASES = ["mlp", "conv", "embeddings", "lstm", "two-inputs", "layer-scale", "root-scale", "transformer", "bert"]
-CASES += ARCHITECTURES
+CASES = ["mlp", "conv", "embeddings", "lstm", "two-inputs", "transformer", "bert", *ARCHITECTURES]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -240,7 +239,7 @@ def test_norms_and_clipped_sums_are_those_of_the_full_first_pass_and_of_per_exam
         for n, s, e in zip(after.names, sums, expected):
             torch.testing.assert_close(s, e, rtol=1e-6, atol=1e-9, msg=f"{kind}: {n}")
     torch.testing.assert_close(norms.double(), reference, rtol=1e-5, atol=1e-8)
-    if name in ("mlp", "conv", "embeddings", "layer-scale", "root-scale"):  # torch.func's (vmap)
+    if name in ("mlp", "conv", "embeddings"):  # torch.func's per-example gradients (vmap)
         _, functorch_norms, _ = PerSampleGradients(copy.deepcopy(net), loss_fn, "functorch").clipped_sum(batch, fn)
         torch.testing.assert_close(norms, functorch_norms, rtol=1e-5, atol=1e-8)
 
@@ -332,9 +331,8 @@ def _regularized(net, batch):
         (_AgainForSomeExamples, cross_entropy, "dense"),
         (_HeadTiedByFunction, cross_entropy, "ids"),
         (_AgainInTheNet, _regularized, "dense"),
-        (_LayerScaleWeightAgain, cross_entropy, "dense"),
     ],
-    ids=["in the net", "for some examples", "a head tied by F.linear", "in the loss", "outside a block measured whole"],
+    ids=["in the net", "for some examples", "a head tied by F.linear", "in the loss"],
 )
 def test_a_parameter_used_in_its_layer_and_again_outside_it_is_refused(net, loss, batch):
     """Its layer's hooks measure only that layer's part of each example's gradient: the other use would go
@@ -347,7 +345,7 @@ def test_a_parameter_used_in_its_layer_and_again_outside_it_is_refused(net, loss
         if batch == "dense"
         else (torch.randint(0, 7, (4,)), torch.randint(0, 7, (4,)))
     )
-    with pytest.raises(ValueError, match=r"cannot clip \['(blocks\.0\.fc|fc|embedding)\.weight'\]: .* outside the"):
+    with pytest.raises(ValueError, match=r"cannot clip \['(fc|embedding)\.weight'\]: .* outside the layer"):
         GhostClipping(net(), loss).clipped_sum(data, ClipFunction("constant", 1.0))
 
 
