@@ -371,6 +371,18 @@ class PrivacyLedger:
         self.spec_changes = [dict(change) for change in state.get("spec_changes") or ()]
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
+        # the lineage and its journal, so that ε counts every step the lineage released even when no fit follows (a
+        # finished run resumed: Lightning skips training, and open_journal never runs) and a checkpoint saved then
+        # keeps them (found by an independent review: it dropped both, and a later resume under-counted)
+        self.lineage = state.get("lineage") or self.lineage
+        path = state.get("journal")
+        if path:
+            self.journal = PrivacyJournal(path)
+            accountant = self.accountant
+            if accountant is not None:
+                released = self.journal.composed(accountant.name)
+                if released.history and released.steps >= accountant.steps:
+                    accountant.load_state_dict(released.state_dict())
 
     def report(self, method: str, secure_rng: bool, noise_seeded: bool) -> PrivacyReport:
         """The privacy report of this record (the same one a checkpoint of it gives)."""

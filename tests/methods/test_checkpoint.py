@@ -311,6 +311,23 @@ def test_resuming_a_finished_run_under_another_spec_is_refused_unless_allowed(tm
     assert "planned for target epsilon 2" in text
 
 
+def test_a_finished_resume_of_an_earlier_checkpoint_counts_the_whole_lineage_and_keeps_it(tmp_path):
+    """Lightning trains nothing when the checkpoint has no step left, so no journal segment opens: ε must still count
+    every step the lineage released after that checkpoint, and a checkpoint saved then must keep the lineage (an
+    independent review found it reported 5 of 10 steps, and a resume of the re-saved checkpoint 6 of 11)."""
+    first = _model(PrivacySpec(epsilon=8.0, accountant="rdp", noise_multiplier=1.0))
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer(max_steps=4, callbacks=[ckpt], enable_checkpointing=True, default_root_dir=tmp_path).fit(first, _dm())
+    finished = _model(PrivacySpec(epsilon=8.0, accountant="rdp", noise_multiplier=1.0))
+    trainer = make_trainer(max_steps=2)
+    trainer.fit(finished, _dm(), ckpt_path=str(tmp_path / "step=2.ckpt"))
+    assert finished.private_steps == 2 and finished.epsilon == pytest.approx(first.epsilon, rel=1e-12)
+    trainer.save_checkpoint(tmp_path / "again.ckpt")
+    again = _model(PrivacySpec(epsilon=8.0, accountant="rdp", noise_multiplier=1.0))
+    make_trainer(max_steps=3).fit(again, _dm(), ckpt_path=str(tmp_path / "again.ckpt"))
+    assert again.accountant.steps == 5  # the lineage's 4, and this resume's one
+
+
 def test_an_override_cannot_go_below_what_was_already_spent(tmp_path):
     trainer = make_trainer(max_epochs=2)
     first = _model(PrivacySpec(epsilon=2.0, accountant="rdp"))
