@@ -50,6 +50,7 @@ from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.distribution import Distribution
+from pl_dp.step.fit_start import FitStartChecks
 from pl_dp.step.independence import (
     PROBE_MAX,
     PROBE_SIZE,
@@ -64,6 +65,9 @@ from pl_dp.step.preflight import PreflightReport, check_private_set
 from pl_dp.step.seal import PlainAttributes, sealed
 from pl_dp.step.validation import check_positive, positive_integer
 from pl_dp.zo.estimator import per_sample_evaluator
+
+#: the fit-start check that reads every private example once (its report seals the private loader's batching)
+PRIVATE_DATA_CHECK = "private data"
 
 #: where a lineage's privacy journal goes, inside the checkpoint directory (or the Trainer's root)
 JOURNAL_DIRECTORY = "pl_dp_journal"
@@ -482,9 +486,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         if self.privacy is None:
             self.set_padding_example()
             return
-        report = self.check_private_data()
-        self.check_independence()
-        self.set_padding_example()
+        report = self.fit_start_checks().run()[PRIVATE_DATA_CHECK]
         self._seal_batching(report)
         self.ledger.fix_delta(sampler.num_samples)
         self.ledger.open_journal(restored, self._journal_directory(), self._broadcast)
@@ -499,6 +501,17 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         resumes one. Poisson accountants need nothing; O2NC checks its partition against the checkpoint
         and tells the tree accountant where the next leaf comes from.
         """
+
+    def fit_start_checks(self) -> FitStartChecks:
+        """The checks each private fit runs once, in this order, before its first step and before σ is planned
+        (:mod:`pl_dp.step.fit_start`): the pre-flight pass over the private set (:meth:`check_private_data`), then
+        the per-example independence probe (:meth:`check_independence`). A method adds its own with
+        ``super().fit_start_checks().then(name, check)``."""
+        return (
+            FitStartChecks()
+            .then(PRIVATE_DATA_CHECK, lambda: self.check_private_data())
+            .then("independence", lambda: self.check_independence())
+        )
 
     def check_private_data(self) -> PreflightReport:
         """The pre-flight pass over the private set (:func:`~pl_dp.step.preflight.check_private_set`), once per
@@ -564,8 +577,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             longest=longest,
             batch_size=self.expected_batch_size,
         )
-        # a fixed example that is not private, to tell a net or loss that fails for every example from bad records
+        # a fixed example that is not private, to tell a net or loss that fails for every example from bad records,
+        # and to pad the passes of a sharded step (the checks that follow run such passes)
         self._reference = None if source == "private" else self._to_device(collate(examples[:1]))
+        self.set_padding_example()
 
     def padding_example(self) -> Any:
         """A fixed example that is not private, on this module's device: the reference example, else the first

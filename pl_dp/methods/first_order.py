@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from pl_dp.per_sample.modes import PerSampleEngine, get_per_sample_mode
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.step.batches import batch_size_of, fill_rows, split_batch
+from pl_dp.step.fit_start import FitStartChecks
 from pl_dp.step.independence import Release
 from pl_dp.step.losses import check_per_sample
 from pl_dp.step.seal import PlainAttributes, sealed
@@ -191,11 +193,19 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
             mode = get_per_sample_mode(self.per_sample_mode)
             self._per_sample = mode.build(self.net, self.loss_fn, self.distribution.passes)
         super().on_train_start()
-        if self._per_sample is not None and self.privacy is not None:  # each clipped row: one example's whole gradient
-            attributes = PlainAttributes(self.net)  # what the net stores from the (maybe private) examples
-            with sealed():  # its examples may be private: whether they make the net speak is too
-                verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
-            attributes.restore()
+
+    def fit_start_checks(self) -> FitStartChecks:
+        """The base's checks, then that each clipped row is one example's whole gradient
+        (:func:`~pl_dp.per_sample.verify_per_example_gradients`, on the probe's batch)."""
+        return super().fit_start_checks().then("per-example gradients", self._verify_per_example_gradients)
+
+    def _verify_per_example_gradients(self) -> None:
+        if self._per_sample is None:  # no clipping: nothing per example to verify
+            return
+        attributes = PlainAttributes(self.net)  # what the net stores from the (maybe private) examples
+        with sealed():  # its examples may be private: whether they make the net speak is too
+            verify_per_example_gradients(self._per_sample, self.probe_batch()[0])
+        attributes.restore()
 
     def reference_pass(self, batch: Any) -> None:
         """The clipped sum of ``batch``, computed and discarded (see :meth:`PrivateModule.check_reference`)."""
@@ -257,12 +267,12 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         distribution, blocks = self.distribution, self.distribution.noise_blocks(params)
         if self.clip_function is None:  # non-private baseline: the plain mean gradient
 
-            def gradient(part: Any, padding: bool = False) -> list[torch.Tensor | None]:
+            def gradient(part: Any, weight: float = 1.0) -> list[torch.Tensor | None]:
                 with torch.enable_grad():
                     losses = check_per_sample(self.loss_fn(self.net, part), batch_size_of(part))
-                    return distribution.gradient_of_sum(losses.sum() * (0.0 if padding else 1.0), params)
+                    return distribution.gradient_of_sum(losses.sum() * weight, params)
 
-            for grads in self._passes(parts, gradient)[0]:
+            for grads in self._passes(parts, gradient, pad=partial(gradient, weight=0.0))[0]:
                 for s, g in zip(sums, grads):
                     if g is not None:
                         s.add_(g)
@@ -272,14 +282,12 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         device = params[0].device
         norms, nonfinite = [torch.zeros(0, device=device)], torch.zeros((), dtype=torch.long, device=device)
 
-        def compute(examples: Any, padding: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-            if padding:  # sharded, hence ghost clipping (supports_sharding)
-                assert isinstance(self._per_sample, ShardedGhostClipping)
-                return self._per_sample.clipped_sum(examples, self.clip_function, padding=True)
-            return self._clipped_sum(examples)
+        def padding_sum(example: Any) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+            # sharded, hence ghost clipping (supports_sharding)
+            return cast(ShardedGhostClipping, self._per_sample).padding_sum(example, self.clip_function)
 
         # one physical micro-batch at a time, clipped sums added up (one noise draw below)
-        done, failed = self._passes(parts, compute)
+        done, failed = self._passes(parts, self._clipped_sum, pad=padding_sum)
         for part_sums, part_norms, part_nonfinite in done:
             for s, t in zip(sums, part_sums):
                 s.add_(t.to(s.dtype))
@@ -296,12 +304,13 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
             result.metrics.update(self._adapt_clip(norms, mechanism))
         return sums, result
 
-    def _passes(self, parts: list[Any], compute: Callable[[Any, bool], T]) -> tuple[list[T], int]:
-        """``compute(part, False)`` of each micro-batch, and how many examples were left out, as the run's
-        distribution runs passes (:meth:`~pl_dp.step.distribution.Distribution.run`): in a private run an example
-        whose pass raises is left out (weight 0) and counted — no record-dependent crash."""
+    def _passes(self, parts: list[Any], compute: Callable[[Any], T], *, pad: Callable[[Any], T]) -> tuple[list[T], int]:
+        """``compute(part)`` of each micro-batch, and how many examples were left out, as the run's distribution
+        runs passes (:meth:`~pl_dp.step.distribution.Distribution.run`; ``pad``: the padding example's pass, at
+        weight 0, of a sharded rank with fewer micro-batches): in a private run an example whose pass raises is
+        left out (weight 0) and counted — no record-dependent crash."""
         reset = None if self._per_sample is None else self._per_sample.reset
-        return self.distribution.run(parts, compute, isolate=self.privacy is not None, reset=reset)
+        return self.distribution.run(parts, compute, pad=pad, isolate=self.privacy is not None, reset=reset)
 
     def _clip_diagnostics(
         self, sums: list[torch.Tensor], norms: torch.Tensor, mechanism: SubsampledGaussian

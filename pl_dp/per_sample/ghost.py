@@ -53,7 +53,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleModuleFastGradientClippingFSDP,
@@ -75,9 +74,8 @@ from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
-from pl_dp.step.passes import PADDING_FAILS, ShardedPasses
-from pl_dp.step.seal import PADDING_FAILED, PassFailed
-from pl_dp.step.shards import is_sharded, layout_of, local
+from pl_dp.step.passes import ShardedPasses
+from pl_dp.step.shards import is_sharded, local
 
 
 class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
@@ -375,35 +373,37 @@ class GhostClipping:
         self._lookups = BroadcastLookups(net)
 
     def _check_layout(self) -> None:
-        if is_sharded(self.params):
-            raise ConfigError("the net's parameters are sharded by FSDP2: use ShardedGhostClipping.")
+        sharded = is_sharded(self.params)
+        if sharded != isinstance(self, ShardedGhostClipping):
+            right = "ShardedGhostClipping" if sharded else "GhostClipping"
+            raise ConfigError(
+                f"the net's parameters are{'' if sharded else ' not'} sharded by FSDP2: use {right} "
+                "(get_per_sample_mode('ghost').build chooses the class for the net's layout)."
+            )
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
         """Opacus' module whose hooks record the per-example norms (the tied parameters' modules skipped)."""
         return _GhostNormModule(self.net, skipped=frozenset(self._tied.modules), **options)
 
     def clipped_sum(
-        self, batch: Any, clip_fn: ClipFunction, padding: bool = False, rows: torch.Tensor | None = None
+        self, batch: Any, clip_fn: ClipFunction, rows: torch.Tensor | None = None
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Σ_i c(‖g_i‖)·g_i per parameter (fp32), the per-example norms ‖g_i‖ (fp32) and the non-finite count.
 
-        The same three values as :func:`~pl_dp.per_sample.clipped_sum` of the per-example gradients. Sharded,
-        ``padding`` runs ``batch`` (the padding example) at weight 0: the passes, collectives included, without a
-        sum. ``rows`` (a boolean mask over the batch) sums those rows only, the others at weight 0 (the fit-start
-        probe's watched examples).
+        The same three values as :func:`~pl_dp.per_sample.clipped_sum` of the per-example gradients. ``rows`` (a
+        boolean mask over the batch) sums those rows only, the others at weight 0 (the fit-start probe's watched
+        examples).
         """
         size = batch_size_of(batch)
-        norms, losses = self._norms(batch, size, padding)
+        norms, losses = self._norms(batch, size)
         weights, finite = clip_fn.finite_weights(norms)
         counted = torch.ones_like(finite) if rows is None else rows.to(finite.device)
         weights = weights * counted
-        if padding:
-            weights, finite = torch.zeros_like(weights), torch.ones_like(finite)
         nonfinite = (~finite & counted).sum()
         if self._any_nonfinite(finite):  # 0·NaN is NaN: the others' sum is computed again without them
             del losses
             keep = finite.nonzero().squeeze(1)
-            if keep.numel() and not padding:  # the padding example runs again as padding, at weight 0
+            if keep.numel():
                 part, kept = _finite_rows(batch, keep, counted, size)
                 sums, _, more = self.clipped_sum(part, clip_fn, rows=kept)
             else:
@@ -412,7 +412,7 @@ class GhostClipping:
         else:
             sums = self._weighted_sum(losses, weights)
         self._lookups.check(self.loss_fn, batch, size)
-        return sums, norms[:0] if padding else norms[counted], nonfinite
+        return sums, norms[counted], nonfinite
 
     def per_example_norms(self, batch: Any) -> torch.Tensor:
         """The per-example gradient norms ‖g_i‖ (fp32) that the first pass computes, and nothing else."""
@@ -450,7 +450,7 @@ class GhostClipping:
             torch.autograd.grad(total, lowest, retain_graph=True, allow_unused=True)
         return leaves
 
-    def _norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
         for p in self.params:
             p._norm_sample = None
@@ -530,14 +530,9 @@ class ShardedGhostClipping(GhostClipping):
                 "not allow. Freeze them, move them into a layer, or train in one process."
             )
         self.passes = passes
-        self._padding_leaves: list[torch.Tensor] = []  # what a padding pass's graph reaches, zeroed in its backward
+        self._reached: list[torch.Tensor] = []  # the leaves the last first pass's graph reaches
         super().__init__(net, loss_fn)
         self._targets.watch_gathered()
-        self.group = layout_of(self.names[0], self.params[0]).group
-
-    def _check_layout(self) -> None:
-        if not is_sharded(self.params):
-            raise ConfigError("the net's parameters are not sharded by FSDP2: use GhostClipping.")
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
         return _ShardedGhostNormModule(self.net, **options)
@@ -564,15 +559,8 @@ class ShardedGhostClipping(GhostClipping):
                         losses = check_per_sample(self.loss_fn(gsm, batch), size)
                 except Exception as raised_here:  # noqa: BLE001 - agreed on by every rank before the backward
                     error = raised_here
-                raised = torch.tensor([0.0 if error is None else float(PADDING_FAILS) if padding else 1.0])
-                dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=self.group)
-                if float(raised) >= PADDING_FAILS:
-                    raise RuntimeError(PADDING_FAILED) from error
-                if float(raised) == 1.0:
-                    self.passes.abandon()  # on every rank: the same FSDP state for the passes that follow
-                    raise PassFailed(here=error is not None) from error
-                reached = self._first_backward(losses)  # no parameter gradient: nothing to reduce-scatter
-            self._padding_leaves = reached if padding else []
+                self.passes.check(error, padding=padding)
+                reached = self._reached = self._first_backward(losses)  # no parameter gradient: no reduce-scatter
             names = dict(zip(map(id, self.params), self.names))
             owners = {**holders, **self._targets.gathered}  # a shard used directly, or its layer's gathered copy
             missed = sorted(
@@ -600,30 +588,42 @@ class ShardedGhostClipping(GhostClipping):
     def _any_nonfinite(self, finite: torch.Tensor) -> bool:
         """Whether any rank saw a non-finite norm (one all-reduce): then every rank runs its passes again, without
         its non-finite examples."""
-        flag = (~finite).sum().reshape(1).float()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag)
+        return bool(self.passes.agree(int(not finite.all())))
 
     def _sum_of_none(self, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor | int]:
         """Every example here had a non-finite norm: the passes the other ranks run, on the padding example."""
-        sums, _, more = self.clipped_sum(self.passes.padding, clip_fn, padding=True)
-        return sums, more
+        return self.padding_sum(self.passes.padding, clip_fn)[0], 0
 
-    def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+    def padding_sum(self, batch: Any, clip_fn: ClipFunction) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The passes of a rank with no examples left in a round, on the padding example ``batch`` at weight 0 (again if
+        another rank runs its passes again): its shard of the other ranks' clipped sum, no norm, no count. Its
+        backward gives every gradient the pass reaches the value 0 before FSDP reduces it: the padding example's
+        own gradient may be non-finite at the current parameters, and 0·∞ = NaN would reach every rank's sum at the
+        steps where some rank pads, which depend on the sample."""
+        size = batch_size_of(batch)
+        norms, losses = self._norms(batch, size, padding=True)
+        if self._any_nonfinite(torch.ones(size, dtype=torch.bool, device=norms.device)):
+            del losses
+            return self.padding_sum(batch, clip_fn)
+        sums = self._weighted_sum(losses, torch.zeros_like(norms), zeroed=self._reached)
+        self._lookups.check(self.loss_fn, batch, size)
+        return sums, norms[:0], torch.zeros((), dtype=torch.long, device=norms.device)
+
+    def _weighted_sum(
+        self, losses: torch.Tensor, weights: torch.Tensor, zeroed: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """Second pass, sharded: ``backward`` of Σ_i c_i·ℓ_i, whose reduce-scatter leaves this rank its shard of
-        Σ_i c_i·g_i over every rank's examples. A padding pass (weight 0) gives every gradient it reaches the value
-        0 before FSDP reduces it: the padding example's own gradient may be non-finite at the current parameters,
-        and 0·∞ = NaN would reach every rank's sum at the steps where some rank pads, which depend on the sample."""
+        Σ_i c_i·g_i over every rank's examples; the gradients of the leaves ``zeroed`` are set to 0 first."""
         for p in self.params:
             p.grad = None
-        zeroed = [leaf.register_hook(torch.zeros_like) for leaf in self._padding_leaves if leaf.requires_grad]
+        handles = [leaf.register_hook(torch.zeros_like) for leaf in zeroed or () if leaf.requires_grad]
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device):
                 (weights.detach() * losses).sum().backward()
         finally:
-            for handle in zeroed:
+            for handle in handles:
                 handle.remove()
-            self._padding_leaves = []
+            self._reached = []
         sums = [
             torch.zeros_like(local(p), dtype=torch.float32) if p.grad is None else local(p.grad).float()
             for p in self.params

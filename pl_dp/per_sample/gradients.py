@@ -19,7 +19,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from opacus import GradSampleModule
@@ -33,6 +33,9 @@ from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
 from pl_dp.step.shards import replicated_gradient, whole
+
+if TYPE_CHECKING:  # the engines' protocol lives with the registry, which imports this module
+    from pl_dp.per_sample.modes import PerSampleEngine
 
 
 class _Functional(nn.Module):
@@ -273,6 +276,12 @@ class PerSampleGradients:
             return self._hooks(batch, size)
         return self._functorch(batch, size)
 
+    def per_example_norms(self, batch: Any) -> torch.Tensor:
+        """‖g_i‖ over every trainable parameter (fp32), from the per-example gradients."""
+        per_example, _ = self(batch)
+        squares = [g.reshape(g.shape[0], -1).float().square().sum(dim=1) for g in per_example]
+        return torch.stack(squares).sum(dim=0).sqrt().detach()
+
     def clipped_sum(
         self, batch: Any, clip_fn: ClipFunction, rows: torch.Tensor | None = None
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -333,7 +342,7 @@ VERIFY_SIZES = (2, 3)
 
 
 def verify_per_example_gradients(
-    per_sample: Any, examples: Any, sizes: Sequence[int] = VERIFY_SIZES, rtol: float = 1e-3
+    per_sample: PerSampleEngine, examples: Any, sizes: Sequence[int] = VERIFY_SIZES, rtol: float = 1e-3
 ) -> None:
     """Refuse a net whose clipping would not bound each example's contribution, checked on a few examples.
 
@@ -347,9 +356,9 @@ def verify_per_example_gradients(
 
     * per-example gradients (:class:`PerSampleGradients`): each row must equal the example's own gradient to
       within ``rtol`` (relative);
-    * ghost clipping (:class:`~pl_dp.per_sample.GhostClipping`, whose second pass differentiates the weighted
-      losses, so the clipped quantity is the true gradient): each per-example norm must be at least the true
-      norm (within ``rtol``) — a larger norm only clips harder.
+    * any other engine (ghost clipping, :class:`~pl_dp.per_sample.GhostClipping`, whose second pass differentiates
+      the weighted losses, so the clipped quantity is the true gradient): each per-example norm
+      (``per_example_norms``) must be at least the true norm (within ``rtol``) — a larger norm only clips harder.
 
     Modules run in eval mode (dropout off) during the check and get their modes back after it. ``examples``
     comes from :func:`pl_dp.step.independence.probe_examples` (public or validation examples, private ones by
@@ -358,21 +367,21 @@ def verify_per_example_gradients(
     """
     count = batch_size_of(examples)
     net, params = per_sample.net, per_sample.params
-    ghost = hasattr(per_sample, "per_example_norms")
+    gradients = per_sample if isinstance(per_sample, PerSampleGradients) else None  # else: norms only
     modes = {module: module.training for module in net.modules()}
     net.eval()
     wrong: dict[str, float] = {}
     try:
         for size in (k for k in sizes if k <= count):
             batch = select_examples(examples, torch.arange(size))
-            rows = per_sample.per_example_norms(batch) if ghost else per_sample(batch)[0]
+            rows = per_sample.per_example_norms(batch) if gradients is None else gradients(batch)[0]
             for i in range(size):
                 with torch.enable_grad():
                     single = select_examples(examples, torch.tensor([i]))
                     own = replicated_gradient(check_per_sample(per_sample.loss_fn(net, single), 1).sum(), params)
                 squares = sum(float(whole(g.double().square().sum())) for g in own if g is not None)
                 reference = max(math.sqrt(squares), 1e-12)
-                if ghost:
+                if gradients is None:
                     shortfall = 1 - float(rows[i]) / reference
                     if shortfall > rtol:
                         wrong["ghost norms"] = max(wrong.get("ghost norms", 0.0), shortfall)

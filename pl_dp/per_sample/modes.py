@@ -29,7 +29,18 @@ from pl_dp.step.passes import ShardedPasses
 
 
 class PerSampleEngine(Protocol):
-    """What a first-order method asks of a mode's engine during a fit."""
+    """What a first-order method asks of a mode's engine during a fit, and what the fit-start check of its
+    per-example gradients reads (:func:`~pl_dp.per_sample.verify_per_example_gradients`)."""
+
+    #: the net, its trainable parameters and their names, and the per-example loss the engine differentiates
+    net: nn.Module
+    params: list[nn.Parameter]
+    names: list[str]
+    loss_fn: PerSampleLoss
+
+    def per_example_norms(self, batch: Any) -> torch.Tensor:
+        """The per-example gradient norms ‖g_i‖ (fp32) the engine clips by."""
+        ...
 
     def clipped_sum(
         self, batch: Any, clip_fn: ClipFunction, *, rows: torch.Tensor | None = None

@@ -51,20 +51,23 @@ class Distribution:
     def run(
         self,
         parts: list[Any],
-        compute: Callable[[Any, bool], T],
+        compute: Callable[[Any], T],
         *,
+        pad: Callable[[Any], T] | None = None,
         isolate: bool,
         reset: Callable[[], None] | None = None,
     ) -> tuple[list[T], int]:
-        """``compute(part, False)`` of each micro-batch, and how many examples were left out. With ``isolate`` (a
-        private run), an example whose pass raises is left out and counted rather than ending the run at the step
-        that sampled it (:func:`~pl_dp.step.seal.isolate_failures`, with ``reset`` after each failure)."""
+        """``compute(part)`` of each micro-batch, and how many examples were left out. With ``isolate`` (a private
+        run), an example whose pass raises is left out and counted rather than ending the run at the step that
+        sampled it (:func:`~pl_dp.step.seal.isolate_failures`, with ``reset`` after each failure). ``pad(example)``
+        is the pass, at weight 0, of the padding example that a rank runs when it has fewer micro-batches than
+        another (sharded only: one process never pads)."""
         if not isolate:
-            return [compute(part, False) for part in parts], 0
+            return [compute(part) for part in parts], 0
         done: list[T] = []
         failed = 0
         for part in parts:
-            isolated, raised = isolate_failures(lambda examples: compute(examples, False), part, reset=reset)
+            isolated, raised = isolate_failures(compute, part, reset=reset)
             done += [result for _, result in isolated]
             failed += len(raised)
         return done, failed
@@ -119,14 +122,17 @@ class Sharded(Replicated):
     def run(
         self,
         parts: list[Any],
-        compute: Callable[[Any, bool], T],
+        compute: Callable[[Any], T],
         *,
+        pad: Callable[[Any], T] | None = None,
         isolate: bool,
         reset: Callable[[], None] | None = None,
     ) -> tuple[list[T], int]:
-        """Passes every rank runs (:meth:`~pl_dp.step.passes.ShardedPasses.run`: ``compute(padding, True)`` on a
-        rank with fewer parts; a failing example is left out and counted whether or not the run is private)."""
-        return self.passes.run(parts, compute)
+        """Passes every rank runs (:meth:`~pl_dp.step.passes.ShardedPasses.run`: ``pad(padding example)`` on a rank
+        with fewer parts; a failing example is left out and counted whether or not the run is private)."""
+        if pad is None:
+            raise TypeError("a sharded step's passes need the padding pass (pad) of a rank with fewer micro-batches")
+        return self.passes.run(parts, compute, pad)
 
     def sum_with_count(self, sums: list[torch.Tensor], count: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The sums are this rank's blocks of sums over all ranks already (FSDP's reduce-scatter): only the count

@@ -56,6 +56,19 @@ class ShardedPasses:
         """The number of passes every rank runs when this one needs ``count`` (see :func:`agreed`)."""
         return agreed(self.agree(PADDING_FAILS if padding_failed else count))
 
+    def check(self, error: Exception | None, *, padding: bool = False) -> None:
+        """After a pass's forward, on every rank (an agreement): nothing if it ran on every rank; if it raised on some
+        rank, every rank leaves it (:meth:`abandon`) and raises :class:`~pl_dp.step.seal.PassFailed` (``here``:
+        whether ``error`` was raised on this one), before any backward; raised by the ``padding`` example, the
+        ``RuntimeError`` of :func:`agreed` on every rank."""
+        try:
+            failed = self.passes(int(error is not None), padding_failed=padding and error is not None)
+        except RuntimeError as padding_failed:
+            raise padding_failed from error
+        if failed:
+            self.abandon()
+            raise PassFailed(here=error is not None) from error
+
     @contextlib.contextmanager
     def guard(self, backward_follows: bool = False) -> Iterator[None]:
         """One pass, kept in step with the other ranks' if it raises here (:meth:`ForwardsInStep.guard`)."""
@@ -67,10 +80,10 @@ class ShardedPasses:
         if self.in_step is not None:
             self.in_step.abandon()
 
-    def run(self, parts: list[Any], compute: Callable[[Any, bool], T]) -> tuple[list[T], int]:
-        """``compute(part, False)`` of each of this rank's ``parts`` — a pass, forward and backward, that every
-        rank runs — in rounds whose length the ranks agree on; a rank with fewer runs ``compute(padding, True)``,
-        whose result holds its shard of the other ranks' sums and nothing of its own.
+    def run(self, parts: list[Any], compute: Callable[[Any], T], pad: Callable[[Any], T]) -> tuple[list[T], int]:
+        """``compute(part)`` of each of this rank's ``parts`` — a pass, forward and backward, that every rank runs —
+        in rounds whose length the ranks agree on; a rank with fewer runs ``pad(padding)``, the pass of the padding
+        example at weight 0, whose result holds its shard of the other ranks' sums and nothing of its own.
 
         A pass whose loss raises on some rank is abandoned by all (:class:`~pl_dp.step.seal.PassFailed`, raised on
         every rank before the pass's backward); the rank where it raised runs that part's examples one by one in a
@@ -84,7 +97,7 @@ class ShardedPasses:
             for r in range(rounds):
                 part = queue[r] if r < len(queue) else None
                 try:
-                    result = compute(self.padding, True) if part is None else compute(part, False)
+                    result = pad(self.padding) if part is None else compute(part)
                 except PassFailed as failure:
                     if part is None:
                         continue

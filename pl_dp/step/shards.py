@@ -100,6 +100,14 @@ def layout_of(name: str, tensor: torch.Tensor) -> ShardLayout:
     return ShardLayout(tensor.shape, start * row_size, (start, stop), owner, mesh.get_group())
 
 
+def sum_over_ranks_(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``tensor`` summed in place over the ranks of ``group`` (a collective every rank of it calls), the
+    :attr:`ShardLayout.group` of what it was computed from; None (one process): ``tensor`` as it is."""
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
 def is_sharded(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether any of ``tensors`` is a DTensor (a parameter sharded by FSDP2)."""
     return any(isinstance(t, DTensor) for t in tensors)

@@ -12,11 +12,11 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pl_dp.errors import ConfigError
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
+from pl_dp.step.shards import sum_over_ranks_
 from pl_dp.zo.engine import Chunk, Direction, Key, PerturbationEngine
 from pl_dp.zo.master import MasterWeights
 
@@ -89,8 +89,7 @@ class SubspaceEngine(PerturbationEngine):
         for part in self._chunks():
             part = part.double()
             gram += (part @ part.T).cpu()
-        if self.group is not None:  # sharded: each rank holds a block of every column
-            dist.all_reduce(gram, group=self.group)
+        sum_over_ranks_(gram, self.group)  # sharded: each rank holds a block of every column
         if orthonormalize:
             evals, evecs = torch.linalg.eigh(gram)
             top = float(evals.max()) if evals.numel() else 0.0

@@ -54,14 +54,16 @@ def test_two_sharded_processes_end_where_one_process_ends(runs, name):
 def test_sharded_steps_send_a_few_scalars_beyond_the_gathers(runs, name):
     """Beyond FSDP's own collectives, a zeroth-order step sends q × (clipped sum, count), the number of forwards,
     and for each of its 2q evaluations how many single-example retries the ranks run (0 unless a loss raised):
-    8 + 24·q bytes, whatever the model size. A first-order step: the count and the rounds of passes."""
+    8 + 24·q bytes, whatever the model size. A first-order step: the count, the rounds of passes and, for each
+    pass, whether it failed on some rank and whether some rank saw a non-finite norm (8 bytes each): a few scalars
+    a pass, whatever the model size (more passes where a non-finite norm makes the ranks run a pass again)."""
     (rank0, _), _ = runs
     model = worker.SHARDED_METHODS[name]()
     queries = getattr(model, "queries", None)
     if queries is not None and name != "pazo_p":
         assert rank0[name]["pl_dp_bytes_per_step"] == 8 + 24 * queries
     else:
-        assert rank0[name]["pl_dp_bytes_per_step"] <= 64
+        assert rank0[name]["pl_dp_bytes_per_step"] <= 256
 
 
 def test_ranks_with_their_own_seeds_share_rank_0s(runs):

@@ -96,7 +96,7 @@ def _padding_worker(rank: int, mesh, results: dict) -> None:
     clip = ClipFunction("constant", 1.0)
     example = (torch.randn(1, 4, generator=torch.Generator().manual_seed(5)), torch.tensor([1]))
     parts = [] if rank == 0 else [example]  # rank 0 sampled nothing: it runs the padding example at weight 0
-    done, _ = passes.run(parts, lambda part, pad: ghost.clipped_sum(part, clip, padding=pad))
+    done, _ = passes.run(parts, lambda part: ghost.clipped_sum(part, clip), lambda pad: ghost.padding_sum(pad, clip))
     expected = alone.clipped_sum(example, clip)[0]
     blocks: list = [None, None]
     dist.all_gather_object(blocks, done[0][0])  # each rank's rows of each parameter's sum

@@ -9,7 +9,7 @@ import torch
 from pl_dp.step.distribution import Distribution, Replicated
 
 
-def _fails_on_negative(part: torch.Tensor, padding: bool) -> torch.Tensor:
+def _fails_on_negative(part: torch.Tensor) -> torch.Tensor:
     if bool((part < 0).any()):
         raise RuntimeError("a record the net cannot run")
     return part.sum()
