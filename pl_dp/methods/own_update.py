@@ -4,8 +4,8 @@ They release a few noisy scalars or small vectors a step and move the parameters
 never through ``.grad``; what that implies lives here, once:
 
 * the optimizer holds η only, so only plain SGD is accepted (:func:`refuse_unless_plain_sgd`);
-* half-precision parameters are trained through fp32 masters (:mod:`pl_dp.zo.master`), which a checkpoint holds
-  beside the weights (:data:`MASTER_WEIGHTS_KEY`);
+* half-precision parameters are trained through fp32 masters (:mod:`pl_dp.zo.master`), which the model's state dict
+  holds beside the weights, in every layout (the ``master_weights`` submodule's extra state);
 * a :class:`~pl_dp.callbacks.StagewiseSchedule`'s proximal term enters the update (:meth:`proximal_terms`) of the
   methods that declare ``applies_proximal_term``; the schedule refuses a term for any other method;
 * private losses are evaluated in eval and inference mode (:meth:`private_losses`), and the noise comes from the
@@ -25,7 +25,6 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pl_dp.errors import ConfigError
 from pl_dp.methods.base import MechanismT, PrivateModule
@@ -35,9 +34,10 @@ from pl_dp.step.batches import batch_size_of
 from pl_dp.step.independence import Release
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import clipped_differences, per_sample_evaluator
-from pl_dp.zo.master import MasterWeights, ShardedMasters
+from pl_dp.zo.master import MasterWeights, MasterWeightsState
 
-#: the checkpoint entry holding the fp32 master weights of half-precision parameters, by parameter name
+#: the checkpoint entry where pl_dp 0.2 kept the fp32 masters of a one-process run's half-precision parameters,
+#: before they were the model's extra state in every layout; read when such a checkpoint is resumed
 MASTER_WEIGHTS_KEY = "pl_dp_master_weights"
 #: random directions along which the fit-start probe compares a step's release (:meth:`OwnUpdateModule.probe_release`)
 PROBE_DIRECTIONS = 3
@@ -89,7 +89,8 @@ class OwnUpdateModule(PrivateModule[MechanismT]):
         super().__init__(net, **kwargs)
         # fp32 masters of half-precision parameters, written by the method's engine
         self.masters = MasterWeights(enabled=master_weights)
-        self.register_load_state_dict_pre_hook(self._take_sharded_masters)
+        self.master_weights = MasterWeightsState(self.masters, self.named_parameters)  # in the state dict
+        self.register_load_state_dict_pre_hook(self._take_earlier_masters)
         self.proximal: Any = None  # a ProximalAnchor while a StagewiseSchedule holds one
 
     # ---- the step -------------------------------------------------------------------------------
@@ -168,36 +169,14 @@ class OwnUpdateModule(PrivateModule[MechanismT]):
         return [] if self.proximal is None else self.proximal.terms(self.lr, self.master_parameters())
 
     # ---- checkpointing: the masters beside the weights -----------------------------------------
-    def configure_model(self) -> None:
-        """Shard the net under ``ModelParallelStrategy`` (:meth:`DataParallelMixin.configure_model`); its fp32
-        masters then travel in the model's state dict (:class:`~pl_dp.zo.master.ShardedMasters`), which a
-        distributed checkpoint saves and loads by shard."""
-        super().configure_model()
-        if self.sharded and "sharded_masters" not in self._modules:
-            self.sharded_masters = ShardedMasters(self.masters, self.named_parameters)
-
     @staticmethod
-    def _take_sharded_masters(module: OwnUpdateModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """A state dict written by a sharded run, loaded where no net is sharded (a fresh module, one process): its
-        masters entry is taken by the store — whole masters offered to the next engine, shards dropped — rather than
-        refused as an unexpected key."""
-        key = f"{prefix}sharded_masters._extra_state"
-        if key in state_dict and "sharded_masters" not in module._modules:
-            whole = {name: m for name, m in state_dict.pop(key).items() if not isinstance(m, DTensor)}
-            module.masters.load_state_dict(whole, module.named_parameters())
-
-    def _master_state_for_checkpoint(self) -> dict[str, torch.Tensor]:
-        """The fp32 values the half-precision weights in "state_dict" are the rounding of, for the checkpoint's
-        :data:`MASTER_WEIGHTS_KEY` entry (sharded: none, they are in "state_dict", see :meth:`configure_model`)."""
-        return {} if self.sharded else self.masters.state_dict(self.named_parameters())
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        masters = self._master_state_for_checkpoint()
-        if masters:
-            checkpoint[MASTER_WEIGHTS_KEY] = masters
+    def _take_earlier_masters(module: OwnUpdateModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """A state dict of pl_dp 0.2 has no masters (a one-process run's are in the checkpoint's
+        :data:`MASTER_WEIGHTS_KEY`, offered by :meth:`on_load_checkpoint`): it loads strictly all the same."""
+        state_dict.setdefault(f"{prefix}master_weights._extra_state", {})
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        # taken by the next engine built, each one only if the loaded weight is still its rounding
+        # a one-process checkpoint of pl_dp 0.2 holds its masters here; taken by the next engine, each one only if
+        # the loaded weight is still its rounding
         self.masters.load_state_dict(checkpoint.get(MASTER_WEIGHTS_KEY, {}), self.named_parameters())

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -111,19 +112,21 @@ class MasterWeights:
         """
         for name, p in named_parameters:
             master = state.get(name)
-            if master is not None:
+            # a master is offered to a parameter of its layout only: a sharded run's blocks are no master of a
+            # whole parameter (a sharded state dict loaded on one process), nor a whole tensor of a block
+            if master is not None and isinstance(master, DTensor) == isinstance(p, DTensor):
                 self._offered.append((p, master))
 
 
-class ShardedMasters(nn.Module):
-    """A sharded model's fp32 masters as this submodule's extra state, so that a distributed checkpoint holds them.
+class MasterWeightsState(nn.Module):
+    """A model's fp32 masters as this submodule's extra state: part of the model's state dict, in every layout.
 
-    Under FSDP2 a distributed checkpoint (``torch.distributed.checkpoint``, what Lightning's
-    ``ModelParallelStrategy`` writes by default) saves the model's state dict and the optimizers by shard, and
-    anything else whole from rank 0 only — where a master, sharded like its parameter, is one rank's block. As
-    extra state of a submodule the masters are part of the model's state dict: each rank saves its blocks, and a
-    resume loads them in place. At load time the state dict is also the *template* the checkpoint is read into, so
-    every trained half-precision parameter has an entry even before its master exists (an fp32 copy of the
+    One process or DDP, a checkpoint's ``state_dict`` then holds each master beside its weight. Under FSDP2 a
+    distributed checkpoint (``torch.distributed.checkpoint``, what Lightning's ``ModelParallelStrategy`` writes by
+    default) saves the model's state dict by shard — a master is sharded like its parameter — and anything outside
+    it whole from rank 0 only, which would hold one rank's blocks: as extra state, each rank saves its blocks and a
+    resume loads them in place. At load time the state dict is also the *template* a distributed checkpoint is read
+    into, so every trained half-precision parameter has an entry even before its master exists (an fp32 copy of the
     parameter, which is also what its master would start from). Loaded masters are offered to the next engine
     (:meth:`MasterWeights.load_state_dict`), which takes each one only if it still rounds to its parameter.
 

@@ -139,8 +139,8 @@ def test_a_bf16_resume_restores_the_masters_and_is_bit_identical(tmp_path, metho
         return DPZero(MLP(), lr=1e-3, clip=1.0, privacy=PrivacySpec(8.0, accountant="rdp"), noise_seed=1)
 
     reference, resumed, checkpoint = _resume_case(tmp_path, make_model)
-    saved = checkpoint[MASTER_WEIGHTS_KEY]
     weights = checkpoint["state_dict"]
+    saved = weights["master_weights._extra_state"]  # beside the weights, as under FSDP2
     assert sorted(saved) == sorted(name for name, p in resumed.named_parameters() if p.requires_grad)
     for name, master in saved.items():
         assert master.dtype == torch.float32 and torch.equal(weights[name], master.to(torch.bfloat16))
@@ -195,18 +195,28 @@ def test_dpzero_fine_tunes_a_bf16_causal_lm_through_fp32_masters(tmp_path, monke
     _assert_weights_are_the_rounding_of_the_masters(model)
 
 
-def test_a_state_dict_of_a_sharded_run_loads_into_a_fresh_module_with_its_masters():
-    """Sharded, the masters are extra state of a ``sharded_masters`` submodule (distributed checkpoints hold them by
-    shard); a module built afresh on one process has no such submodule, yet loads that state dict strictly, and its
-    next engine starts from those masters (here a whole one: what a consolidated checkpoint holds)."""
-    from pl_dp.zo.master import ShardedMasters
-
+def test_a_checkpoint_of_pl_dp_0_2_resumes_with_the_masters_it_kept_apart():
+    """pl_dp 0.2 kept a one-process run's masters in the checkpoint's ``pl_dp_master_weights`` entry, not in its
+    state dict: such a checkpoint still loads strictly, and the next engine starts from those masters."""
     model = DPZero(nn.Linear(4, 3).to(torch.bfloat16), lr=0.1)
-    model.sharded_masters = ShardedMasters(model.masters, model.named_parameters)  # what configure_model adds
+    model.masters.weights(list(model.net.parameters()))  # an engine built: the masters exist
     state = model.state_dict()
-    masters = state["sharded_masters._extra_state"]
+    masters = state.pop("master_weights._extra_state")  # where 0.2 did not write them
     assert {name: m.dtype for name, m in masters.items()} == {"net.weight": torch.float32, "net.bias": torch.float32}
     masters["net.weight"] += 2.0**-20  # below bf16's rounding: still the master of the same bf16 weight
     fresh = DPZero(nn.Linear(4, 3).to(torch.bfloat16), lr=0.1)
+    checkpoint = {"state_dict": state, "pl_dp": model.privacy_state_dict(), MASTER_WEIGHTS_KEY: masters}
+    fresh.on_load_checkpoint(checkpoint)  # as Lightning: the hook, then the state dict
     fresh.load_state_dict(state)  # strict
     assert torch.equal(fresh.masters.weights(list(fresh.net.parameters()))[0], masters["net.weight"])
+
+
+def test_the_masters_travel_in_the_state_dict_and_a_fresh_module_starts_from_them():
+    model = DPZero(nn.Linear(4, 3).to(torch.bfloat16), lr=0.1)
+    model.masters.weights(list(model.net.parameters()))
+    state = model.state_dict()
+    state["master_weights._extra_state"]["net.weight"] += 2.0**-20
+    fresh = DPZero(nn.Linear(4, 3).to(torch.bfloat16), lr=0.1)
+    fresh.load_state_dict(state)  # strict
+    expected = state["master_weights._extra_state"]["net.weight"]
+    assert torch.equal(fresh.masters.weights(list(fresh.net.parameters()))[0], expected)
