@@ -2,8 +2,8 @@
 
 Any pl_dp method (or any user LightningModule / LightningDataModule) is selectable by class
 path, e.g. ``pl-dp fit --config configs/digits/dpzero.yaml``. After ``fit`` the CLI tests the
-final model and prints the test accuracy next to the ε spent (disable with
-``--test_after_fit false``).
+final model and prints the test accuracy (a causal language model's: the test loss and token-level perplexity)
+next to the ε spent (disable with ``--test_after_fit false``).
 
 After ``fit`` it also prints the run's privacy report (:meth:`PrivateModule.privacy_report`:
 ε, δ, σ, q, steps, accountant, adjacency, whether the secrets were user-seeded, and what is and is
@@ -159,10 +159,15 @@ def take_repeated(argv: list[str], option: str) -> tuple[list[str], list[str]]:
 
 
 def report(model: Any, test_metrics: Mapping[str, float]) -> str:
-    """One line: test accuracy and the privacy spent."""
+    """One line: the test accuracy (classifiers) or the test loss and perplexity (causal language models), and the
+    privacy spent."""
     parts = []
     if "test/acc" in test_metrics:
         parts.append(f"test accuracy {test_metrics['test/acc']:.4f}")
+    if "test/perplexity" in test_metrics:
+        parts.append(
+            f"test loss {test_metrics['test/loss']:.4f}, test perplexity {test_metrics['test/perplexity']:.2f}"
+        )
     if getattr(model, "privacy", None) is not None and getattr(model, "delta", None) is not None:
         parts.append(
             f"epsilon {model.epsilon:.3f} (delta {model.delta:.2e}, {model.accountant_name} accountant, "

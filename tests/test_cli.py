@@ -348,6 +348,7 @@ def test_generate_samples_from_a_checkpoint_of_a_private_causal_lm(tmp_path):
     path.write_text(yaml.safe_dump(config))
     fitted = _run("fit", "--config", str(path))
     assert fitted.returncode == 0, fitted.stderr[-3000:]
+    assert re.search(r"pl-dp: test loss \d+\.\d{4}, test perplexity \d+\.\d{2} \| epsilon", fitted.stdout)
     (checkpoint,) = tmp_path.rglob("*.ckpt")
     args = ("generate", "--config", str(path), "--ckpt_path", str(checkpoint), "--max_new_tokens", "5")
     out = _run(*args, "--prompt", "the movie", "--prompt", "the plot")
