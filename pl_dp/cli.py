@@ -29,9 +29,9 @@ function's arguments, the output and exit status as for ``audit``.
 
 Output is kept to what a user acts on: the progress bar (with ε and the budget left), pl_dp's own
 warnings and the final report. Lightning's info lines (accelerators available, seeds, tips, why fit
-stopped) and a FutureWarning torch raises about Lightning's internals are hidden; ``pl-dp --verbose
-<subcommand> ...`` or ``PL_DP_VERBOSE=1`` shows them again. This is the command line's choice only:
-the library itself filters no warning but Opacus' "Optimal order is the largest alpha" (see
+stopped) and two FutureWarnings of one library about another's internals (:data:`FOREIGN_DEPRECATIONS`) are
+hidden; ``pl-dp --verbose <subcommand> ...`` or ``PL_DP_VERBOSE=1`` shows them again. This is the command line's
+choice only: the library itself filters no warning but Opacus' "Optimal order is the largest alpha" (see
 :func:`pl_dp.privacy.accountants.opacus_rdp_conversion`).
 
 A refusal of pl_dp's — a :class:`~pl_dp.errors.PlDpError` (a bad config, a privacy request that cannot be met,
@@ -194,10 +194,20 @@ def run_audit(args: list[str]) -> int:
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
 
+#: FutureWarnings that ``pl-dp`` hides: one library's deprecation hit by another's internals (torch's by Lightning,
+#: transformers' by peft's ``get_peft_model``)
+FOREIGN_DEPRECATIONS = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"`is_gradient_checkpointing` is deprecated",
+)
+
+
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
-    """While ``pl-dp`` runs: Lightning's info lines hidden (its warnings and errors still show), and torch's
-    FutureWarning about Lightning's use of ``LeafSpec`` (internals of two libraries; nothing a user can act on).
+    """While ``pl-dp`` runs: Lightning's info lines hidden (its warnings and errors still show), and two
+    FutureWarnings about the internals of two other libraries, which nothing a user (or pl_dp) does can avoid: torch's
+    about Lightning's use of ``LeafSpec``, and transformers' about peft reading ``is_gradient_checkpointing`` as it
+    wraps every model in LoRA adapters.
 
     Every other warning shows, pl_dp's own included. Levels and filters are restored on exit, so calling
     :func:`main` from Python leaves the caller's logging and warnings as they were.
@@ -206,9 +216,8 @@ def quiet_lightning() -> Iterator[None]:
     levels = [logger.level for logger in loggers]
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-            )
+            for message in FOREIGN_DEPRECATIONS:
+                warnings.filterwarnings("ignore", message=message, category=FutureWarning)
             for logger in loggers:
                 logger.setLevel(logging.WARNING)
             yield
@@ -295,6 +304,16 @@ REPORT_USAGE = (
 )
 
 
+def subcommand_args(options: list[str], args: list[str] | None) -> list[str] | None:
+    """What a subcommand's LightningCLI is given to parse its ``options``: from the command line (``args`` None)
+    they go in ``sys.argv``, which LightningCLI reads itself (given ``args`` too, it warns that both were given at
+    every call); from Python, as ``args``."""
+    if args is None:
+        sys.argv = sys.argv[:1] + options
+        return None
+    return options
+
+
 def _run(argv: list[str], args: list[str] | None) -> None:
     if argv[:1] == ["report"]:
         if argv[1:] in (["-h"], ["--help"]):
@@ -311,7 +330,7 @@ def _run(argv: list[str], args: list[str] | None) -> None:
             datamodule_class=None,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            args=rest,
+            args=subcommand_args(rest, args),
             run=False,
             save_config_callback=None,
             auto_configure_optimizers=False,
@@ -337,14 +356,12 @@ def _run(argv: list[str], args: list[str] | None) -> None:
     if argv[:2] == ["audit", "--run"]:
         raise SystemExit(run_audit(argv[2:]))
     if argv[:1] == ["audit"]:
-        if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
-            sys.argv = sys.argv[:1] + sys.argv[2:]
         cli = AuditCLI(
             model_class=None,
             datamodule_class=None,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            args=None if args is None else list(args)[1:],
+            args=subcommand_args(argv[1:], args),
             run=False,
             save_config_callback=None,
             auto_configure_optimizers=False,

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,18 @@ def test_generate_samples_from_a_checkpoint_of_a_private_causal_lm(tmp_path):
     again = _run(*args, "--prompt", "the movie", "--generation_seed", "0")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines()[0] == lines[0]
+
+
+@pytest.mark.parametrize(("subcommand", "option"), [("generate", "--max_new_tokens"), ("audit", "--audit.trials")])
+def test_subcommands_run_from_the_command_line_raise_no_lightning_args_warning(subcommand, option, monkeypatch, capsys):
+    """Issue [record] 41 item 4: ``pl-dp generate --help`` warned "LightningCLI's args parameter is intended to run
+    from within Python" at every call: the command line's options were handed to LightningCLI as ``args`` while
+    ``sys.argv`` held them too. A subcommand's own options now reach LightningCLI through ``sys.argv`` alone."""
+    from pl_dp.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["pl-dp", subcommand, "--help"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exit:
+        warnings.simplefilter("always")
+        main()
+    assert exit.value.code == 0 and option in capsys.readouterr().out
+    assert not [str(w.message) for w in caught if "args parameter is intended" in str(w.message)]
