@@ -34,6 +34,9 @@ hidden; ``pl-dp --verbose <subcommand> ...`` or ``PL_DP_VERBOSE=1`` shows them a
 choice only: the library itself filters no warning but Opacus' "Optimal order is the largest alpha" (see
 :func:`pl_dp.privacy.accountants.opacus_rdp_conversion`).
 
+On SIGTERM Lightning stops a fit at the next batch and exits; ``pl-dp`` first prints, on stderr, the last checkpoint
+written (:func:`last_checkpoint`), to resume from with ``--ckpt_path``, or that none was written.
+
 A refusal of pl_dp's — a :class:`~pl_dp.errors.PlDpError` (a bad config, a privacy request that cannot be met,
 unusable private data, a net that mixes examples), or a ``NotImplementedError`` with a message raised in pl_dp's own
 code — is printed as ``pl-dp: error: <message>`` on stderr, without a traceback, and ``pl-dp`` exits with status 2
@@ -54,7 +57,10 @@ from typing import Any
 
 import torch
 from jsonargparse import ArgumentParser
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from pl_dp.audit import audit
 from pl_dp.audit_run import audit_run
@@ -75,6 +81,16 @@ class PlDpCLI(LightningCLI):
         model = self.config[subcommand].get("model") if subcommand else None
         if model is None or not model.get("class_path"):
             super()._parse_ckpt_path()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run ``subcommand``; on SIGTERM (a scheduler's pre-emption, ``kill``), which Lightning answers by stopping
+        at the next batch and exiting (``SIGTERMException``), first say where the last checkpoint is."""
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            if self.trainer.is_global_zero:
+                print(terminated_message(last_checkpoint(self.trainer)), file=sys.stderr, flush=True)
+            raise
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -140,6 +156,29 @@ def generate_from_checkpoint(model: Any, ckpt_path: str, prompts: list[str], **s
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     model.load_state_dict(checkpoint["state_dict"])
     return net.generate(prompts, **sampling)
+
+
+def last_checkpoint(trainer: Trainer) -> str | None:
+    """The newest checkpoint file on disk among those the trainer's ``ModelCheckpoint`` callbacks know of (the last,
+    the best, the top k; a resumed fit's included), or None."""
+    paths = {
+        path
+        for callback in trainer.checkpoint_callbacks
+        if isinstance(callback, ModelCheckpoint)
+        for path in (callback.last_model_path, callback.best_model_path, *callback.best_k_models)
+        if path and os.path.isfile(path)
+    }
+    return max(paths, key=os.path.getmtime, default=None)
+
+
+def terminated_message(checkpoint: str | None) -> str:
+    """The line ``pl-dp`` prints when SIGTERM stops it: where to resume from, or that there is nothing to resume."""
+    if checkpoint is None:
+        return (
+            "pl-dp: stopped by SIGTERM; no checkpoint was written (--trainer.enable_checkpointing true, or a "
+            "ModelCheckpoint callback with every_n_train_steps, saves some)."
+        )
+    return f"pl-dp: stopped by SIGTERM; the last checkpoint is {checkpoint} (resume with --ckpt_path {checkpoint})."
 
 
 def take_repeated(argv: list[str], option: str) -> tuple[list[str], list[str]]:
