@@ -2,8 +2,8 @@
 
 Any pl_dp method (or any user LightningModule / LightningDataModule) is selectable by class
 path, e.g. ``pl-dp fit --config configs/digits/dpzero.yaml``. After ``fit`` the CLI tests the
-final model and prints the test accuracy next to the ε spent (disable with
-``--test_after_fit false``).
+final model and prints the test accuracy (a causal language model's: the test loss and token-level perplexity)
+next to the ε spent (disable with ``--test_after_fit false``).
 
 After ``fit`` it also prints the run's privacy report (:meth:`PrivateModule.privacy_report`:
 ε, δ, σ, q, steps, accountant, adjacency, whether the secrets were user-seeded, and what is and is
@@ -29,10 +29,14 @@ function's arguments, the output and exit status as for ``audit``.
 
 Output is kept to what a user acts on: the progress bar (with ε and the budget left), pl_dp's own
 warnings and the final report. Lightning's info lines (accelerators available, seeds, tips, why fit
-stopped) and a FutureWarning torch raises about Lightning's internals are hidden; ``pl-dp --verbose
-<subcommand> ...`` or ``PL_DP_VERBOSE=1`` shows them again. This is the command line's choice only:
-the library itself filters no warning but Opacus' "Optimal order is the largest alpha" (see
+stopped) and two FutureWarnings of one library about another's internals (:data:`FOREIGN_DEPRECATIONS`) are
+hidden; ``pl-dp --verbose <subcommand> ...`` or ``PL_DP_VERBOSE=1`` shows them again. This is the command line's
+choice only: the library itself filters no warning but Opacus' "Optimal order is the largest alpha" (see
 :func:`pl_dp.privacy.accountants.opacus_rdp_conversion`).
+
+On SIGTERM Lightning stops a fit at the next batch and exits; ``pl-dp`` first prints, on stderr, the last checkpoint
+written (:func:`last_checkpoint`), to resume from with ``--ckpt_path``, or that none was written, and exits with
+status 143 (128 + SIGTERM).
 
 A refusal of pl_dp's — a :class:`~pl_dp.errors.PlDpError` (a bad config, a privacy request that cannot be met,
 unusable private data, a net that mixes examples), or a ``NotImplementedError`` with a message raised in pl_dp's own
@@ -47,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -54,7 +59,10 @@ from typing import Any
 
 import torch
 from jsonargparse import ArgumentParser
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from pl_dp.audit import audit
 from pl_dp.audit_run import audit_run
@@ -75,6 +83,18 @@ class PlDpCLI(LightningCLI):
         model = self.config[subcommand].get("model") if subcommand else None
         if model is None or not model.get("class_path"):
             super()._parse_ckpt_path()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run ``subcommand``; on SIGTERM (a scheduler's pre-emption, ``kill``), which Lightning answers by stopping
+        at the next batch and exiting (``SIGTERMException``), first say where the last checkpoint is, then exit with
+        status 128 + SIGTERM (143), as a process the signal ended: a scheduler must not read the stop as success
+        (Lightning's exception would exit with 0)."""
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            if self.trainer.is_global_zero:
+                print(terminated_message(last_checkpoint(self.trainer)), file=sys.stderr, flush=True)
+            raise SystemExit(128 + signal.SIGTERM) from None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -142,6 +162,29 @@ def generate_from_checkpoint(model: Any, ckpt_path: str, prompts: list[str], **s
     return net.generate(prompts, **sampling)
 
 
+def last_checkpoint(trainer: Trainer) -> str | None:
+    """The newest checkpoint file on disk among those the trainer's ``ModelCheckpoint`` callbacks know of (the last,
+    the best, the top k; a resumed fit's included), or None."""
+    paths = {
+        path
+        for callback in trainer.checkpoint_callbacks
+        if isinstance(callback, ModelCheckpoint)
+        for path in (callback.last_model_path, callback.best_model_path, *callback.best_k_models)
+        if path and os.path.isfile(path)
+    }
+    return max(paths, key=os.path.getmtime, default=None)
+
+
+def terminated_message(checkpoint: str | None) -> str:
+    """The line ``pl-dp`` prints when SIGTERM stops it: where to resume from, or that there is nothing to resume."""
+    if checkpoint is None:
+        return (
+            "pl-dp: stopped by SIGTERM; no checkpoint was written (--trainer.enable_checkpointing true, or a "
+            "ModelCheckpoint callback with every_n_train_steps, saves some)."
+        )
+    return f"pl-dp: stopped by SIGTERM; the last checkpoint is {checkpoint} (resume with --ckpt_path {checkpoint})."
+
+
 def take_repeated(argv: list[str], option: str) -> tuple[list[str], list[str]]:
     """``argv`` without every ``option VALUE`` (or ``option=VALUE``), and the values in order."""
     rest, values, i = [], [], 0
@@ -159,10 +202,15 @@ def take_repeated(argv: list[str], option: str) -> tuple[list[str], list[str]]:
 
 
 def report(model: Any, test_metrics: Mapping[str, float]) -> str:
-    """One line: test accuracy and the privacy spent."""
+    """One line: the test accuracy (classifiers) or the test loss and perplexity (causal language models), and the
+    privacy spent."""
     parts = []
     if "test/acc" in test_metrics:
         parts.append(f"test accuracy {test_metrics['test/acc']:.4f}")
+    if "test/perplexity" in test_metrics:
+        parts.append(
+            f"test loss {test_metrics['test/loss']:.4f}, test perplexity {test_metrics['test/perplexity']:.2f}"
+        )
     if getattr(model, "privacy", None) is not None and getattr(model, "delta", None) is not None:
         parts.append(
             f"epsilon {model.epsilon:.3f} (delta {model.delta:.2e}, {model.accountant_name} accountant, "
@@ -189,10 +237,20 @@ def run_audit(args: list[str]) -> int:
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
 
+#: FutureWarnings that ``pl-dp`` hides: one library's deprecation hit by another's internals (torch's by Lightning,
+#: transformers' by peft's ``get_peft_model``)
+FOREIGN_DEPRECATIONS = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"`is_gradient_checkpointing` is deprecated",
+)
+
+
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
-    """While ``pl-dp`` runs: Lightning's info lines hidden (its warnings and errors still show), and torch's
-    FutureWarning about Lightning's use of ``LeafSpec`` (internals of two libraries; nothing a user can act on).
+    """While ``pl-dp`` runs: Lightning's info lines hidden (its warnings and errors still show), and two
+    FutureWarnings about the internals of two other libraries, which nothing a user (or pl_dp) does can avoid: torch's
+    about Lightning's use of ``LeafSpec``, and transformers' about peft reading ``is_gradient_checkpointing`` as it
+    wraps every model in LoRA adapters.
 
     Every other warning shows, pl_dp's own included. Levels and filters are restored on exit, so calling
     :func:`main` from Python leaves the caller's logging and warnings as they were.
@@ -201,9 +259,8 @@ def quiet_lightning() -> Iterator[None]:
     levels = [logger.level for logger in loggers]
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-            )
+            for message in FOREIGN_DEPRECATIONS:
+                warnings.filterwarnings("ignore", message=message, category=FutureWarning)
             for logger in loggers:
                 logger.setLevel(logging.WARNING)
             yield
@@ -290,6 +347,16 @@ REPORT_USAGE = (
 )
 
 
+def subcommand_args(options: list[str], args: list[str] | None) -> list[str] | None:
+    """What a subcommand's LightningCLI is given to parse its ``options``: from the command line (``args`` None)
+    they go in ``sys.argv``, which LightningCLI reads itself (given ``args`` too, it warns that both were given at
+    every call); from Python, as ``args``."""
+    if args is None:
+        sys.argv = sys.argv[:1] + options
+        return None
+    return options
+
+
 def _run(argv: list[str], args: list[str] | None) -> None:
     if argv[:1] == ["report"]:
         if argv[1:] in (["-h"], ["--help"]):
@@ -306,7 +373,7 @@ def _run(argv: list[str], args: list[str] | None) -> None:
             datamodule_class=None,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            args=rest,
+            args=subcommand_args(rest, args),
             run=False,
             save_config_callback=None,
             auto_configure_optimizers=False,
@@ -332,14 +399,12 @@ def _run(argv: list[str], args: list[str] | None) -> None:
     if argv[:2] == ["audit", "--run"]:
         raise SystemExit(run_audit(argv[2:]))
     if argv[:1] == ["audit"]:
-        if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
-            sys.argv = sys.argv[:1] + sys.argv[2:]
         cli = AuditCLI(
             model_class=None,
             datamodule_class=None,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            args=None if args is None else list(args)[1:],
+            args=subcommand_args(argv[1:], args),
             run=False,
             save_config_callback=None,
             auto_configure_optimizers=False,

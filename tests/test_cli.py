@@ -2,12 +2,15 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 
 from pl_dp.errors import ConfigError, PrivacyConfigError
@@ -348,6 +351,7 @@ def test_generate_samples_from_a_checkpoint_of_a_private_causal_lm(tmp_path):
     path.write_text(yaml.safe_dump(config))
     fitted = _run("fit", "--config", str(path))
     assert fitted.returncode == 0, fitted.stderr[-3000:]
+    assert re.search(r"pl-dp: test loss \d+\.\d{4}, test perplexity \d+\.\d{2} \| epsilon", fitted.stdout)
     (checkpoint,) = tmp_path.rglob("*.ckpt")
     args = ("generate", "--config", str(path), "--ckpt_path", str(checkpoint), "--max_new_tokens", "5")
     out = _run(*args, "--prompt", "the movie", "--prompt", "the plot")
@@ -359,3 +363,59 @@ def test_generate_samples_from_a_checkpoint_of_a_private_causal_lm(tmp_path):
     again = _run(*args, "--prompt", "the movie", "--generation_seed", "0")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines()[0] == lines[0]
+
+
+@pytest.mark.parametrize(("subcommand", "option"), [("generate", "--max_new_tokens"), ("audit", "--audit.trials")])
+def test_subcommands_run_from_the_command_line_raise_no_lightning_args_warning(subcommand, option, monkeypatch, capsys):
+    """Issue [record] 41 item 4: ``pl-dp generate --help`` warned "LightningCLI's args parameter is intended to run
+    from within Python" at every call: the command line's options were handed to LightningCLI as ``args`` while
+    ``sys.argv`` held them too. A subcommand's own options now reach LightningCLI through ``sys.argv`` alone."""
+    from pl_dp.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["pl-dp", subcommand, "--help"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exit:
+        warnings.simplefilter("always")
+        main()
+    assert exit.value.code == 0 and option in capsys.readouterr().out
+    assert not [str(w.message) for w in caught if "args parameter is intended" in str(w.message)]
+
+
+class TerminateAt(Callback):
+    """Sends this process SIGTERM after training step ``step``, as a scheduler pre-empting the job would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpointed", "no-checkpoint"])
+def test_sigterm_says_where_the_last_checkpoint_is(tmp_path, checkpoints):
+    """Issue [record] 41 item 5: killed by a scheduler, ``pl-dp fit`` stopped without a word on where to resume
+    from. It now names the last checkpoint written (step 4 of checkpoints every 2 steps, SIGTERM after step 5), or
+    says that none was."""
+    config = yaml.safe_load((ROOT / "configs/digits/dpzero.yaml").read_text())
+    callbacks = [{"class_path": "tests.test_cli.TerminateAt", "init_args": {"step": 5}}]
+    if checkpoints:
+        every = {"dirpath": str(tmp_path / "checkpoints"), "every_n_train_steps": 2}
+        callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": every})
+    config["trainer"].update(
+        max_steps=20, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=checkpoints
+    )
+    config["trainer"]["callbacks"] = callbacks
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = _run("fit", "--config", str(path))
+    if checkpoints:
+        written = tmp_path / "checkpoints" / "epoch=0-step=4.ckpt"
+        assert written.is_file(), sorted(tmp_path.rglob("*.ckpt"))
+        expected = f"pl-dp: stopped by SIGTERM; the last checkpoint is {written} (resume with --ckpt_path {written})."
+    else:
+        assert not list(tmp_path.rglob("*.ckpt"))
+        expected = "pl-dp: stopped by SIGTERM; no checkpoint was written"
+    assert expected in out.stderr, out.stderr[-3000:]
+    assert out.returncode == 128 + signal.SIGTERM  # stopped by the signal, not a success
+    assert "pl-dp: test accuracy" not in out.stdout  # an interrupted fit is not tested

@@ -28,6 +28,14 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _SCALARS)
 
 
+def pin_memory_for(device: torch.device) -> bool:
+    """Whether loaders feeding ``device`` pin their batches: on CUDA only, where a batch in page-locked memory is
+    copied while the host goes on (Lightning moves batches with ``non_blocking=True`` there). Elsewhere pinning is a
+    wasted copy (and torch warns about it without an accelerator). Pinning changes where a batch is held, never which
+    records it holds: no privacy effect."""
+    return device.type == "cuda"
+
+
 class PrivatePublicDataModule(L.LightningDataModule):
     """Datasets in, DP-correct loaders out.
 
@@ -62,7 +70,10 @@ class PrivatePublicDataModule(L.LightningDataModule):
             :class:`~pl_dp.data.collate.PaddingCollate` (``default_collate``, padding variable-length
             1-D tensors such as tokenized text). Empty Poisson batches are handled either way.
         num_workers, pin_memory: as in ``torch.utils.data.DataLoader``, for every loader. Worker
-            processes load examples only: the Poisson batches are drawn in the main process.
+            processes load examples only: the Poisson batches are drawn in the main process. ``pin_memory=None``
+            (default) pins exactly when the trainer runs on a CUDA device (:func:`pin_memory_for`): batches then
+            sit in page-locked host memory, which Lightning's ``non_blocking`` copy to the device can overlap; on a
+            CPU run pinning would only cost a copy.
         fixed_length: pad every private batch to one length, whatever was sampled: ``True`` always, ``False``
             never, ``None`` (default) when the method computes in half precision (its ``fixed_shapes``), where the
             rounding of every example's result depends on the batch's padded length. The length is the collate's
@@ -95,7 +106,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         predict: Dataset | None = None,
         collate_fn: Callable[[list], Any] | None = None,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
         fixed_length: bool | None = None,
     ) -> None:
         super().__init__()
@@ -110,7 +121,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size
         self.collate_fn = collate_fn if collate_fn is not None else PaddingCollate()
         self.fixed_length = fixed_length
-        self.loader_kwargs = {"num_workers": num_workers, "pin_memory": pin_memory}
+        self.num_workers, self.pin_memory = num_workers, pin_memory
         self._public_generator = torch.Generator().manual_seed(seed + 1)
         if private is not None:
             self._validate()
@@ -182,6 +193,15 @@ class PrivatePublicDataModule(L.LightningDataModule):
             raise ConfigError(
                 f"public_batch_size={self.public_batch_size} is larger than the public dataset ({len(self.public)})."
             )
+
+    @property
+    def loader_kwargs(self) -> dict[str, Any]:
+        """``num_workers`` and ``pin_memory`` of every loader, ``pin_memory=None`` resolved for the trainer's device
+        (not pinned without a trainer)."""
+        pin = self.pin_memory
+        if pin is None:
+            pin = self.trainer is not None and pin_memory_for(self.trainer.strategy.root_device)
+        return {"num_workers": self.num_workers, "pin_memory": pin}
 
     @property
     def n_private(self) -> int:

@@ -160,7 +160,7 @@ def perplexity(net: nn.Module, batches: Iterable[Any]) -> float:
     try:
         net.eval()
         for batch in batches:
-            nll, tokens = causal_lm_token_losses(net, {k: v.to(device) for k, v in batch.items()})
+            nll, tokens = causal_lm_token_losses(net, {k: v.to(device, non_blocking=True) for k, v in batch.items()})
             total, count = total + float(nll.sum()), count + int(tokens.sum())
     finally:
         for m, training in modes.items():

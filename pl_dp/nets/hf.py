@@ -122,8 +122,22 @@ def add_lora(
         target_modules=None if targets is None else list(targets),
         lora_dropout=0.0,
         task_type=task_type,
+        fan_in_fan_out=targets_conv1d(model, targets),
     )
     return get_peft_model(model, config)
+
+
+def targets_conv1d(model: nn.Module, targets: Sequence[str] | None) -> bool:
+    """Whether LoRA's target layers in ``model`` are transformers' ``Conv1D`` (GPT-2's attention and MLP), which store
+    their weight as (in, out): peft's ``fan_in_fan_out``. Given as it is, peft has nothing to correct (and to warn
+    about at every build). ``targets`` names modules as peft matches them (a name or a dotted suffix); ``None``, peft's
+    defaults, which are Conv1D layers in a model that has them (GPT-2's ``c_attn``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    def targeted(name: str) -> bool:
+        return targets is None or any(name == t or name.endswith("." + t) for t in targets)
+
+    return any(isinstance(module, Conv1D) and targeted(name) for name, module in model.named_modules())
 
 
 def _is_head(name: str) -> bool:

@@ -72,3 +72,25 @@ def test_sampling_is_seeded_and_leaves_the_model_as_it_found_it(gpt2_dir):
     greedy = net.generate("the plot", max_new_tokens=6, do_sample=False)
     assert greedy == net.generate("the plot", max_new_tokens=6, do_sample=False, seed=None)
     assert net.model.training  # train mode restored
+
+
+def test_evaluation_logs_the_token_perplexity_and_the_cli_summary_prints_it(gpt2_dir):
+    """Issue [record] 41 item 4: a causal-LM run's summary line showed only epsilon. Validation and test log
+    ``<stage>/perplexity``, exp(sum NLL / sum tokens) over the whole split (pl_dp.nets.perplexity's number), and
+    ``pl-dp fit``'s summary prints the test loss and perplexity."""
+    from pl_dp.cli import report
+    from pl_dp.nets import perplexity
+
+    data = TextGenerationDataModule(
+        data=TEXTS, tokenizer=gpt2_dir, batch_size=12, max_length=24, eval_batch_size=5, sampling_seed=0
+    )
+    model = _method("ghost", gpt2_dir)
+    trainer = make_trainer(max_epochs=1, limit_train_batches=2)
+    trainer.fit(model, datamodule=data)
+    assert "val/perplexity" in trainer.logged_metrics
+    (tested,) = trainer.test(model, datamodule=data, verbose=False)
+    expected = perplexity(model.net, data.test_dataloader())  # several batches of unequal token counts
+    assert len(data.test_dataloader()) > 1
+    torch.testing.assert_close(torch.tensor(tested["test/perplexity"]), torch.tensor(expected), rtol=1e-5, atol=0)
+    line = report(model, tested)
+    assert f"test loss {tested['test/loss']:.4f}, test perplexity {expected:.2f}" in line and "epsilon" in line
