@@ -32,7 +32,8 @@ PROTECTED = (
 NOT_PROTECTED = (
     "validation, test and public data and anything computed from them",
     "metrics under diagnostics/not_private/ (logged only with log_private_metrics=True)",
-    "choices made by looking at private results (hyperparameter tuning on private data)",
+    "choices made by looking at private results (hyperparameter tuning on private data), but a search by pl-dp tune, "
+    "whose released model's report accounts it",
     "timing side channels",
     "the size of the private set: q = batch_size / n, δ's default 1/n and the steps per epoch are computed from n "
     "and shown, as in Opacus (n is treated as public)",
@@ -90,7 +91,9 @@ class PrivacyReport:
                 epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
         name = accountant_state[STATE_NAME_KEY] if accountant_state else None
         search, trial_epsilon = state.get("search"), None
-        if search is not None and epsilon:  # a search's release: Papernot & Steinke's bound over its random trials
+        if (
+            search is not None and accountant_state is not None and epsilon
+        ):  # a search's release: Papernot & Steinke's bound over its random trials
             count = TrialCount(mean=search["mean"], shape=search["shape"])
             trial_epsilon, epsilon = epsilon, search_epsilon(accountant_state["history"], count, state["delta"])
         seeded = tuple(k for k, v in state.get("user_seeded", {}).items() if v)

@@ -158,7 +158,7 @@ class TrialCount:
         """The distribution in words (the privacy report's line)."""
         if self.is_poisson:
             return f"Poisson with mean {self.mean:g}"
-        kind = {0: "logarithmic", 1: "geometric"}.get(self.shape, "truncated negative binomial")
+        kind = {0.0: "logarithmic", 1.0: "geometric"}.get(self.shape, "truncated negative binomial")
         return f"{kind} (shape {self.shape:g}) with mean {self.mean:g}"
 
 
