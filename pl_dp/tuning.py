@@ -272,7 +272,7 @@ class Search:
         many ran, and mark the search released."""
         trials = state["trials"]
         if not trials:  # Poisson: K = 0
-            state.update(trials=[], released={"checkpoint": None})
+            state.update(released={"checkpoint": None, "trial": None})
             self._save(state)
             return
         sign = 1.0 if self.mode == "max" else -1.0
@@ -291,15 +291,23 @@ class Search:
         state.update(
             trials=[],
             more=None,
-            released={"checkpoint": str(released), "score": best["score"], "candidate": best["candidate"]},
+            released={
+                "checkpoint": str(released),
+                "score": best["score"],
+                "candidate": best["candidate"],
+                "trial": best["id"],
+            },
         )
         self._save(state)
-        for directory in (self.directory / "trials").iterdir():
-            if directory.name != best["id"]:  # the best trial's directory keeps its privacy journal
-                shutil.rmtree(directory, ignore_errors=True)
 
     def _released(self, state: dict[str, Any]) -> Released:
+        """The release of a finished search, after deleting every trial directory but the best's (which keeps its
+        privacy journal) — also those a search killed while it deleted them left."""
         released = state["released"]
+        trials = self.directory / "trials"
+        for directory in trials.iterdir() if trials.is_dir() else ():
+            if directory.name != released["trial"]:
+                shutil.rmtree(directory, ignore_errors=True)
         if released["checkpoint"] is None:
             return Released(checkpoint=None, score=None, candidate=None)
         return Released(
@@ -434,7 +442,7 @@ def tune_command(argv: Sequence[str]) -> Released | None:
         return options[name][0]
 
     try:
-        count = TrialCount(mean=float(value("mean")), shape=float(value("shape")))
+        mean, shape = float(value("mean")), float(value("shape"))
         max_trials = None if value("max_trials").lower() == "none" else int(value("max_trials"))
     except ValueError as error:
         raise ConfigError(
@@ -446,7 +454,7 @@ def tune_command(argv: Sequence[str]) -> Released | None:
     search = Search(
         directory=Path(value("directory")),
         space=SearchSpace.parse(options["space"]),
-        count=count,
+        count=TrialCount(mean=mean, shape=shape),
         metric=value("metric"),
         mode=value("mode"),
         identity={"config": Path(config).read_text(), "overrides": list(overrides)},

@@ -1,6 +1,7 @@
 """``pl-dp tune``: a random number of trials, only the best released, resumable, one privacy event repeated."""
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -103,6 +104,13 @@ def test_a_killed_search_resumes_without_rerunning_or_redrawing(tmp_path):
     assert released.report.epsilon == pytest.approx(search_epsilon(HISTORY, count, DELTA), rel=1e-12)
     again = RecordedTrial()
     assert _search(tmp_path, count, seed=2).run(again) == released and not again.calls  # a finished search stays so
+
+
+def test_a_poisson_search_may_draw_no_trial_and_then_releases_nothing(tmp_path):
+    trial = RecordedTrial()
+    released = _search(tmp_path, TrialCount(mean=1.2, shape=math.inf), seed=0).run(trial)  # seed 0 draws K = 0
+    assert not trial.calls and released.checkpoint is None and released.report is None
+    assert "nothing is released" in str(released) and not (tmp_path / RELEASED_FILE).exists()
 
 
 def test_a_trial_with_another_privacy_event_stops_the_search_and_releases_nothing(tmp_path):
