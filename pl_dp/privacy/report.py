@@ -200,7 +200,8 @@ class PrivacyReport:
                 if self.delta is not None  # None until the first fit plans (e.g. `pl-dp test` of an untrained model)
                 else "  guarantee     nothing spent: no private fit yet"
             )
-            + (f"; target epsilon {self.target_epsilon:g}" if self.target_epsilon is not None else ""),
+            + (f"; target epsilon {self.target_epsilon:g}" if self.target_epsilon is not None else "")
+            + (" per trial" if self.search is not None and self.target_epsilon is not None else ""),
             *self._search_lines(),
             *self._plan_lines(),
             *self._change_lines(),
