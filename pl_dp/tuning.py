@@ -285,6 +285,7 @@ class Search:
             "score": best["score"],
             "candidate": best["candidate"],
             "seeded": self.coin.seeded,
+            "history": state["event"]["history"],
         }
         released = self.directory / RELEASED_FILE
         torch.save(checkpoint, released)

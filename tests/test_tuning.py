@@ -177,8 +177,11 @@ def test_pl_dp_tune_on_digits_releases_one_checkpoint_and_its_report(tmp_path, c
         search_epsilon(state["history"], TrialCount(mean=1.5, shape=1.0), state["delta"])
     )
     assert report.trial_epsilon < report.epsilon <= 3.0  # per-trial target 1; a mean of 1.5 trials costs ~2
+    guarantee = str(report).splitlines()[1]
     main(["report", str(directory / RELEASED_FILE)])
-    assert report.__str__().splitlines()[1] in capsys.readouterr().out
+    assert guarantee in capsys.readouterr().out
+    main(["test", "--config", str(config), "--ckpt_path", str(directory / RELEASED_FILE)])
+    assert guarantee in capsys.readouterr().out  # the model restored from the release reports the search's epsilon
     with pytest.raises(SystemExit) as refused:
         main(["tune", *args[:2], "--tune.space", "data.init_args.batch_size=[8]", *args[4:]])
     assert refused.value.code == 2 and "same privacy event" in capsys.readouterr().err

@@ -95,7 +95,12 @@ class PrivacyReport:
             search is not None and accountant_state is not None and epsilon
         ):  # a search's release: Papernot & Steinke's bound over its random trials
             count = TrialCount(mean=search["mean"], shape=search["shape"])
-            trial_epsilon, epsilon = epsilon, search_epsilon(accountant_state["history"], count, state["delta"])
+            history = accountant_state["history"]
+            trial = search.get("history", history)
+            # trained on after the search: compose its whole history again (it contains the steps since: an upper bound)
+            later = [] if [list(row) for row in history] == [list(row) for row in trial] else history
+            trial_epsilon = load_accountant({**accountant_state, "history": trial}).get_epsilon(state["delta"])
+            epsilon = search_epsilon(trial, count, state["delta"], then=later)
         seeded = tuple(k for k, v in state.get("user_seeded", {}).items() if v)
         return cls(
             method=state["method"],
@@ -167,12 +172,22 @@ class PrivacyReport:
             return []
         count = TrialCount(mean=self.search["mean"], shape=self.search["shape"])
         values = ", ".join(f"{key}={value}" for key, value in self.search["candidate"].items())
+        trial_steps = sum(int(row[2]) for row in self.search.get("history", ()))
+        later = (
+            [
+                f"  trained on    {self.private_steps - trial_steps} private steps after the search: epsilon composes "
+                "the search with this model's whole history again (an upper bound)"
+            ]
+            if trial_steps and self.private_steps > trial_steps
+            else []
+        )
         return [
             f"  search        the best of a random number of trials (pl-dp tune), number of trials {count.describe()}: "
             "epsilon is Papernot & Steinke's (2022) Renyi-DP bound for the whole search (dp-accounting's "
             f"RepeatAndSelectDpEvent); each trial alone spent epsilon {self.trial_epsilon:.4g}, the event below",
             f"  selection     {self.search['metric']} {self.search['score']:.4g} on the validation split (outside the "
             f"protected set: no privacy cost), with {values}; the number of trials and the other trials stay hidden",
+            *later,
         ]
 
     def _change_lines(self) -> list[str]:

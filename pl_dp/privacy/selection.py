@@ -227,9 +227,12 @@ def trial_event(history: History) -> dp_event.DpEvent:
     )
 
 
-def search_epsilon(history: History, count: TrialCount, delta: float) -> float:
+def search_epsilon(history: History, count: TrialCount, delta: float, then: History = ()) -> float:
     """ε at ``delta`` of a search whose trials each released ``history`` and whose number of trials follows ``count``
-    (dp-accounting's RDP accountant of ``RepeatAndSelectDpEvent``, add/remove-one adjacency)."""
+    (dp-accounting's RDP accountant of ``RepeatAndSelectDpEvent``, add/remove-one adjacency), composed with the steps
+    of ``then``: the released model's training after the search, if any."""
     accountant = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     accountant.compose(count.event(trial_event(history)))
+    if then:
+        accountant.compose(trial_event(then))
     return float(accountant.get_epsilon(delta))

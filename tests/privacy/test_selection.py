@@ -51,6 +51,26 @@ def test_the_reported_epsilon_is_dp_accountings_repeat_and_select(shape):
     assert "how many trials ran" in text  # the working state is named as not protected
 
 
+def test_a_release_trained_on_after_the_search_composes_the_steps_since():
+    """A checkpoint of the released model trained further: ε composes the search with the model's whole history (it
+    holds the later steps), never the search alone."""
+    count, delta = TrialCount(mean=4.0, shape=1.0), 1e-5
+    search = {"mean": 4.0, "shape": 1.0, "metric": "val/acc", "score": 0.9, "candidate": {"lr": 0.1}}
+    later = [[1.1, 0.05, 150]]
+    state = {
+        "method": "DPSGD",
+        "privacy": {"epsilon": 3.0},
+        "accountant": {"mechanism": "rdp", "history": later},
+        "delta": delta,
+        "private_steps": 150,
+        "search": search | {"history": [[1.1, 0.05, 120]]},
+    }
+    report = PrivacyReport.from_state(state)
+    assert report.epsilon == pytest.approx(search_epsilon([[1.1, 0.05, 120]], count, delta, then=later), rel=1e-12)
+    assert report.epsilon > search_epsilon([[1.1, 0.05, 120]], count, delta)
+    assert "30 private steps after the search" in str(report)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_distribution_sums_to_one_and_its_mean_is_at_most_the_accounted_one(shape):
     count = TrialCount(mean=4.0, shape=shape)
