@@ -28,6 +28,7 @@ the protected set, and nothing else of the search — its count of trials, the o
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import secrets
@@ -232,7 +233,14 @@ def search_epsilon(history: History, count: TrialCount, delta: float, then: Hist
     (dp-accounting's RDP accountant of ``RepeatAndSelectDpEvent``, add/remove-one adjacency), composed with the steps
     of ``then``: the released model's training after the search, if any."""
     accountant = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    accountant.compose(count.event(trial_event(history)))
-    if then:
-        accountant.compose(trial_event(then))
-    return float(accountant.get_epsilon(delta))
+    # dp-accounting logs a warning for each Rényi order whose series does not converge (small σ, low orders) and
+    # leaves that order out: ε is the minimum over the orders kept, still an upper bound, so the lines are hidden
+    absl, level = logging.getLogger("absl"), logging.getLogger("absl").level
+    absl.setLevel(logging.ERROR)
+    try:
+        accountant.compose(count.event(trial_event(history)))
+        if then:
+            accountant.compose(trial_event(then))
+        return float(accountant.get_epsilon(delta))
+    finally:
+        absl.setLevel(level)
