@@ -22,6 +22,10 @@ loads the checkpoint's weights and prints one sampled continuation per prompt (:
 the net must have a ``generate`` method, as :class:`~pl_dp.nets.CausalLM` has). Sampling is post-processing of
 the released model: it costs no privacy, and the ε printed with it is the checkpoint's.
 
+``pl-dp tune --config C --tune.space "model.init_args.lr=[0.01,0.1]" --tune.mean 4 --tune.directory D`` runs a
+private hyperparameter search (:mod:`pl_dp.tuning`): a random number of trials, the best released with the privacy
+report of the whole search (Papernot & Steinke 2022).
+
 ``pl-dp audit --run [--canaries 1000 --steps 1000 --sampling_seed ... ...]`` audits a whole run
 instead (:func:`pl_dp.audit_run.audit_run`: one real training run with canaries, a checkpoint and
 a kill-and-resume, and an adversary that replays the public config); the options are the
@@ -69,6 +73,7 @@ from pl_dp.audit_run import audit_run
 from pl_dp.errors import PlDpError
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.tuning import PAUSED, TUNE_USAGE, tune_command
 
 
 class PlDpCLI(LightningCLI):
@@ -334,7 +339,9 @@ DESCRIPTION = (
 EPILOG = (
     "More subcommands: 'pl-dp report PATH.ckpt' prints a checkpoint's privacy report; 'pl-dp generate --config C "
     "--ckpt_path PATH.ckpt --prompt TEXT' samples text from a checkpoint's language model (post-processing, no "
-    "privacy cost); 'pl-dp audit --config C' "
+    "privacy cost); 'pl-dp tune --config C --tune.space KEY=[...] --tune.mean M --tune.directory D' searches "
+    "hyperparameters on private data and releases the best model with the whole search's epsilon ('pl-dp tune "
+    "--help'); 'pl-dp audit --config C' "
     "audits one private step of a config's method (an empirical lower bound on epsilon next to the claim; "
     "--audit.* options); 'pl-dp audit --run' audits a whole training run with canaries (its options: 'pl-dp audit "
     "--run --help'). 'pl-dp --verbose SUBCOMMAND ...' (or PL_DP_VERBOSE=1) shows Lightning's info lines, which are "
@@ -395,6 +402,13 @@ def _run(argv: list[str], args: list[str] | None) -> None:
             f"pl-dp: sampled from the checkpoint, post-processing of the released model: no further privacy cost.\n"
             f"{PrivacyReport.from_checkpoint(options['ckpt_path'])}"
         )
+        return
+    if argv[:1] == ["tune"]:
+        if argv[1:] in (["-h"], ["--help"]):
+            print(TUNE_USAGE)
+            return
+        released = tune_command(argv[1:])
+        print(PAUSED if released is None else released)
         return
     if argv[:2] == ["audit", "--run"]:
         raise SystemExit(run_audit(argv[2:]))

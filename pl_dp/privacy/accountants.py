@@ -328,12 +328,25 @@ class PLD(Accountant):
         return _pld_epsilon(tuple(history), float(delta), self.value_discretization_interval)
 
 
+def history_event(history: Sequence[Sequence[float]]) -> dp_accounting.DpEvent:
+    """The DpEvent of a history of ``(σ, q, steps)`` rows: each ``steps`` Poisson-subsampled Gaussian steps (Abadi
+    et al. 2016), the rows composed in order."""
+    return dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(float(rate), dp_accounting.GaussianDpEvent(float(sigma))),
+                int(steps),
+            )
+            for sigma, rate, steps in history
+        ]
+    )
+
+
 @lru_cache(maxsize=256)
 def _pld_epsilon(history: tuple[tuple[float, float, int], ...], delta: float, interval: float) -> float:
     """ε of a history of Poisson-subsampled Gaussian steps by dp-accounting's pessimistic PLD."""
     accountant = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, interval)
-    for sigma, rate, steps in history:
-        accountant.compose(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(sigma)), steps)
+    accountant.compose(history_event(history))
     return float(accountant.get_epsilon(delta))
 
 

@@ -64,6 +64,8 @@ class PrivacyLedger:
         self.spec_changes: list[dict[str, Any]] = []
         self.lineage: str | None = None
         self.journal: PrivacyJournal | None = None
+        #: the hyperparameter search that released this model (``pl-dp tune``), kept so its ε stays in the report
+        self.search: dict[str, Any] | None = None
         self._segment: Accountant | None = None  # this fit's own steps, for the journal
         self._segment_id = ""
         # the guard
@@ -355,6 +357,7 @@ class PrivacyLedger:
             "spec_changes": [dict(change) for change in self.spec_changes],
             "lineage": self.lineage,
             "journal": str(self.journal.path) if self.journal is not None else None,
+            **({"search": dict(self.search)} if self.search is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -369,6 +372,7 @@ class PrivacyLedger:
         for secret, seeded in state.get("user_seeded", {}).items():
             self.user_seeded[secret] |= bool(seeded)
         self.spec_changes = [dict(change) for change in state.get("spec_changes") or ()]
+        self.search = dict(state["search"]) if state.get("search") else None
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
         # the lineage and its journal, so that ε counts every step the lineage released even when no fit follows (a

@@ -17,6 +17,7 @@ from dp_accounting import NeighboringRelation
 from pl_dp.errors import ConfigError
 from pl_dp.privacy.accountants import STATE_NAME_KEY, accountant_class, load_accountant
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.selection import TrialCount, search_epsilon
 from pl_dp.step.independence import RELEASE_TOLERANCE
 
 #: how the report words each neighbouring relation an accountant declares (``Accountant.adjacency``)
@@ -31,7 +32,8 @@ PROTECTED = (
 NOT_PROTECTED = (
     "validation, test and public data and anything computed from them",
     "metrics under diagnostics/not_private/ (logged only with log_private_metrics=True)",
-    "choices made by looking at private results (hyperparameter tuning on private data)",
+    "choices made by looking at private results (hyperparameter tuning on private data), but a search by pl-dp tune, "
+    "whose released model's report accounts it",
     "timing side channels",
     "the size of the private set: q = batch_size / n, δ's default 1/n and the steps per epoch are computed from n "
     "and shown, as in Opacus (n is treated as public)",
@@ -70,6 +72,11 @@ class PrivacyReport:
     spec_changes: tuple[dict[str, Any], ...] = ()
     #: how far one record may move the other examples' part of a release, in units of C (checked at fit start)
     release_tolerance: float = RELEASE_TOLERANCE
+    #: the hyperparameter search (``pl-dp tune``) that released this model, or None: the distribution of the number
+    #: of trials (mean, shape), the score (metric, value), the candidate and whether its draws were seeded
+    search: dict[str, Any] | None = None
+    #: the ε of the one trial that trained this model (``epsilon`` is then the whole search's)
+    trial_epsilon: float | None = None
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> PrivacyReport:
@@ -83,6 +90,18 @@ class PrivacyReport:
             if state.get("delta") is not None:
                 epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
         name = accountant_state[STATE_NAME_KEY] if accountant_state else None
+        search, trial_epsilon = state.get("search"), None
+        if (
+            search is not None and accountant_state is not None and epsilon
+        ):  # a search's release: Papernot & Steinke's bound over its random trials
+            count = TrialCount(mean=search["mean"], shape=search["shape"])
+            history = accountant_state["history"]
+            trial = search.get("history", history)
+            # trained on after the search: compose its whole history again (it contains the steps since: an upper bound)
+            later = [] if [list(row) for row in history] == [list(row) for row in trial] else history
+            trial_epsilon = load_accountant({**accountant_state, "history": trial}).get_epsilon(state["delta"])
+            epsilon = search_epsilon(trial, count, state["delta"], then=later)
+        seeded = tuple(k for k, v in state.get("user_seeded", {}).items() if v)
         return cls(
             method=state["method"],
             private=spec is not None,
@@ -96,11 +115,13 @@ class PrivacyReport:
             expected_batch_size=state.get("expected_batch_size"),
             private_steps=int(state.get("private_steps", 0)),
             planned_steps=state.get("planned_steps"),
-            user_seeded=tuple(k for k, v in state.get("user_seeded", {}).items() if v),
+            user_seeded=seeded + (("number of trials",) if search and search.get("seeded") else ()),
             secure_rng=bool(state.get("secure_rng", False)),
             charged_steps=int(charged),
             segments=tuple(segments),
             spec_changes=tuple(dict(change) for change in state.get("spec_changes") or ()),
+            search=dict(search) if search is not None else None,
+            trial_epsilon=trial_epsilon,
         )
 
     @classmethod
@@ -145,6 +166,30 @@ class PrivacyReport:
             lines.append(f"  segment {index:<5} {steps} steps at noise multiplier {sigma:.4g}{sampled}")
         return lines
 
+    def _search_lines(self) -> list[str]:
+        """What a search's release adds: how the trials were counted and the best chosen."""
+        if self.search is None:
+            return []
+        count = TrialCount(mean=self.search["mean"], shape=self.search["shape"])
+        values = ", ".join(f"{key}={value}" for key, value in self.search["candidate"].items())
+        trial_steps = sum(int(row[2]) for row in self.search.get("history", ()))
+        later = (
+            [
+                f"  trained on    {self.private_steps - trial_steps} private steps after the search: epsilon composes "
+                "the search with this model's whole history again (an upper bound)"
+            ]
+            if trial_steps and self.private_steps > trial_steps
+            else []
+        )
+        return [
+            f"  search        the best of a random number of trials (pl-dp tune), number of trials {count.describe()}: "
+            "epsilon is Papernot & Steinke's (2022) Renyi-DP bound for the whole search (dp-accounting's "
+            f"RepeatAndSelectDpEvent); each trial alone spent epsilon {self.trial_epsilon:.4g}, the event below",
+            f"  selection     {self.search['metric']} {self.search['score']:.4g} on the validation split (outside the "
+            f"protected set: no privacy cost), with {values}; the number of trials and the other trials stay hidden",
+            *later,
+        ]
+
     def _change_lines(self) -> list[str]:
         lines = []
         for change in self.spec_changes:
@@ -170,7 +215,9 @@ class PrivacyReport:
                 if self.delta is not None  # None until the first fit plans (e.g. `pl-dp test` of an untrained model)
                 else "  guarantee     nothing spent: no private fit yet"
             )
-            + (f"; target epsilon {self.target_epsilon:g}" if self.target_epsilon is not None else ""),
+            + (f"; target epsilon {self.target_epsilon:g}" if self.target_epsilon is not None else "")
+            + (" per trial" if self.search is not None and self.target_epsilon is not None else ""),
+            *self._search_lines(),
             *self._plan_lines(),
             *self._change_lines(),
         ]
@@ -209,6 +256,11 @@ class PrivacyReport:
         )
         lines.append(f"  protects      {PROTECTED}")
         not_protected = list(NOT_PROTECTED)
+        if self.search is not None:
+            not_protected.append(
+                "the search's working state while it ran (its directory, its progress lines): they show how many "
+                "trials ran"
+            )
         if not self.secure_rng:
             not_protected.append("floating-point attacks on the noise generator (secure_rng=False)")
         lines.append("  not protected " + "; ".join(not_protected))
