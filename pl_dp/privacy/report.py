@@ -17,25 +17,33 @@ from dp_accounting import NeighboringRelation
 from pl_dp.errors import ConfigError
 from pl_dp.privacy.accountants import STATE_NAME_KEY, accountant_class, load_accountant
 from pl_dp.privacy.mechanisms import SubsampledGaussian
+from pl_dp.privacy.units import PrivacyUnit
 from pl_dp.step.independence import RELEASE_TOLERANCE
 
 #: how the report words each neighbouring relation an accountant declares (``Accountant.adjacency``)
 ADJACENCY = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove-one", NeighboringRelation.REPLACE_ONE: "replace-one"}
 DEFAULT_ADJACENCY = ADJACENCY[NeighboringRelation.ADD_OR_REMOVE_ONE]
 
+#: whom the guarantee protects, by unit of privacy (:mod:`pl_dp.privacy.units`)
+PROTECTED_UNIT = {"example": "one example", "user": "one user (all of their examples)"}
 PROTECTED = (
     "every model and checkpoint released during training and at its end, and the logged privacy/* "
     "metrics and statistics of noisy releases, against an adversary who knows the code, the config, "
-    "every checkpoint and log, and all the data except whether one example is in it"
+    "every checkpoint and log, and all the data except whether {unit} is in it"
 )
 NOT_PROTECTED = (
     "validation, test and public data and anything computed from them",
     "metrics under diagnostics/not_private/ (logged only with log_private_metrics=True)",
     "choices made by looking at private results (hyperparameter tuning on private data)",
     "timing side channels",
-    "the size of the private set: q = batch_size / n, δ's default 1/n and the steps per epoch are computed from n "
-    "and shown, as in Opacus (n is treated as public)",
 )
+#: what is treated as public about the private set's size, by unit of privacy
+SIZE_SHOWN = {
+    "example": "the size of the private set: q = batch_size / n, δ's default 1/n and the steps per epoch are computed "
+    "from n and shown, as in Opacus (n is treated as public)",
+    "user": "the number of users U and of examples: q = users per batch / U, δ's default 1/U and the steps per epoch "
+    "are computed from U and shown (U and the number of examples are treated as public)",
+}
 
 
 def _plain(value: Any) -> str:
@@ -70,6 +78,10 @@ class PrivacyReport:
     spec_changes: tuple[dict[str, Any], ...] = ()
     #: how far one record may move the other examples' part of a release, in units of C (checked at fit start)
     release_tolerance: float = RELEASE_TOLERANCE
+    #: the unit of privacy, ``"example"`` or ``"user"`` (:class:`~pl_dp.privacy.units.PrivacyUnit`)
+    unit: str = "example"
+    #: how many units the private set holds (examples, or users): the n of q and of δ's default; None before a plan
+    population: int | None = None
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> PrivacyReport:
@@ -83,6 +95,7 @@ class PrivacyReport:
             if state.get("delta") is not None:
                 epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
         name = accountant_state[STATE_NAME_KEY] if accountant_state else None
+        unit = PrivacyUnit.from_dict(state["unit"]) if state.get("unit") else None
         return cls(
             method=state["method"],
             private=spec is not None,
@@ -101,6 +114,8 @@ class PrivacyReport:
             charged_steps=int(charged),
             segments=tuple(segments),
             spec_changes=tuple(dict(change) for change in state.get("spec_changes") or ()),
+            unit=unit.kind if unit is not None else "example",
+            population=unit.population if unit is not None else None,
         )
 
     @classmethod
@@ -145,6 +160,16 @@ class PrivacyReport:
             lines.append(f"  segment {index:<5} {steps} steps at noise multiplier {sigma:.4g}{sampled}")
         return lines
 
+    def _unit_sampling(self) -> str:
+        """What the sampling line adds under user-level privacy: whom q samples, and how many rows a user is."""
+        if self.unit != "user":
+            return ""
+        users = "" if self.population is None else f" of {self.population}"
+        return (
+            f", over users{users}: each user joins a batch with probability q and gives one of their examples, "
+            "drawn at random, so one user is at most one row of any batch"
+        )
+
     def _change_lines(self) -> list[str]:
         lines = []
         for change in self.spec_changes:
@@ -166,7 +191,8 @@ class PrivacyReport:
         lines = [
             f"pl_dp privacy report — {self.method}",
             (
-                f"  guarantee     ({self.epsilon:.4g}, {self.delta:.3g})-DP per example, {self.adjacency} adjacency"
+                f"  guarantee     ({self.epsilon:.4g}, {self.delta:.3g})-DP per {self.unit}, {self.adjacency} adjacency"
+                + (" of users (one user with all of their examples)" if self.unit == "user" else "")
                 if self.delta is not None  # None until the first fit plans (e.g. `pl-dp test` of an untrained model)
                 else "  guarantee     nothing spent: no private fit yet"
             )
@@ -189,7 +215,7 @@ class PrivacyReport:
             rate = (
                 f"rate {self.sample_rate:.4g}" if len(rates) <= 1 else f"rate per segment; now {self.sample_rate:.4g}"
             )
-            lines.append(f"  sampling      Poisson, {rate}{expected}")
+            lines.append(f"  sampling      Poisson, {rate}{expected}" + self._unit_sampling())
         if self.user_seeded:
             lines.append(
                 f"  secrets       USER-SEEDED ({', '.join(self.user_seeded)}): epsilon is NO guarantee against "
@@ -207,8 +233,8 @@ class PrivacyReport:
             f"one record moves a release by at most {1 + self.release_tolerance:g}·C (half-precision runs pad their "
             "private batches to one shape)"
         )
-        lines.append(f"  protects      {PROTECTED}")
-        not_protected = list(NOT_PROTECTED)
+        lines.append(f"  protects      {PROTECTED.format(unit=PROTECTED_UNIT[self.unit])}")
+        not_protected = [*NOT_PROTECTED, SIZE_SHOWN[self.unit]]
         if not self.secure_rng:
             not_protected.append("floating-point attacks on the noise generator (secure_rng=False)")
         lines.append("  not protected " + "; ".join(not_protected))
