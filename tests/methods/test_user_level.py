@@ -1,19 +1,22 @@
 """User-level privacy through real fits: ε at the user sample rate, and one user — however many examples they wrote —
 moves a release by at most C (black box: two runs, D and D′ without all of one user's examples)."""
 
+import lightning as L
 import pytest
 import torch
 from dp_accounting import NeighboringRelation
 from dp_accounting.dp_event import GaussianDpEvent, PoissonSampledDpEvent
 from dp_accounting.pld import PLDAccountant
 from torch import nn
-from torch.utils.data import ConcatDataset, TensorDataset
+from torch.utils.data import ConcatDataset, Subset, TensorDataset
 
 from pl_dp import PrivacySpec
+from pl_dp.audit import _RecordingMechanism
 from pl_dp.callbacks.wandb import privacy_config
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import PrivacyConfigError
 from pl_dp.methods import DPSGD, O2NC, DPZero
+from tests import catalog
 from tests.conftest import blobs, make_trainer
 
 CLIP, LR = 1.0, 0.1
@@ -71,6 +74,47 @@ def test_removing_all_of_one_users_examples_moves_the_release_by_at_most_c_and_e
     assert CLIP * 0.99 <= moved <= CLIP * 1.01  # one row, saturated at C
     example_level = _released_sum(with_user, user_of=None, batch_size=50)
     assert (example_level - without).norm().item() > 0.9 * HEAVY * CLIP  # the bound broken 20-fold
+
+
+#: every Poisson-sampled method, and DP-SGD's other per-sample modes (O2NC refuses user-level privacy)
+USER_LEVEL = [entry for entry in catalog.METHODS if entry.cls is not O2NC] + catalog.by_id(
+    "dpsgd-ghost", "dpsgd-functorch"
+)
+
+
+def _one_step(entry, private, user_of):
+    """What one private step of ``entry`` on ``private`` releases — the noised sums its mechanism privatizes (recorded
+    as the audit records them) and θ after it — with every unit sampled (q = 1) and every seed fixed."""
+    L.seed_everything(0)  # the direction seed (zeroth-order methods) derives from it
+    model = entry.build(privacy=PrivacySpec(50.0, noise_multiplier=1.0), noise_seed=3)
+    recorded, build = [], model.mechanism
+
+    def recording(batch_size):
+        recorded.append(_RecordingMechanism(build(batch_size)))
+        return recorded[-1]
+
+    model.mechanism = recording
+    public = blobs(24, seed=5) if entry.public_data else None
+    units = len(set(user_of)) if user_of is not None else len(private)
+    dm = PrivatePublicDataModule(
+        private, public=public, batch_size=units, public_batch_size=8, user_of=user_of, sampling_seed=4
+    )
+    make_trainer(max_steps=1).fit(model, dm)
+    (mechanism,) = recorded
+    return mechanism.vector(), torch.cat([p.detach().flatten() for p in model.net.parameters()])
+
+
+@pytest.mark.parametrize("entry", USER_LEVEL, ids=repr)
+def test_every_method_sees_a_user_with_many_examples_as_one_example(entry):
+    """For every method: a user-level step on D (30 users of one example and one user of 20) releases exactly what an
+    example-level step releases on the 30 examples plus one example of the heavy user — the same noised sums, the
+    same θ — so the user moves the release as one example does, which each method bounds by C. Without per-user
+    bounding all 20 would be in the batch and the two would differ (each case fails then: checked)."""
+    others = blobs(30)
+    heavy = TensorDataset(torch.full((HEAVY, 4), 50.0), torch.zeros(HEAVY, dtype=torch.long))
+    user_level = _one_step(entry, ConcatDataset([others, heavy]), list(range(30)) + [30] * HEAVY)
+    one_example = _one_step(entry, ConcatDataset([others, Subset(heavy, [0])]), None)
+    torch.testing.assert_close(user_level, one_example, rtol=1e-5, atol=1e-7)
 
 
 def test_o2nc_refuses_user_level_privacy():
