@@ -199,8 +199,8 @@ class VaderEmbeddingDataModule(SplitsDataModule):
     the privacy guarantee is the head's, per lexicon entry. Embeddings are computed on the
     CPU when the module is built (a few seconds) and cached per process.
 
-    Args: as :class:`VaderSentimentDataModule`; ``model_path`` is a local encoder directory
-    (``None``: the packaged MiniLM).
+    Args: as :class:`VaderSentimentDataModule` (``authors`` included: the same synthetic authors of the same
+    entries); ``model_path`` is a local encoder directory (``None``: the packaged MiniLM).
     """
 
     def __init__(
@@ -212,7 +212,10 @@ class VaderEmbeddingDataModule(SplitsDataModule):
         model_path: str | None = None,
         public_batch_size: int = 32,
         eval_batch_size: int = 1024,
+        authors: int | None = None,
         **kwargs: Any,
     ) -> None:
         splits = _embedded_splits(public_fraction, max_length, model_path, public_shift)
+        if authors is not None:
+            kwargs["user_of"] = synthetic_authors(len(splits["private"]), authors)
         super().__init__(splits, public_batch_size=public_batch_size, eval_batch_size=eval_batch_size, **kwargs)
