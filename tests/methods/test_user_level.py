@@ -122,3 +122,12 @@ def test_o2nc_refuses_user_level_privacy():
     model = O2NC(nn.Linear(4, 3), clip=1.0, inner_steps=4, batch_size=4, privacy=PrivacySpec(2.0))
     with pytest.raises(PrivacyConfigError, match="user-level privacy \\(user_of\\) needs Poisson sampling over users"):
         make_trainer(max_steps=2).fit(model, dm)
+
+
+def test_a_module_that_trained_at_example_level_refuses_a_user_level_fit():
+    """ε composes across fits: a second fit at user level would claim a user-level ε for example-level steps."""
+    model = DPZero(nn.Linear(4, 3), lr=0.05, clip=1.0, queries=2, privacy=PrivacySpec(4.0, accountant="rdp"))
+    make_trainer(max_steps=2).fit(model, PrivatePublicDataModule(blobs(40), batch_size=5))
+    users = PrivatePublicDataModule(blobs(40), batch_size=5, user_of=[i // 4 for i in range(40)])
+    with pytest.raises(PrivacyConfigError, match="released 2 private steps at example-level privacy"):
+        make_trainer(max_steps=4).fit(model, users)
