@@ -164,9 +164,9 @@ class PrivacyReport:
         """What the sampling line adds under user-level privacy: whom q samples, and how many rows a user is."""
         if self.unit != "user":
             return ""
-        users = "" if self.population is None else f" of {self.population}"
+        users = "users" if self.population is None else f"{self.population} users"
         return (
-            f", over users{users}: each user joins a batch with probability q and gives one of their examples, "
+            f", over {users}: each user joins a batch with probability q and gives one of their examples, "
             "drawn at random, so one user is at most one row of any batch"
         )
 

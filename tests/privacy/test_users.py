@@ -100,7 +100,7 @@ def test_delta_defaults_to_one_over_the_users_and_the_report_speaks_of_users():
     report = ledger.report("DPSGD", secure_rng=False, noise_seeded=False)
     text = str(report)
     assert "-DP per user, add/remove-one adjacency of users (one user with all of their examples)" in text
-    assert "over users of 40: each user joins a batch with probability q and gives one of their examples" in text
+    assert "over 40 users: each user joins a batch with probability q and gives one of their examples" in text
     assert "all the data except whether one user (all of their examples) is in it" in text
     assert "δ's default 1/U" in text
     assert report.to_dict()["unit"] == "user" and report.to_dict()["population"] == 40
