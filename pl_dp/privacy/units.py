@@ -107,11 +107,6 @@ class UserIndex:
     def unit(self) -> PrivacyUnit:
         return PrivacyUnit("user", self.num_users)
 
-    @property
-    def most_examples(self) -> int:
-        """The most examples one user has (what example-level sampling would expose of them: group privacy)."""
-        return int(self.counts.max())
-
     def one_example_each(self, users: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """One example of each of ``users`` (distinct user numbers), each uniform among that user's examples and
         drawn from ``rng`` (the sampler's secret randomness), in the order of ``users``."""

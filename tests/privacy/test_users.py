@@ -25,7 +25,7 @@ def _skewed_users(num_users: int = 40, seed: int = 0) -> list[str]:
 def test_the_user_index_numbers_users_and_lists_their_examples():
     ids = ["b", "a", "b", "c", "a", "b"]
     index = UserIndex(ids)
-    assert (index.num_examples, index.num_users, index.most_examples) == (6, 3, 3)
+    assert (index.num_examples, index.num_users) == (6, 3)
     assert index.counts.tolist() == [3, 2, 1]  # numbered in order of first example: b, a, c
     examples = [sorted(index.order[index.offsets[u] : index.offsets[u + 1]].tolist()) for u in range(3)]
     assert examples == [[0, 2, 5], [1, 4], [3]]
