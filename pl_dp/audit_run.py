@@ -310,6 +310,8 @@ class _RunConfig:
     steps: int
     seed: int
     root_dir: str = "."
+    #: each example's user when the run is user-level (:func:`canary_users`), else None
+    users: list[int] | None = None
 
     def module(self, canaries: int) -> FirstOrderModule:
         L.seed_everything(self.seed, verbose=False)  # what a restarted job does first
@@ -319,7 +321,9 @@ class _RunConfig:
         )
 
     def datamodule(self, private: TensorDataset) -> PrivatePublicDataModule:
-        return PrivatePublicDataModule(private, batch_size=self.batch_size, sampling_seed=self.sampling_seed)
+        return PrivatePublicDataModule(
+            private, batch_size=self.batch_size, sampling_seed=self.sampling_seed, user_of=self.users
+        )
 
     def trainer(self, callbacks: list[Callback]) -> L.Trainer:
         return quiet_trainer(
@@ -364,6 +368,8 @@ class RunAuditResult:
     noise_reproduced_steps: int  # steps at which the replay's noise cancelled the target's
     batches_reproduced: tuple[bool, ...]  # per process of the run: the replay's batches were the target's
     seconds: float
+    canary_examples: int = 1  # examples of each canary (a canary is one user)
+    unit: str = "example"  # the run's unit of privacy: "example", or "user" (user_of: a canary is one user)
 
     @property
     def violated(self) -> bool:
@@ -381,7 +387,9 @@ class RunAuditResult:
         if any(self.batches_reproduced):
             leaks.append(f"the replay reproduced the batches (per process: {list(self.batches_reproduced)})")
         return (
-            f"pl-dp run audit: {self.method}, {self.canaries} canaries ({self.included} in), {self.steps} steps"
+            f"pl-dp run audit: {self.method}, {self.unit}-level, {self.canaries} canaries ({self.included} in"
+            + (f"; each a user of {self.canary_examples} examples" if self.canary_examples > 1 else "")
+            + f"), {self.steps} steps"
             f"{' with a kill-and-resume' if self.resumed else ''} at step {self.checkpoint_step}, q "
             f"{self.sample_rate:.4g}, sigma {self.noise_multiplier:.4g}, delta {self.delta:.2e} | claimed epsilon "
             f"{self.claimed_epsilon:.3f} | lower bound {self.epsilon_lower_bound:.3f} ({self.confidence:.0%} "
@@ -391,8 +399,11 @@ class RunAuditResult:
         )
 
 
-def _canary_data(canaries: int, included: np.ndarray, real_examples: int, scale: float, seed: int) -> TensorDataset:
-    """Real blobs (public) then one slot per canary: ``scale``·e_{d+j} when included, a blank (zeros) when not."""
+def _canary_data(
+    canaries: int, included: np.ndarray, real_examples: int, scale: float, seed: int, copies: int = 1
+) -> TensorDataset:
+    """Real blobs (public) then ``copies`` slots per canary: ``scale``·e_{d+j} when included, a blank (zeros) when
+    not — a canary of ``copies`` examples is one user who wrote them all."""
     generator = torch.Generator().manual_seed(seed)
     centers = torch.randn(CLASSES, FEATURES, generator=generator) * 3
     real_labels = torch.randint(0, CLASSES, (real_examples,), generator=generator)
@@ -400,8 +411,14 @@ def _canary_data(canaries: int, included: np.ndarray, real_examples: int, scale:
     real[:, :FEATURES] = centers[real_labels] + torch.randn(real_examples, FEATURES, generator=generator)
     slots = torch.zeros(canaries, FEATURES + canaries)
     slots[:, FEATURES:] = torch.diag(torch.as_tensor(included, dtype=torch.float32) * scale)
-    labels = torch.cat([real_labels, canary_labels(canaries)])
-    return TensorDataset(torch.cat([real, slots]), labels)
+    labels = torch.cat([real_labels, canary_labels(canaries).repeat_interleave(copies)])
+    return TensorDataset(torch.cat([real, slots.repeat_interleave(copies, dim=0)]), labels)
+
+
+def canary_users(canaries: int, real_examples: int, copies: int) -> list[int]:
+    """Each example's user in the audit's private set: every real example its own user, and canary j (all of its
+    ``copies`` examples, a blank's too) user ``real_examples + j``."""
+    return list(range(real_examples)) + [real_examples + j for j in range(canaries) for _ in range(copies)]
 
 
 def canary_labels(canaries: int) -> torch.Tensor:
@@ -425,6 +442,8 @@ def audit_run(
     confidence: float = 0.95,
     method_kwargs: Mapping[str, Any] | None = None,
     workdir: str | Path | None = None,
+    canary_examples: int = 1,
+    user_level: bool = False,
 ) -> RunAuditResult:
     """Audit a whole private training run with one run and many canaries (see the module docstring).
 
@@ -451,16 +470,28 @@ def audit_run(
             ``secure_rng``, …). Momentum, weight decay, optimizers other than SGD and adaptive clipping
             are refused: the audit reads each step's release off the parameter change.
         workdir: where the checkpoint is written (default: a temporary directory).
+        canary_examples: how many (identical) examples each canary has: a canary is one user who wrote them all,
+            and its inclusion adds or removes all of them.
+        user_level: audit user-level privacy: the run samples users (``PrivatePublicDataModule(user_of=...)``, each
+            real example its own user, each canary one user), so q = b/(``real_examples`` + m) users and a canary
+            of many examples is audited as the one user it is. Without it, a canary of several examples is audited
+            against the run's example-level claim, which group privacy does not meet: the audit should find the
+            violation.
     """
     kwargs = dict(method_kwargs or {})
     checkpoint_at = _check_request(method, kwargs, confidence, canaries, steps, real_examples, checkpoint_at)
+    if isinstance(canary_examples, bool) or not isinstance(canary_examples, int) or canary_examples < 1:
+        raise ConfigError(f"canary_examples must be an integer >= 1, got {canary_examples!r}.")
     privacy = privacy or PrivacySpec(epsilon=2.0, delta=1e-5)
-    config = _RunConfig(method, kwargs, privacy, noise_seed, sampling_seed, batch_size, steps, seed)
+    users = canary_users(canaries, real_examples, canary_examples) if user_level else None
+    config = _RunConfig(method, kwargs, privacy, noise_seed, sampling_seed, batch_size, steps, seed, users=users)
     coins = np.random.default_rng(secrets.randbits(64) if inclusion_seed is None else inclusion_seed)
     included = coins.random(canaries) < 0.5
     canary_scale = float(kwargs.get("clip", 1.0))  # ‖canary gradient‖ = C: saturates constant clipping exactly
     start = time.perf_counter()
-    seen = _run_and_replay(config, included, real_examples, canary_scale, checkpoint_at, resume, workdir)
+    seen = _run_and_replay(
+        config, included, real_examples, canary_scale, checkpoint_at, resume, workdir, canary_examples
+    )
     module = seen.module
     clip_function = module.clip_function
     if clip_function is None:  # a private first-order run always has one
@@ -484,6 +515,8 @@ def audit_run(
     return RunAuditResult(
         method=method.__name__,
         canaries=canaries,
+        canary_examples=canary_examples,
+        unit=module.privacy_unit.kind if module.privacy_unit is not None else "example",
         included=int(included.sum()),
         steps=steps,
         checkpoint_step=checkpoint_at,
@@ -521,6 +554,7 @@ def _run_and_replay(
     checkpoint_at: int,
     resume: bool,
     workdir: str | Path | None,
+    copies: int = 1,
 ) -> _Observations:
     """The target run (checkpoint, optional kill-and-resume), then the adversary's instrumented replay."""
     canaries, steps = len(included), config.steps
@@ -528,12 +562,14 @@ def _run_and_replay(
         config = dataclasses.replace(config, root_dir=str(workdir or scratch))
         checkpoint = Path(workdir or scratch) / "audit-run.ckpt"
         target = _ReleaseRecorder(FEATURES)
-        data = _canary_data(canaries, included, real_examples, canary_scale, config.seed)
+        data = _canary_data(canaries, included, real_examples, canary_scale, config.seed, copies)
         module = _fit(config, data, canaries, [target, _CheckpointAt(checkpoint_at, checkpoint, kill=resume)])
         if resume:
             module = _fit(config, data, canaries, [target], ckpt_path=checkpoint)
         # the adversary: the same config on every canary, to the checkpoint, then from the target's checkpoint
-        everything = _canary_data(canaries, np.ones(canaries, dtype=bool), real_examples, canary_scale, config.seed)
+        everything = _canary_data(
+            canaries, np.ones(canaries, dtype=bool), real_examples, canary_scale, config.seed, copies
+        )
         replay = _ReplayRecorder(FEATURES)
         _fit(config, everything, canaries, [replay, _CheckpointAt(checkpoint_at, None, kill=True)])
         _fit(config, everything, canaries, [replay], ckpt_path=_without_journal(checkpoint, Path(scratch)))

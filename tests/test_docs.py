@@ -118,7 +118,14 @@ def test_the_privacy_model_states_how_often_logged_epsilon_is_exact():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("page", "index"), [("getting-started.md", 0), ("your-module.md", 0), ("your-module.md", 1), ("your-module.md", 2)]
+    ("page", "index"),
+    [
+        ("getting-started.md", 0),
+        ("your-module.md", 0),
+        ("your-module.md", 1),
+        ("your-module.md", 2),
+        ("who-is-protected.md", 0),
+    ],
 )
 def test_the_python_snippets_of_the_docs_run_as_written(page, index, tmp_path):
     """Each snippet is a whole program; the test runs it with its epochs cut to one (and 4 batches a stage)."""

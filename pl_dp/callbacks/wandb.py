@@ -1,7 +1,8 @@
 """WandbPrivacyLogger: what a private run needs in Weights & Biases, at a glance.
 
 * once, at fit start: the run config — method, the privacy spec, the calibrated noise
-  multiplier, sample rate, δ, planned private steps, accountant and clip bound (every
+  multiplier, sample rate, δ, planned private steps, accountant, clip bound, and the unit of privacy
+  (``privacy/unit``: ``"example"`` or ``"user"``; ``privacy/population``: how many the private set holds; every
   hyperparameter is logged by Lightning itself from the module's ``hparams``);
 * every step, through the module's own ``self.log`` (so CSV and TensorBoard get the same keys):
   ``privacy/epsilon`` (the exact ε; PRV and PLD: at points of the plan, with their Rényi-DP bound
@@ -30,6 +31,7 @@ from lightning.pytorch.loggers import WandbLogger
 from pl_dp.callbacks.protocol import PrivacyCallback, PrivateModuleLike
 from pl_dp.callbacks.wandb_runs import group_points
 from pl_dp.errors import ConfigError
+from pl_dp.privacy.units import PrivacyUnit
 
 
 def _summary_key(metric: str) -> str:
@@ -41,6 +43,7 @@ class LoggedModule(PrivateModuleLike, Protocol):
 
     accountant_name: str | None
     expected_batch_size: float | None
+    privacy_unit: PrivacyUnit | None
 
 
 def privacy_config(pl_module: LoggedModule) -> dict[str, Any]:
@@ -60,6 +63,9 @@ def privacy_config(pl_module: LoggedModule) -> dict[str, Any]:
                 "privacy/expected_batch_size": pl_module.expected_batch_size,
             }
         )
+        unit = pl_module.privacy_unit  # "example" or "user", and how many the private set holds (the n of q and δ)
+        if unit is not None:
+            config.update({"privacy/unit": unit.kind, "privacy/population": unit.population})
     clip = getattr(pl_module, "clip", None)
     clip_function = getattr(pl_module, "clip_function", None)
     if clip_function is not None:

@@ -15,8 +15,9 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.data.collate import PaddingCollate
-from pl_dp.errors import ConfigError
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.sampling import poisson_loader
+from pl_dp.privacy.units import PrivacyUnit, UserIndex, UserOf
 
 _SCALARS = (str, Path, int, float, bool, type(None))
 
@@ -44,6 +45,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
       least 1) — the only sampling the accountant's numbers hold for — unless the method
       declares its own (``private_loader``; O2NC partitions the data and ignores ``batch_size``).
       Under data parallelism each rank gets its shard of the same global Poisson batch.
+      With ``user_of`` it samples users instead (user-level privacy, :mod:`pl_dp.privacy.units`).
     * ``public_batches(k)`` draws k disjoint public batches per call, without end; public
       batches never consume privacy.
     * ``val``/``test``/``predict`` are ordinary loaders; ``predict`` defaults to the test set, and
@@ -80,6 +82,14 @@ class PrivatePublicDataModule(L.LightningDataModule):
             own (``PaddingCollate(length=...)``), else the data module's ``max_length`` (the text data modules'),
             and the collate must be a :class:`~pl_dp.data.collate.PaddingCollate`. Only the private loader pads so;
             the others pad to their longest example.
+        user_of: each private example's user, for user-level privacy: a sequence of user ids (one per private
+            example, in order; with ``merge_public``, one per example of ``private`` then ``public``) or a callable
+            index → user id. The guarantee then protects one user — all of their examples — instead of one example:
+            each step Poisson-samples users at rate q = ``batch_size`` / U (``batch_size`` is the expected number of
+            users per batch, U the number of users) and takes one example of each sampled user, drawn at random with
+            the secret sampling randomness; δ's default becomes 1/U and an epoch is U // ``batch_size`` steps. The
+            user ids are private data: they are never saved with the hyperparameters. ``None`` (default):
+            example-level privacy. Methods that sample the private set their own way (O2NC's partition) refuse it.
 
     Use :meth:`from_datamodule` to make an existing LightningDataModule private.
     """
@@ -108,11 +118,13 @@ class PrivatePublicDataModule(L.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool | None = None,
         fixed_length: bool | None = None,
+        user_of: UserOf | None = None,
     ) -> None:
         super().__init__()
         if merge_public and public is not None:
             private, public = ConcatDataset([private, public]), None
         self.private, self.public, self.val, self.test = private, public, val, test
+        self.users = UserIndex.of(user_of, len(private)) if user_of is not None and private is not None else None
         self.predict = predict
         self.batch_size = batch_size
         self.public_batch_size = public_batch_size or batch_size
@@ -138,6 +150,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
             arguments.update(level)
         # a flat list of strings is plain, but given for a data argument it is the texts themselves
         held = {name for name in self.data_arguments if not isinstance(arguments.get(name), (str, Path, type(None)))}
+        held.add("user_of")  # each private example's user: private data in every form (a list of names is "plain")
         left_out = [name for name, value in arguments.items() if name in held or not _plain(value)]
         self.save_hyperparameters(ignore=left_out)
 
@@ -185,8 +198,12 @@ class PrivatePublicDataModule(L.LightningDataModule):
             raise ConfigError("the private dataset is empty.")
         if isinstance(self.batch_size, bool) or int(self.batch_size) != self.batch_size or self.batch_size < 1:
             raise ConfigError(f"batch_size must be an integer >= 1, got {self.batch_size!r}.")
-        if self.batch_size > n:
-            raise ConfigError(f"batch_size={self.batch_size} is larger than the private dataset ({n} examples).")
+        unit = self.privacy_unit
+        if self.batch_size > unit.population:
+            raise ConfigError(
+                f"batch_size={self.batch_size} is larger than the private dataset ({unit.population} {unit.plural})"
+                + (": under user-level privacy it is the expected number of users per batch." if self.users else ".")
+            )
         if self.public is not None and len(self.public) < 1:
             raise ConfigError("the public dataset is empty: pass public=None or give it examples.")
         if self.public is not None and self.public_batch_size > len(self.public):
@@ -208,16 +225,29 @@ class PrivatePublicDataModule(L.LightningDataModule):
         return len(self.private)
 
     @property
+    def privacy_unit(self) -> PrivacyUnit:
+        """Whom the private loader's sampling protects: one of the n examples, or with ``user_of`` one of the U
+        users."""
+        return self.users.unit if self.users is not None else PrivacyUnit("example", self.n_private)
+
+    @property
     def sample_rate(self) -> float:
-        """q = b / n."""
-        return self.batch_size / self.n_private
+        """q = b / n (n examples), or b / U under user-level privacy (U users)."""
+        return self.batch_size / self.privacy_unit.population
 
     def train_dataloader(self) -> DataLoader:
         module = self.trainer.lightning_module if self.trainer is not None else None
         own = module.private_loader(self.private, self.seed) if hasattr(module, "private_loader") else None
         if own is not None:  # a method whose accounting needs other sampling (O2NC's partition)
+            if self.users is not None:
+                raise PrivacyConfigError(
+                    f"{type(module).__name__} samples the private set its own way (O2NC: a disjoint partition of the "
+                    "examples), which bounds no user's contribution: user-level privacy (user_of) needs Poisson "
+                    "sampling over users. Use a Poisson-sampled method (DPZero, PAZO, DPSGD, Coupling), or drop "
+                    "user_of for example-level privacy."
+                )
             return own
-        steps = max(1, self.n_private // self.batch_size)
+        steps = max(1, self.privacy_unit.population // self.batch_size)
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         return poisson_loader(
             self.private,
@@ -227,6 +257,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
             num_replicas=world,
             rank=rank,
             collate_fn=self.private_collate(bool(getattr(module, "fixed_shapes", False))),
+            users=self.users,
             **self.loader_kwargs,
         )
 

@@ -172,7 +172,10 @@ class TextGenerationDataModule(SplitsDataModule):
             for name, source in {"public": public, "val": val, "test": test}.items()
         }
         raw = carve_splits((prompts, completions), given, test_fraction, val_fraction, public_fraction, split_seed)
-        splits = {name: tokenize_sequences(*pair, self.tokenizer, max_length, add_eos) for name, pair in raw.items()}
+        splits = {
+            name: tokenize_sequences(prompts, completions, self.tokenizer, max_length, add_eos)
+            for name, (prompts, completions) in raw.items()
+        }
         super().__init__(
             splits,
             batch_size=batch_size,

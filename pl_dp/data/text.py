@@ -172,17 +172,21 @@ def split_position(record: Sequence[Any], key: bytes) -> float:
 
 
 def carve_splits(
-    columns: tuple[list, list],
-    given: Mapping[str, tuple[list, list] | None],
+    columns: tuple[list, ...],
+    given: Mapping[str, tuple[list, ...] | None],
     test_fraction: float | None,
     val_fraction: float | None,
     public_fraction: float,
     split_seed: int,
-) -> dict[str, tuple[list, list]]:
-    """The ``"private"``, ``"public"``, ``"val"`` and ``"test"`` splits of a pool of two parallel ``columns``
-    (texts and labels, prompts and completions), in pool order; a split's ``given`` columns are appended to it.
+    split_by: int | None = None,
+) -> dict[str, tuple[list, ...]]:
+    """The ``"private"``, ``"public"``, ``"val"`` and ``"test"`` splits of a pool of parallel ``columns`` (texts and
+    labels, prompts and completions, and a user column), in pool order; a split's ``given`` columns (as many) are
+    appended to it.
 
-    Each record goes where its own :func:`split_position` ``u`` (keyed by ``split_seed``) falls: test if ``u <
+    Each record goes where its own :func:`split_position` ``u`` (keyed by ``split_seed``) falls — of the whole
+    record, or with ``split_by`` of its value in that column alone (a user column: all of one user's records land in
+    one split, so no user is partly private and partly evaluated or public) — test if ``u <
     test_fraction``, else val if ``u < test_fraction + val_fraction``, else public if below that ``+
     public_fraction``, else private (a fraction ``None`` is 0.1, or 0 when that split is ``given``). The fractions
     are therefore expected shares: a split's size is Binomial(n, fraction), not a fixed count. Records equal in both
@@ -207,17 +211,23 @@ def carve_splits(
     if total >= 1:
         raise ConfigError(f"test, val and public fractions add up to {total:g}: nothing would be left private.")
     key = hashlib.sha256(str(split_seed).encode()).digest()  # any integer seed, as a key of BLAKE2b's size
-    out: dict[str, tuple[list, list]] = {name: ([], []) for name in ("private", "public", "val", "test")}
+    out: dict[str, tuple[list, ...]] = {
+        name: tuple([] for _ in columns) for name in ("private", "public", "val", "test")
+    }
     for record in zip(*columns, strict=True):
-        position = split_position(record, key)
+        position = split_position(record if split_by is None else (record[split_by],), key)
         name = next((name for bound, name in bounds if position < bound), "private")
-        out[name][0].append(record[0])
-        out[name][1].append(record[1])
+        for column, value in zip(out[name], record):
+            column.append(value)
     for name in ("public", "val", "test"):
-        extra = given.get(name) or ([], [])
-        out[name][0].extend(extra[0])
-        out[name][1].extend(extra[1])
+        for column, extra in zip(out[name], given.get(name) or tuple([] for _ in columns), strict=True):
+            column.extend(extra)
     return out
+
+
+def _with_users(columns: tuple[list, list], user_column: str | None) -> tuple[list, ...]:
+    """Texts and labels of an explicit split, with no user (``None``) each when the pool has a user column."""
+    return columns if user_column is None else (*columns, [None] * len(columns[0]))
 
 
 class TextDataModule(SplitsDataModule):
@@ -240,6 +250,12 @@ class TextDataModule(SplitsDataModule):
         template: the prompt, ``"{text}"`` by default; ``{mask}`` becomes the tokenizer's mask token.
         prompt: a :class:`~pl_dp.nets.PromptClassifier` whose tokenizer and template to use instead.
         text_column, label_column: the columns of files, mappings and datasets.
+        user_column: the column naming each record's user (author), for user-level privacy: the guarantee then
+            protects one user with all of their records, each step samples users and one record of each
+            (``user_of`` of :class:`~pl_dp.data.PrivatePublicDataModule`: ``batch_size`` is the expected number of
+            users per batch, δ's default 1/U), and the pool is split by user — all of a user's records land in one
+            split, decided by the user id alone. Records of ``public``, ``val`` and ``test`` given explicitly need
+            no user. ``None`` (default): example-level privacy.
         label_names: class names in class order, for labels given as names (``["negative", "positive"]``).
         max_length: tokens per example at most (special tokens and template included; the text is cut).
         val_fraction, test_fraction: expected shares of the pool (``None``: 0.1, or 0 when the split is given).
@@ -268,6 +284,7 @@ class TextDataModule(SplitsDataModule):
         prompt: Any | None = None,
         text_column: str = "text",
         label_column: str = "label",
+        user_column: str | None = None,
         label_names: list[str] | None = None,
         max_length: int = 128,
         val_fraction: float | None = None,
@@ -291,14 +308,19 @@ class TextDataModule(SplitsDataModule):
         self.template = prompt.template if prompt is not None else template or TEXT
         self.max_length = max_length
         columns = dict(text_column=text_column, label_column=label_column)
-        texts, labels = read_texts(data, **columns)
+        pool = (*read_texts(data, **columns), *([] if user_column is None else read_columns(data, [user_column])))
         given = {
-            name: None if source is None else read_texts(source, **columns)
+            name: None if source is None else _with_users(read_texts(source, **columns), user_column)
             for name, source in {"public": public, "val": val, "test": test}.items()
         }
-        raw = carve_splits((texts, labels), given, test_fraction, val_fraction, public_fraction, split_seed)
+        split_by = None if user_column is None else 2  # a user's records land in one split
+        raw = carve_splits(pool, given, test_fraction, val_fraction, public_fraction, split_seed, split_by)
         num_labels = len(label_names) if label_names else getattr(prompt, "num_labels", None)
-        splits = {name: self._tokenized(*pair, label_names, num_labels) for name, pair in raw.items()}
+        splits = {name: self._tokenized(split[0], split[1], label_names, num_labels) for name, split in raw.items()}
+        if user_column is not None:
+            if kwargs.get("user_of") is not None:
+                raise ConfigError("give either user_column (the users are read from the data) or user_of, not both.")
+            kwargs["user_of"] = raw["private"][2]
         super().__init__(
             splits,
             batch_size=batch_size,

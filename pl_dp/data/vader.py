@@ -17,6 +17,10 @@ Dataset card.
   ``{"input_ids", "attention_mask", "labels"}``; each batch is padded to its longest entry.
 * Privacy unit: one lexicon entry (its ten ratings). The lexicon is public, so this is a
   benchmark, not a privacy-sensitive dataset.
+* Synthetic authors (``authors=``), for user-level privacy: each private entry is given one of ``authors`` made-up
+  authors, author a (1, 2, …) with probability ∝ 1/a (a Zipf law, as real authorship is skewed: with 1,000 authors,
+  760 write at least one of the 4,897 private entries, the most prolific 681 and 461 of them one or two), drawn with
+  a fixed seed, so the assignment is the same in every run (:func:`synthetic_authors`).
 """
 
 from __future__ import annotations
@@ -83,6 +87,20 @@ def vader_splits(
     }
 
 
+_AUTHOR_SEED = 20240529
+
+
+def synthetic_authors(count: int, authors: int, exponent: float = 1.0) -> list[int]:
+    """An author (1…``authors``) for each of ``count`` texts: author a with probability ∝ a^−``exponent`` (Zipf),
+    drawn independently per text from a fixed seed (the same assignment in every run). Authors drawn for no text do
+    not appear, so the data holds at most ``authors`` users."""
+    if isinstance(authors, bool) or int(authors) != authors or authors < 1:
+        raise ConfigError(f"authors must be an integer >= 1, got {authors!r}.")
+    weights = np.arange(1, authors + 1, dtype=np.float64) ** -exponent
+    drawn = np.random.default_rng(_AUTHOR_SEED).choice(authors, size=count, p=weights / weights.sum())
+    return (drawn + 1).tolist()
+
+
 class VaderSentimentDataModule(TextDataModule):
     """VADER lexicon sentiment (see the module docstring) as a :class:`~pl_dp.data.TextDataModule`.
 
@@ -101,6 +119,10 @@ class VaderSentimentDataModule(TextDataModule):
         template: a prompt template (``"{text}"``: the entry alone; e.g. ``"{text} It was {mask}."`` for a
             masked LM), see :class:`~pl_dp.nets.PromptClassifier`.
         prompt: a :class:`~pl_dp.nets.PromptClassifier` whose tokenizer and template to use instead.
+        authors: for user-level privacy, give the private entries this many synthetic authors with a Zipf-skewed
+            number of entries each (:func:`synthetic_authors`): the guarantee then protects one author, each step
+            samples authors (``batch_size`` is the expected number of authors per batch) and one entry of each.
+            ``None`` (default): example-level privacy, one entry.
     """
 
     def __init__(
@@ -111,11 +133,14 @@ class VaderSentimentDataModule(TextDataModule):
         tokenizer_path: str | None = None,
         prompt: Any | None = None,
         max_length: int = 8,
+        authors: int | None = None,
         **kwargs: Any,
     ) -> None:
         from pl_dp.nets.hf import minilm_path
 
         splits = vader_splits(public_fraction, public_shift)
+        if authors is not None:
+            kwargs["user_of"] = synthetic_authors(len(splits["private"][0]), authors)
         super().__init__(
             splits["private"],
             public=splits["public"],
@@ -174,8 +199,8 @@ class VaderEmbeddingDataModule(SplitsDataModule):
     the privacy guarantee is the head's, per lexicon entry. Embeddings are computed on the
     CPU when the module is built (a few seconds) and cached per process.
 
-    Args: as :class:`VaderSentimentDataModule`; ``model_path`` is a local encoder directory
-    (``None``: the packaged MiniLM).
+    Args: as :class:`VaderSentimentDataModule` (``authors`` included: the same synthetic authors of the same
+    entries); ``model_path`` is a local encoder directory (``None``: the packaged MiniLM).
     """
 
     def __init__(
@@ -187,7 +212,10 @@ class VaderEmbeddingDataModule(SplitsDataModule):
         model_path: str | None = None,
         public_batch_size: int = 32,
         eval_batch_size: int = 1024,
+        authors: int | None = None,
         **kwargs: Any,
     ) -> None:
         splits = _embedded_splits(public_fraction, max_length, model_path, public_shift)
+        if authors is not None:
+            kwargs["user_of"] = synthetic_authors(len(splits["private"]), authors)
         super().__init__(splits, public_batch_size=public_batch_size, eval_batch_size=eval_batch_size, **kwargs)

@@ -48,6 +48,7 @@ from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.privacy.units import PrivacyUnit
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.distribution import Distribution
 from pl_dp.step.fit_start import FitStartChecks
@@ -340,6 +341,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
     user_seeded = _FromLedger("which secrets were ever user-seeded")
 
     @property
+    def privacy_unit(self) -> PrivacyUnit | None:
+        """Whom the guarantee protects — one example, or one user with all of their examples — and how many the
+        private set holds, as the private sampler states it (read at fit start; None before)."""
+        return self.ledger.unit
+
+    @property
     def privacy_exhausted(self) -> bool:
         """Whether the budget guard refused a step in this fit (training stopped there)."""
         return self.ledger.exhausted
@@ -488,7 +495,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             return
         report = self.fit_start_checks().run()[PRIVATE_DATA_CHECK]
         self._seal_batching(report)
-        self.ledger.fix_delta(sampler.num_samples)
+        self.ledger.fix_delta()
         self.ledger.open_journal(restored, self._journal_directory(), self._broadcast)
         self.prepare_accounting(sampler, restored)
         self.ledger.plan(steps_left, restored, self.allow_privacy_change, int(planned))

@@ -1,5 +1,6 @@
 """The privacy mathematics: spec, accountants (and the tree accountant), calibration, clip functions, mechanisms,
-noise, seeding, Poisson sampling, the ledger, journal and report.
+noise, seeding, the unit of privacy (example or user), Poisson sampling (over examples or users), the ledger, journal
+and report.
 
 What a private step is made of besides (its batches, per-example losses, the seal, the pre-flight pass and the
 independence probe) is :mod:`pl_dp.step`, the layer below. Plain torch, Opacus and dp-accounting; no Lightning.
@@ -21,9 +22,16 @@ from pl_dp.privacy.clip_functions import ClipFunction, clip_per_example
 from pl_dp.privacy.mechanisms import Mechanism, SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
-from pl_dp.privacy.sampling import EmptySafeCollate, PoissonBatchSampler, poisson_loader, poisson_sampler_of
+from pl_dp.privacy.sampling import (
+    EmptySafeCollate,
+    PoissonBatchSampler,
+    UserPoissonBatchSampler,
+    poisson_loader,
+    poisson_sampler_of,
+)
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.tree import TreeAccountant, TreeAggregatedGaussian, TreeLeaf, tree_multiplicity, tree_nodes
+from pl_dp.privacy.units import PrivacyUnit, UserIndex
 
 __all__ = [
     "PLD",
@@ -38,10 +46,13 @@ __all__ = [
     "PoissonBatchSampler",
     "PrivacyReport",
     "PrivacySpec",
+    "PrivacyUnit",
     "StepBudget",
     "TreeAccountant",
     "TreeAggregatedGaussian",
     "TreeLeaf",
+    "UserIndex",
+    "UserPoissonBatchSampler",
     "SubsampledGaussian",
     "accountant_class",
     "accountant_names",

@@ -3,9 +3,10 @@
 :class:`PrivacyLedger` is the one object the guarantee depends on, kept apart from the training loop
 the way Opacus keeps its accountants apart from its engine (Lightning-free, testable alone):
 
-* the **plan** — δ, the sample rate q and expected batch size read from the sampler actually used
-  (so the accountant matches the sampler), σ calibrated for every planned step on top of the history
-  already spent, or the checkpoint's σ on a resume, checked against the spec (a change is refused unless allowed);
+* the **plan** — the unit of privacy (example or user, :mod:`pl_dp.privacy.units`), δ, the sample rate q and
+  expected batch size read from the sampler actually used (so the accountant matches the sampler), σ calibrated
+  for every planned step on top of the history already spent, or the checkpoint's σ on a resume, checked against
+  the spec (a change is refused unless allowed);
 * the **record** — the accountant history (what was released), the private-step count, which secrets
   were ever user-seeded, and the lineage's write-ahead journal (:mod:`pl_dp.privacy.journal`), so that
   ε is a function of this object alone and a resume composes everything the run ever released;
@@ -31,6 +32,7 @@ from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_nois
 from pl_dp.privacy.journal import PrivacyJournal
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.spec import PrivacySpec
+from pl_dp.privacy.units import PrivacyUnit
 
 Broadcast = Callable[[Any], Any]
 
@@ -52,6 +54,7 @@ class PrivacyLedger:
         if self.accountant_name is not None:
             self.accountant = create_accountant(self.accountant_name)
         # the plan (set by plan(), restored from checkpoints)
+        self.unit: PrivacyUnit | None = None  # whom the guarantee protects, as the private sampler states it
         self.noise_multiplier = 0.0
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
@@ -110,17 +113,38 @@ class PrivacyLedger:
 
     # ---- the plan ----------------------------------------------------------------------------
     def observe_sampler(self, sampler: Any, noise_seeded: bool) -> None:
-        """Read q and the expected batch size off the private sampler, and whether any secret is user-seeded."""
+        """Read the unit of privacy, q and the expected batch size off the private sampler, and whether any secret
+        is user-seeded. A private run whose record holds steps of one unit refuses a sampler of another: the
+        composed ε would be claimed for a unit the earlier steps did not protect."""
+        unit = getattr(sampler, "unit", None)  # pl_dp's samplers, Opacus' Poisson sampler
+        earlier = self.unit.kind if self.unit is not None else None
+        now = unit.kind if unit is not None else None
+        if self.private and self.private_steps and None not in (earlier, now) and now != earlier:
+            raise PrivacyConfigError(
+                f"this run released {self.private_steps} private steps at {earlier}-level privacy and its loader now "
+                f"samples at {now}-level: epsilon composes every step, and the earlier ones do not protect a {now}. "
+                f"Train a fresh module (or start a new run) for {now}-level privacy, or keep the earlier data "
+                "module's unit."
+            )
         self.user_seeded["noise"] |= noise_seeded
         self.user_seeded["sampling"] |= bool(getattr(sampler, "seeded", False))
+        if unit is not None:
+            self.unit = unit
         if hasattr(sampler, "sample_rate"):  # pl_dp's samplers, Opacus' Poisson sampler
             self.sample_rate = sampler.sample_rate
             self.expected_batch_size = sampler.expected_batch_size
 
-    def fix_delta(self, num_samples: int) -> None:
-        """δ, fixed by the first plan (or the checkpoint): the ε of every fit is at one δ."""
+    @property
+    def _unit(self) -> PrivacyUnit:
+        if self.unit is None:
+            raise RuntimeError("the private sampler states no unit of privacy: observe_sampler reads it first.")
+        return self.unit
+
+    def fix_delta(self) -> None:
+        """δ, fixed by the first plan (or the checkpoint): the ε of every fit is at one δ; by default 1/n for the n
+        units of privacy (examples or users) of the private set."""
         if self.delta is None:
-            self.delta = self._spec.resolve_delta(num_samples)
+            self.delta = self._spec.resolve_delta(self._unit.population, self._unit.kind)
 
     def open_journal(self, restored: dict[str, Any] | None, directory: Path | None, broadcast: Broadcast) -> None:
         """Start this fit's journal segment; on a resume, account every step the lineage ever released.
@@ -346,6 +370,7 @@ class PrivacyLedger:
         """What a checkpoint holds for ε to stay right — and nothing secret."""
         return {
             "privacy": self.spec.to_dict() if self.spec else None,
+            "unit": self.unit.to_dict() if self.unit is not None else None,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
@@ -364,6 +389,8 @@ class PrivacyLedger:
         if (state["privacy"] is None) != (self.spec is None):
             raise PrivacyConfigError("cannot resume a private run as a non-private one or the reverse.")
         self.private_steps = int(state["private_steps"])
+        unit = state.get("unit")  # checkpoints before user-level privacy: example-level
+        self.unit = PrivacyUnit.from_dict(unit) if unit is not None else None
         self.noise_multiplier = float(state["noise_multiplier"])
         self.sample_rate = state["sample_rate"]
         self.expected_batch_size = state.get("expected_batch_size")

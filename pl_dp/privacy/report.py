@@ -18,16 +18,19 @@ from pl_dp.errors import ConfigError
 from pl_dp.privacy.accountants import STATE_NAME_KEY, accountant_class, load_accountant
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.privacy.selection import TrialCount, search_epsilon
+from pl_dp.privacy.units import PrivacyUnit
 from pl_dp.step.independence import RELEASE_TOLERANCE
 
 #: how the report words each neighbouring relation an accountant declares (``Accountant.adjacency``)
 ADJACENCY = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove-one", NeighboringRelation.REPLACE_ONE: "replace-one"}
 DEFAULT_ADJACENCY = ADJACENCY[NeighboringRelation.ADD_OR_REMOVE_ONE]
 
+#: whom the guarantee protects, by unit of privacy (:mod:`pl_dp.privacy.units`)
+PROTECTED_UNIT = {"example": "one example", "user": "one user (all of their examples)"}
 PROTECTED = (
     "every model and checkpoint released during training and at its end, and the logged privacy/* "
     "metrics and statistics of noisy releases, against an adversary who knows the code, the config, "
-    "every checkpoint and log, and all the data except whether one example is in it"
+    "every checkpoint and log, and all the data except whether {unit} is in it"
 )
 NOT_PROTECTED = (
     "validation, test and public data and anything computed from them",
@@ -35,9 +38,14 @@ NOT_PROTECTED = (
     "choices made by looking at private results (hyperparameter tuning on private data), but a search by pl-dp tune, "
     "whose released model's report accounts it",
     "timing side channels",
-    "the size of the private set: q = batch_size / n, δ's default 1/n and the steps per epoch are computed from n "
-    "and shown, as in Opacus (n is treated as public)",
 )
+#: what is treated as public about the private set's size, by unit of privacy
+SIZE_SHOWN = {
+    "example": "the size of the private set: q = batch_size / n, δ's default 1/n and the steps per epoch are computed "
+    "from n and shown, as in Opacus (n is treated as public)",
+    "user": "the number of users U and of examples: q = users per batch / U, δ's default 1/U and the steps per epoch "
+    "are computed from U and shown (U and the number of examples are treated as public)",
+}
 
 
 def _plain(value: Any) -> str:
@@ -77,6 +85,10 @@ class PrivacyReport:
     search: dict[str, Any] | None = None
     #: the ε of the one trial that trained this model (``epsilon`` is then the whole search's)
     trial_epsilon: float | None = None
+    #: the unit of privacy, ``"example"`` or ``"user"`` (:class:`~pl_dp.privacy.units.PrivacyUnit`)
+    unit: str = "example"
+    #: how many units the private set holds (examples, or users): the n of q and of δ's default; None before a plan
+    population: int | None = None
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> PrivacyReport:
@@ -101,6 +113,7 @@ class PrivacyReport:
             later = [] if [list(row) for row in history] == [list(row) for row in trial] else history
             trial_epsilon = load_accountant({**accountant_state, "history": trial}).get_epsilon(state["delta"])
             epsilon = search_epsilon(trial, count, state["delta"], then=later)
+        unit = PrivacyUnit.from_dict(state["unit"]) if state.get("unit") else None
         seeded = tuple(k for k, v in state.get("user_seeded", {}).items() if v)
         return cls(
             method=state["method"],
@@ -122,6 +135,8 @@ class PrivacyReport:
             spec_changes=tuple(dict(change) for change in state.get("spec_changes") or ()),
             search=dict(search) if search is not None else None,
             trial_epsilon=trial_epsilon,
+            unit=unit.kind if unit is not None else "example",
+            population=unit.population if unit is not None else None,
         )
 
     @classmethod
@@ -190,6 +205,16 @@ class PrivacyReport:
             *later,
         ]
 
+    def _unit_sampling(self) -> str:
+        """What the sampling line adds under user-level privacy: whom q samples, and how many rows a user is."""
+        if self.unit != "user":
+            return ""
+        users = "users" if self.population is None else f"{self.population} users"
+        return (
+            f", over {users}: each user joins a batch with probability q and gives one of their examples, "
+            "drawn at random, so one user is at most one row of any batch"
+        )
+
     def _change_lines(self) -> list[str]:
         lines = []
         for change in self.spec_changes:
@@ -211,7 +236,8 @@ class PrivacyReport:
         lines = [
             f"pl_dp privacy report — {self.method}",
             (
-                f"  guarantee     ({self.epsilon:.4g}, {self.delta:.3g})-DP per example, {self.adjacency} adjacency"
+                f"  guarantee     ({self.epsilon:.4g}, {self.delta:.3g})-DP per {self.unit}, {self.adjacency} adjacency"
+                + (" of users (one user with all of their examples)" if self.unit == "user" else "")
                 if self.delta is not None  # None until the first fit plans (e.g. `pl-dp test` of an untrained model)
                 else "  guarantee     nothing spent: no private fit yet"
             )
@@ -236,7 +262,7 @@ class PrivacyReport:
             rate = (
                 f"rate {self.sample_rate:.4g}" if len(rates) <= 1 else f"rate per segment; now {self.sample_rate:.4g}"
             )
-            lines.append(f"  sampling      Poisson, {rate}{expected}")
+            lines.append(f"  sampling      Poisson, {rate}{expected}" + self._unit_sampling())
         if self.user_seeded:
             lines.append(
                 f"  secrets       USER-SEEDED ({', '.join(self.user_seeded)}): epsilon is NO guarantee against "
@@ -254,8 +280,8 @@ class PrivacyReport:
             f"one record moves a release by at most {1 + self.release_tolerance:g}·C (half-precision runs pad their "
             "private batches to one shape)"
         )
-        lines.append(f"  protects      {PROTECTED}")
-        not_protected = list(NOT_PROTECTED)
+        lines.append(f"  protects      {PROTECTED.format(unit=PROTECTED_UNIT[self.unit])}")
+        not_protected = [*NOT_PROTECTED, SIZE_SHOWN[self.unit]]
         if self.search is not None:
             not_protected.append(
                 "the search's working state while it ran (its directory, its progress lines): they show how many "

@@ -16,6 +16,9 @@ Pickles and deep copies of a sampler leave the seed out too; the copy draws its 
 Under data parallelism every rank draws the same global Bernoulli mask and keeps the indices
 of its own shard (``index % num_replicas == rank``), so the union over ranks is exactly Poisson
 sampling of the whole private set at rate q.
+
+User-level privacy (:mod:`pl_dp.privacy.units`) samples users instead: :class:`UserPoissonBatchSampler` includes each
+user independently at rate q and takes one example of each sampled user, so one user is at most one row of a batch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, derive_seed, entropy_seed, secret_cpu_generator
+from pl_dp.privacy.units import PrivacyUnit, UserIndex
 from pl_dp.step.batches import example_structure
 from pl_dp.step.seal import sealed
 
@@ -49,6 +53,11 @@ class CountingBatchSampler(Sampler[list[int]]):
 
     def batch(self, index: int) -> list[int]:
         raise NotImplementedError
+
+    @property
+    def unit(self) -> PrivacyUnit:
+        """Whom the guarantee protects and how many there are: one example of ``num_samples``."""
+        return PrivacyUnit("example", self.num_samples)
 
     def __iter__(self) -> Iterator[list[int]]:
         end = (self.position // self.steps_per_epoch + 1) * self.steps_per_epoch
@@ -120,10 +129,50 @@ class PoissonBatchSampler(CopiesDrawTheirOwnSecret, CountingBatchSampler):
         """
         rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, index)))
         size = rng.binomial(self.num_samples, self.sample_rate)
-        idx = np.sort(rng.choice(self.num_samples, size=size, replace=False))
+        idx = np.sort(self.examples_of(rng.choice(self.num_samples, size=size, replace=False), rng))
         if self.num_replicas > 1:
             idx = idx[idx % self.num_replicas == self.rank]
         return idx.tolist()
+
+    def examples_of(self, sampled: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The examples the ``sampled`` units put in the batch: themselves (the unit is the example)."""
+        return sampled
+
+
+class UserPoissonBatchSampler(PoissonBatchSampler):
+    """Poisson sampling over users, one example per sampled user: the sampling of user-level privacy.
+
+    Each of the U users joins a batch independently with probability ``sample_rate`` (q = users per batch / U), and
+    each sampled user contributes one of their examples, uniform among them and drawn from the same secret
+    randomness as the users (batch i stays a pure function of (seed, i); never torch's global RNG). This is
+    dp-transformers' ``AuthorIndexedDataset`` under Poisson sampling, and Charles et al. (2024)'s user-level
+    sampling with one example per user: two private sets that differ in all of one user's examples give batches that
+    differ in at most one row, so a method's per-row bound C and the subsampled-Gaussian accountant at rate q hold
+    for the user (:mod:`pl_dp.privacy.units`). ``num_samples`` is U (the population sampled); the expected batch is
+    q·U rows. Under data parallelism each rank keeps the chosen examples of its shard, so a user sampled once
+    globally is in one rank's share.
+    """
+
+    def __init__(
+        self,
+        users: UserIndex,
+        sample_rate: float,
+        steps_per_epoch: int | None = None,
+        seed: int | None = None,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(users.num_users, sample_rate, steps_per_epoch, seed, num_replicas, rank)
+        self.users = users
+
+    @property
+    def unit(self) -> PrivacyUnit:
+        """One user (all of their examples) of ``num_samples`` users."""
+        return self.users.unit
+
+    def examples_of(self, sampled: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """One example of each sampled user (:meth:`~pl_dp.privacy.units.UserIndex.one_example_each`)."""
+        return self.users.one_example_each(sampled, rng)
 
 
 class PartitionBatchSampler(CountingBatchSampler):
@@ -320,9 +369,13 @@ def poisson_loader(
     num_replicas: int = 1,
     rank: int = 0,
     collate_fn: Callable[[list], Any] = default_collate,
+    users: UserIndex | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` with Poisson sampling at ``sample_rate`` (empty batches allowed).
+
+    With ``users`` (each example's user, :class:`~pl_dp.privacy.units.UserIndex`) it samples users at
+    ``sample_rate`` and one example of each sampled user (:class:`UserPoissonBatchSampler`): user-level privacy.
 
     ``seed`` is the secret sampling seed: leave it ``None`` (OS entropy) unless reproducing a run. Examples are
     read and batched sealed (:class:`SealedReads`, :class:`EmptySafeCollate`): an example that fails to load or to
@@ -333,7 +386,15 @@ def poisson_loader(
     under any distributed strategy, one process included) see the loader as already distributed and leave it
     alone instead of failing on, or replacing, the Poisson batch sampler.
     """
-    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
+    if users is not None and users.num_examples != len(dataset):
+        raise ConfigError(
+            f"the user index names the users of {users.num_examples} examples, but the dataset has {len(dataset)}."
+        )
+    sampler = (
+        PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
+        if users is None
+        else UserPoissonBatchSampler(users, sample_rate, steps_per_epoch, seed, num_replicas, rank)
+    )
     collate = EmptySafeCollate(dataset, collate_fn)
     loader = DataLoader(SealedReads(dataset), batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
     # DataLoader forbids setting ``sampler`` next to ``batch_sampler``; it never iterates it
@@ -385,6 +446,11 @@ class OpacusPoissonSampling:
     @property
     def expected_batch_size(self) -> float:
         return self.sample_rate * self.num_samples
+
+    @property
+    def unit(self) -> PrivacyUnit:
+        """One example of ``num_samples``: Opacus' sampler samples examples."""
+        return PrivacyUnit("example", self.num_samples)
 
 
 def poisson_sampler_of(loader: Any) -> PoissonBatchSampler | OpacusPoissonSampling:

@@ -17,8 +17,8 @@ class PrivacySpec:
 
     Args:
         epsilon: target ε of the whole fit (every private step of every stage).
-        delta: target δ; ``None`` means ``1 / n_private``, fixed once the private set size is
-            known at fit start.
+        delta: target δ; ``None`` means ``1 / n`` for the n units of privacy of the private set (examples, or
+            users under user-level privacy), fixed once n is known at fit start.
         accountant: ``None`` (default) means the method's own: ``"prv"`` for the Poisson-sampled
             methods, ``"tree"`` for :class:`~pl_dp.methods.O2NC`. Or name one: ``"prv"`` (Opacus PRV),
             ``"pld"`` (Google's dp-accounting privacy loss distribution, pessimistic: tight and sound),
@@ -58,16 +58,17 @@ class PrivacySpec:
         if self.noise_multiplier is not None and not self.noise_multiplier > 0:
             raise PrivacyConfigError(f"PrivacySpec.noise_multiplier must be > 0, got {self.noise_multiplier!r}.")
 
-    def resolve_delta(self, n_private: int) -> float:
-        """δ for a private set of ``n_private`` examples (``1/n`` when unset; warns if δ > 1/n)."""
+    def resolve_delta(self, n_private: int, unit: str = "example") -> float:
+        """δ for a private set of ``n_private`` units of privacy (``unit``: examples, or users under user-level
+        privacy): ``1/n`` when unset; warns if δ > 1/n."""
         if n_private < 1:
             raise ConfigError("the private dataset is empty: there is nothing to train on privately.")
         if self.delta is None:
             return 1.0 / n_private
         if self.delta > 1.0 / n_private:
             warnings.warn(
-                f"delta={self.delta:g} exceeds 1/n_private={1.0 / n_private:g}: a mechanism that "
-                "publishes one random example outright would satisfy this guarantee.",
+                f"delta={self.delta:g} exceeds 1/n={1.0 / n_private:g} for the n={n_private} {unit}s of the private "
+                f"set: a mechanism that publishes one random {unit} outright would satisfy this guarantee.",
                 stacklevel=2,
             )
         return self.delta

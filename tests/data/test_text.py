@@ -202,3 +202,30 @@ def test_a_long_private_text_leaves_no_trace_on_the_console_or_the_tokenizer(cap
         assert tokenizer.deprecation_warnings == {}
         pickles.append(pickle.dumps(tokenizer))
     assert long in data.private.texts and pickles[0] == pickles[1]
+
+
+def test_a_user_column_samples_users_and_keeps_each_user_in_one_split(tmp_path, tokenizer):
+    """``user_column``: every record of a user lands in one split, the private loader samples users (one record of
+    each), and the user ids reach neither the hyperparameters nor a checkpoint."""
+    users = [f"author{i % 7}" if i < 30 else "prolific" for i in range(40)]  # 7 authors of 4-5 texts, one of 10
+    path = tmp_path / "texts.csv"
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["text", "label", "author"])
+        writer.writerows(zip(TEXTS, LABELS, users))
+    data = TextDataModule(path, tokenizer=tokenizer, user_column="author", batch_size=2, sampling_seed=0)
+    where = _split_of(data)
+    split_of_user = {}
+    for text, label, user in zip(TEXTS, LABELS, users):
+        assert split_of_user.setdefault(user, where[(text, label)]) == where[(text, label)]
+    private_users = {user for user in users if split_of_user[user] == "private"}
+    assert data.privacy_unit.kind == "user" and data.privacy_unit.population == len(private_users)
+    assert data.sample_rate == 2 / len(private_users)
+    sampler = poisson_sampler_of(data.train_dataloader())
+    texts_of = {text: user for text, user in zip(TEXTS, users)}
+    for step in range(50):
+        sampled = [texts_of[data.private.texts[i]] for i in sampler.batch(step)]
+        assert len(sampled) == len(set(sampled))  # one record per sampled user
+    assert data.hparams["user_column"] == "author" and "user_of" not in data.hparams
+    with pytest.raises(ConfigError, match="either user_column .* or user_of"):
+        TextDataModule(path, tokenizer=tokenizer, user_column="author", user_of=users)

@@ -7,16 +7,19 @@ import pytest
 from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy import PrivacySpec, SubsampledGaussian
 from pl_dp.privacy.ledger import PrivacyLedger
+from pl_dp.privacy.units import PrivacyUnit
 
 
 def _sampler(rate=0.1, n=100, seeded=False):
-    return SimpleNamespace(sample_rate=rate, expected_batch_size=rate * n, num_samples=n, seeded=seeded)
+    return SimpleNamespace(
+        sample_rate=rate, expected_batch_size=rate * n, num_samples=n, seeded=seeded, unit=PrivacyUnit("example", n)
+    )
 
 
 def _planned(spec, steps=50, restored=None, allow_change=False):
     ledger = PrivacyLedger(spec, "rdp")
     ledger.observe_sampler(_sampler(), noise_seeded=False)
-    ledger.fix_delta(100)
+    ledger.fix_delta()
     ledger.open_journal(restored, None, lambda obj: obj)
     if restored is not None:
         ledger.load_state_dict(restored)

@@ -281,7 +281,7 @@ def test_privacy_spec_validation(kwargs, match):
 
 def test_delta_defaults_to_one_over_n_and_warns_when_large():
     assert PrivacySpec(1.0).resolve_delta(200) == 1 / 200
-    with pytest.warns(UserWarning, match="1/n_private"):
+    with pytest.warns(UserWarning, match="exceeds 1/n=0.005 for the n=200 examples"):
         PrivacySpec(1.0, delta=0.1).resolve_delta(200)
 
 
