@@ -16,7 +16,9 @@ one matrix product of the output gradients, each example's rows scaled by its cl
    (the "book": ``(layer, inputs, output gradients)`` per call, and for tied weights per use, from
    :class:`~pl_dp.per_sample.tied.TiedNorms`). A linear layer's norm is its ghost norm (two T×T Gram matrices per
    example) when 2T² ≤ p·d, else the norm of its instantiated per-example gradient (p·d per example), the cheaper
-   of the two (Bu et al. 2023, §3.2, "BK-MixOpt");
+   of the two (Bu et al. 2023, §3.2); Hugging Face's ``Conv1D`` (GPT-2) is measured as a linear layer, and an
+   embedding by one T×T Gram matrix (:func:`linear_norms`, :func:`embedding_norms`: the same norms as Opacus', for
+   less work);
 2. the clip weights c_i = c(‖g_i‖), 0 for a non-finite norm (the examples are then dropped and the pass run again
    without them, as in ghost clipping);
 3. no second backward: each kept call's clipped sum from its book — ``nn.Linear`` (2-D and sequence inputs) one
@@ -29,7 +31,7 @@ Time: one forward, the input-gradient half of a backward and the weight-gradient
 non-private step plus the norms (``benchmarks/ghost_first_pass.py``). Memory: the book holds every hooked layer's
 input and output gradient until the clip weights are known — the inputs are those autograd saves for the backward
 anyway, the output gradients are extra (one activation-sized tensor per layer: for a language model's head,
-batch × tokens × vocabulary). The graph is dropped after the first pass.
+batch × tokens × vocabulary). The first pass's backward frees the graph as it goes, as a non-private one does.
 
 Privacy: the sum and the norm come from the same per-layer quantities, so each example's contribution is c_i
 times the very gradient whose norm set c_i — at most C — whatever the net. The fit-start check
@@ -90,6 +92,22 @@ def linear_norms(
     return norms
 
 
+def embedding_norms(
+    layer: nn.Embedding, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-example gradient norms of an ``nn.Embedding`` from the T×T Gram matrix of its output gradients:
+    ‖Σ_t e_{i_t} b_tᵀ‖² = Σ_{t,s} [i_t = i_s] (b_t·b_s), one batched matrix product where Opacus sorts and scatters
+    the indices. For 2T² > V·d (long sequences), Opacus' norm. Both count the ``padding_idx`` row as Opacus does (a
+    larger norm only clips harder), so that the norms are ghost clipping's."""
+    ids = activations[0].reshape(activations[0].shape[0], -1)
+    if not layer.weight.requires_grad or 2 * ids.shape[1] ** 2 > layer.weight.numel():
+        return GhostNormModule.NORM_SAMPLERS[nn.Embedding](layer, activations, backprops)
+    grads = backprops.reshape(*ids.shape, -1)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)
+    squares = (torch.bmm(grads, grads.transpose(1, 2)) * same).sum(dim=(1, 2))
+    return {layer.weight: squares.clamp_min(0).sqrt()}
+
+
 def transposed_linear(module: nn.Module) -> bool:
     """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2): ``x @ W + b`` with ``W`` stored ``[in, out]``. Told
     by name, so that this plain-torch layer imports no ``transformers``."""
@@ -102,7 +120,7 @@ class BookKeepingNormModule(GhostNormModule):
     computed from (:attr:`book`), and measures linear layers (and Hugging Face's ``Conv1D``) by
     :func:`linear_norms`."""
 
-    NORM_SAMPLERS = {**GhostNormModule.NORM_SAMPLERS, nn.Linear: linear_norms}
+    NORM_SAMPLERS = {**GhostNormModule.NORM_SAMPLERS, nn.Linear: linear_norms, nn.Embedding: embedding_norms}
     book: list[Entry]
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
@@ -181,6 +199,7 @@ class BookKeeping(GhostClipping):
     :class:`~pl_dp.per_sample.PerSampleGradients` does): the rows this engine sums, for the fit-start check."""
 
     mode = "bk"
+    second_backward = False
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
         refused = batch_dependent_layers(net)
@@ -197,8 +216,8 @@ class BookKeeping(GhostClipping):
         return BookKeepingNormModule(self.net, skipped=frozenset(self._tied.modules), **options)
 
     def _norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ghost clipping's first pass, whose hooks fill the book; the graph is dropped after it (nothing runs
-        backward through it again)."""
+        """Ghost clipping's first pass, whose hooks fill the book; its backward frees the graph as it goes (nothing
+        runs backward through it again)."""
         self._forget()
         norms, losses = super()._norms(batch, size, padding)
         self._book = [*self._gsm.book, *self._tied.uses]

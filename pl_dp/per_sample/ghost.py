@@ -322,6 +322,9 @@ class GhostClipping:
 
     #: the per-sample mode's name, as the refusals say it (a subclass reusing the first pass names its own)
     mode = "ghost"
+    #: whether the first pass keeps its graph for a second backward (book-keeping has none: autograd frees the graph
+    #: as the first backward goes)
+    second_backward = True
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
         self.net = net
@@ -451,7 +454,7 @@ class GhostClipping:
         root = total.grad_fn if total.grad_fn is not None else get_gradient_edge(total).node
         lowest, leaves = self._targets.plan(root)
         if lowest:
-            torch.autograd.grad(total, lowest, retain_graph=True, allow_unused=True)
+            torch.autograd.grad(total, lowest, retain_graph=self.second_backward, allow_unused=True)
         return leaves
 
     def _norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
