@@ -2,6 +2,7 @@
 
     python benchmarks/ghost_first_pass.py            # ~6 minutes on 2 CPU cores
     python benchmarks/ghost_first_pass.py --quick    # small sizes, smoke test
+    python benchmarks/ghost_first_pass.py --one-pass --json benchmarks/results/bk_one_pass.json  # BK, ~10 minutes
 
 Until this change the first pass was a backward of Σ_i ℓ_i with respect to every trainable parameter, whose
 gradients were dropped: Opacus' hooks record the per-example norms from the layers' inputs and output gradients
@@ -17,6 +18,23 @@ round by round after a warm-up round, and the medians are reported with their ra
 
 Prints a table and JSON (``--json PATH`` to save; the committed copy is
 ``benchmarks/results/ghost_first_pass.json``).
+
+``--one-pass`` measures instead what a DP-SGD step spends on its clipped sum with each engine, side by side in one
+run (issue 39 of [fast]; committed as ``benchmarks/results/bk_one_pass.json``), on the cases above and a tiny GPT-2
+with tied input and output embeddings (``--cases mlp transformer minilm gpt2``):
+
+* ``non_private``: a forward and backward of the summed loss;
+* ``opacus_ghost``: Opacus 1.6's ghost clipping (``GradSampleModuleFastGradientClipping`` with its optimizer and
+  loss wrapper, loss reduction "sum", C = 1): ``loss.backward()``, its two backward passes, which leave the clipped
+  sum in ``.grad`` (no optimizer step: no engine here adds noise). As for pl_dp's engines, its hooks record in eval
+  mode too (the cases run without dropout) and lookups broadcast over the batch (BERT's and GPT-2's positions) get
+  one row per example; a case Opacus refuses is recorded with its error;
+* ``ghost``: :class:`~pl_dp.per_sample.GhostClipping` (norms, then a second backward);
+* ``bk``: :class:`~pl_dp.per_sample.BookKeeping` (the same first pass; the clipped sum from what it kept).
+
+Medians of interleaved rounds after a warm-up round, ratios to ``non_private`` and to ``opacus_ghost``, the peak
+resident-memory growth of each, and the relative difference of BK's clipped sum from ghost clipping's (the norm of
+the difference over all parameters over the norm of ghost clipping's sum).
 """
 
 from __future__ import annotations
@@ -39,9 +57,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _measure import peak_rss_supported, reset_peak_rss, status_kb  # noqa: E402
 
 from pl_dp.nets import MLP, TinyTransformerClassifier  # noqa: E402
-from pl_dp.per_sample import GhostClipping  # noqa: E402
+from pl_dp.per_sample import BookKeeping, GhostClipping  # noqa: E402
+from pl_dp.per_sample.gradients import BroadcastLookups, RecordsInEvalMode  # noqa: E402
 from pl_dp.privacy import ClipFunction  # noqa: E402
-from pl_dp.step.losses import cross_entropy  # noqa: E402
+from pl_dp.step.losses import causal_lm, cross_entropy  # noqa: E402
 
 
 class FullFirstPass(GhostClipping):
@@ -77,7 +96,38 @@ def make_case(name: str, quick: bool):
         batch, length = (8, 16) if quick else (32, 32)
         tokens = torch.randint(1000, 30000, (batch, length), generator=g)
         return net, (tokens, torch.randint(0, 2, (batch,), generator=g)), f"MiniLM-L6 (all), B={batch}, T={length}"
+    if name == "gpt2":  # random, tied input and output embeddings (the GPT2Config default)
+        width, depth, vocab, batch, length = (32, 1, 500, 8, 16) if quick else (256, 4, 8000, 32, 64)
+        net = _tiny_gpt2(width, depth, vocab).eval()
+        ids = torch.randint(2, vocab, (batch, length), generator=g)
+        return (
+            net,
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+            f"GPT-2 tied w{width} d{depth} V{vocab}, B={batch}, T={length}",
+        )
     raise ValueError(name)
+
+
+def _tiny_gpt2(width: int, depth: int, vocab: int):
+    """A random GPT-2 with tied embeddings, saved with a word-level tokenizer and loaded by CausalLM (no download)."""
+    import tempfile
+
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from pl_dp.nets import CausalLM
+
+    path = Path(tempfile.mkdtemp(prefix="bk-gpt2-"))
+    tokenizer = Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1}, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>").save_pretrained(path)
+    config = tf.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=depth, n_head=4, bos_token_id=1, eos_token_id=1)
+    tf.GPT2LMHeadModel(config).save_pretrained(path)
+    return CausalLM(model_path=path)
+
+
+def _loss_of(batch):
+    return causal_lm if isinstance(batch, dict) else cross_entropy
 
 
 def _timed(op) -> float:
@@ -152,21 +202,142 @@ def measure(name: str, quick: bool, rounds: int) -> dict:
     }
 
 
+class _PerSampleCriterion(torch.nn.Module):
+    """pl_dp's per-sample loss ``(net, batch) -> [B]`` as a criterion for Opacus' loss wrapper (which sets
+    ``reduction`` to "none" around its call)."""
+
+    def __init__(self, loss_fn) -> None:
+        super().__init__()
+        self.loss_fn, self.reduction = loss_fn, "sum"
+
+    def forward(self, net, batch):
+        return self.loss_fn(net, batch)
+
+
+def _opacus_ghost(net, batch, loss_fn):
+    """Opacus 1.6's ghost clipping: ``loss.backward()`` runs its two passes and leaves the clipped sum in ``.grad``."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    class Recording(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
+        """Opacus' module, recording in eval mode too (the cases run without dropout; Opacus records in training
+        mode only), as pl_dp's engines do."""
+
+    model = Recording(net, loss_reduction="sum", max_grad_norm=1.0, use_ghost_clipping=True)
+    optimizer = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        expected_batch_size=len(next(iter(batch.values())) if isinstance(batch, dict) else batch[1]),
+        loss_reduction="sum",
+    )
+    criterion = DPLossFastGradientClipping(model, optimizer, _PerSampleCriterion(loss_fn), loss_reduction="sum")
+    lookups = BroadcastLookups(net)
+    size = len(next(iter(batch.values())) if isinstance(batch, dict) else batch[1])
+
+    def op():
+        optimizer.zero_grad(set_to_none=True)
+        with lookups.expanding(size):
+            loss = criterion(model, batch)
+        loss.backward()
+
+    return op
+
+
+def measure_one_pass(name: str, quick: bool, rounds: int) -> dict:
+    """Non-private, Opacus ghost, pl_dp ghost and pl_dp BK on one case, interleaved (see ``--one-pass``)."""
+    net, batch, description = make_case(name, quick)
+    loss_fn = _loss_of(batch)
+    params = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    fn = ClipFunction("constant", 1.0)
+    engines = {"ghost": GhostClipping(copy.deepcopy(net), loss_fn), "bk": BookKeeping(copy.deepcopy(net), loss_fn)}
+    plain = copy.deepcopy(net)
+
+    def non_private():
+        plain.zero_grad(set_to_none=True)
+        loss_fn(plain, batch).sum().backward()
+
+    ops = {"non_private": non_private}
+    errors = {}
+    try:
+        ops["opacus_ghost"] = _opacus_ghost(copy.deepcopy(net), batch, loss_fn)
+        ops["opacus_ghost"]()
+    except Exception as error:  # noqa: BLE001 - recorded: Opacus refuses some nets pl_dp clips
+        ops.pop("opacus_ghost", None)
+        errors["opacus_ghost"] = f"{type(error).__name__}: {error}"[:300]
+    for label, engine in engines.items():
+        ops[label] = lambda engine=engine: engine.clipped_sum(batch, fn)
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for r in range(rounds + 1):  # the first round warms up
+        for key, op in ops.items():
+            elapsed = _timed(op)
+            if r:
+                times[key].append(elapsed)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    peaks = {k: _peak_mb(op) for k, op in ops.items()}
+    sums = {label: engine.clipped_sum(batch, fn)[0] for label, engine in engines.items()}
+    row = {
+        "case": name,
+        "description": description,
+        "trainable_parameters": params,
+        "errors": errors,
+        "bk_sum_relative_difference_from_ghost": float(
+            torch.sqrt(sum((a - b).double().square().sum() for a, b in zip(sums["bk"], sums["ghost"])))
+            / torch.sqrt(sum(b.double().square().sum() for b in sums["ghost"]))
+        ),
+    }
+    for key in ops:
+        row[f"{key}_ms"] = 1e3 * med[key]
+        row[f"{key}_peak_mb"] = peaks[key]
+        row[f"{key}_over_non_private"] = med[key] / med["non_private"]
+        if "opacus_ghost" in med:
+            row[f"{key}_over_opacus_ghost"] = med[key] / med["opacus_ghost"]
+    row["bk_over_ghost"] = med["bk"] / med["ghost"]
+    return row
+
+
+def print_one_pass(rows: list[dict]) -> None:
+    print(
+        f"{'case':40} {'fwd+bwd':>8} {'opacus':>8} {'ghost':>8} {'bk':>8} {'÷ fwd+bwd opacus|ghost|bk':>26} "
+        f"{'bk ÷ opacus':>11} {'peak MB np|opacus|ghost|bk':>27}"
+    )
+    for r in rows:
+        opacus = f"{r['opacus_ghost_ms']:8.1f}" if "opacus_ghost_ms" in r else f"{'refused':>8}"
+        ratio = f"{r['opacus_ghost_over_non_private']:.2f}" if "opacus_ghost_ms" in r else "-"
+        over = f"{r['bk_over_opacus_ghost']:.2f}" if "bk_over_opacus_ghost" in r else "-"
+        peaks = "|".join(
+            "-" if r.get(f"{k}_peak_mb") is None else f"{r[f'{k}_peak_mb']:.0f}"
+            for k in ("non_private", "opacus_ghost", "ghost", "bk")
+        )
+        ratios = "|".join([ratio, f"{r['ghost_over_non_private']:.2f}", f"{r['bk_over_non_private']:.2f}"])
+        print(
+            f"{r['description']:40} {r['non_private_ms']:>8.1f} {opacus} {r['ghost_ms']:>8.1f} {r['bk_ms']:>8.1f} "
+            f"{ratios:>26} "
+            f"{over:>11} {peaks:>27}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cases", nargs="+", default=["mlp", "transformer", "minilm"])
+    parser.add_argument("--cases", nargs="+", default=None)
+    parser.add_argument("--one-pass", action="store_true", help="non-private, Opacus ghost, pl_dp ghost and BK")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 5)
+    cases = args.cases or (["mlp", "transformer", "minilm"] + (["gpt2"] if args.one_pass else []))
     load_start = os.getloadavg()[0]
-    rows = [measure(name, args.quick, rounds) for name in args.cases]
+    rows = [(measure_one_pass if args.one_pass else measure)(name, args.quick, rounds) for name in cases]
     load_end = os.getloadavg()[0]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPU cores, medians of "
         f"{rounds} interleaved rounds; load average (1 min) {load_start:.1f} at the start, {load_end:.1f} at the end"
     )
+    if args.one_pass:
+        print_one_pass(rows)
+        return _write(args.json, rounds, load_start, load_end, rows)
     print(
         f"{'case':38} {'fwd+bwd':>8} {'norms old':>10} {'new':>7} {'ratio':>6} {'both passes old':>16} {'new':>7} "
         f"{'ratio':>6} {'÷ fwd+bwd old|new':>18} {'walk':>6} {'peak MB old|new':>16}"
@@ -184,6 +355,10 @@ def main() -> None:
             f"{r['clipped_sum_before_over_non_private']:>9.2f}|{r['clipped_sum_after_over_non_private']:<8.2f} "
             f"{r['graph_walk_ms']:>6.2f} {peak:>16}"
         )
+    _write(args.json, rounds, load_start, load_end, rows)
+
+
+def _write(path: Path | None, rounds: int, load_start: float, load_end: float, rows: list[dict]) -> None:
     result = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -193,8 +368,8 @@ def main() -> None:
         "load_average_end": load_end,
         "rows": rows,
     }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if path:
+        path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
 
 

@@ -1,5 +1,6 @@
 """First-order per-example gradients and their clipped, weighted sum. Plain torch + Opacus."""
 
+from pl_dp.per_sample.bk import BookKeeping
 from pl_dp.per_sample.ghost import GhostClipping, ShardedGhostClipping
 from pl_dp.per_sample.gradients import PerSampleGradients, clipped_sum, verify_per_example_gradients
 from pl_dp.per_sample.modes import (
@@ -10,6 +11,7 @@ from pl_dp.per_sample.modes import (
 )
 
 __all__ = [
+    "BookKeeping",
     "GhostClipping",
     "PerSampleGradients",
     "PerSampleMode",

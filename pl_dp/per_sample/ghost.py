@@ -78,7 +78,7 @@ from pl_dp.step.passes import ShardedPasses
 from pl_dp.step.shards import is_sharded, local
 
 
-class _GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
+class GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
     """Opacus' fast-gradient-clipping module, recording in eval mode too, and naming a layer it cannot handle.
 
     A ghost-norm layer (Linear, Embedding) called twice in one forward would have its norm overwritten by its
@@ -318,6 +318,12 @@ class GhostClipping:
     A net sharded by FSDP2 takes :class:`ShardedGhostClipping`.
     """
 
+    #: the per-sample mode's name, as the refusals say it (a subclass reusing the first pass names its own)
+    mode = "ghost"
+    #: whether the first pass keeps its graph for a second backward (book-keeping has none: autograd frees the graph
+    #: as the first backward goes)
+    second_backward = True
+
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
         self.net = net
         self.loss_fn = loss_fn
@@ -325,19 +331,28 @@ class GhostClipping:
         self.params = [p for p in net.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
+        mixing = batch_dependent_layers(net)
+        if mixing:
+            raise ConfigError(
+                f"per_sample={self.mode!r} cannot clip layers whose gradient depends on the whole batch: {mixing}. "
+                "An embedding with scale_grad_by_freq divides its gradient by the batch's token counts, so one "
+                "example would change the others' contributions to the clipped sum. Use per_sample='functorch' "
+                "(each example's gradient computed alone) or set scale_grad_by_freq=False."
+            )
         full = (torch.float32, torch.float64)
         low = [f"{n} ({p.dtype})" for n, p in zip(self.names, self.params) if p.dtype not in full]
         if low:
             raise ConfigError(
-                f"per_sample='ghost' needs fp32 trainable parameters, got {low[:3]}{' …' if len(low) > 3 else ''}: "
-                "the clipped sum comes out of autograd in the parameters' dtype, and summing clipped gradients in "
-                "half precision would let one example move it by more than the clip bound. Load the model in fp32 "
-                "(Trainer(precision='bf16-mixed') keeps fp32 weights) or use per_sample='hooks'."
+                f"per_sample={self.mode!r} needs fp32 trainable parameters, got {low[:3]}"
+                f"{' …' if len(low) > 3 else ''}: the clipped sum comes out of autograd in the parameters' dtype, and "
+                "summing clipped gradients in half precision would let one example move it by more than the clip "
+                "bound. Load the model in fp32 (Trainer(precision='bf16-mixed') keeps fp32 weights) or use "
+                "per_sample='hooks'."
             )
         unsupported = unsupported_layers(net)
         if unsupported:
             raise ConfigError(
-                "per_sample='ghost' cannot compute per-example gradient norms for these trainable layers:\n  - "
+                f"per_sample={self.mode!r} cannot compute per-example gradient norms for these trainable layers:\n  - "
                 + "\n  - ".join(unsupported)
                 + "\n(opacus.validators.ModuleValidator.fix(net) swaps the attention and recurrent layers). Or use "
                 "per_sample='functorch' (torch.func differentiates them as they are; not on a net sharded by FSDP2), "
@@ -346,20 +361,20 @@ class GhostClipping:
         beside = raw_parameters_beside_layers(net)
         if beside:
             raise ConfigError(
-                f"per_sample='ghost' cannot clip raw parameters held beside layers (a LayerScale gamma, a scale on the "
-                f"net): {beside}. Opacus would measure their module's per-example gradients — its layers' included — "
-                "on a copy of the module taken when the engine is built, which sees neither what its forward reads at "
-                "each step (state set by the caller, its training mode) nor any argument but its first, while the "
-                "second pass sums the true gradient: examples under-clipped (up to 3.4·C, found by an independent "
-                "review). Use per_sample='hooks' or 'functorch' (each sums the gradients it clips), hold the raw "
-                "parameter in a module of its own, or freeze it."
+                f"per_sample={self.mode!r} cannot clip raw parameters held beside layers (a LayerScale gamma, a scale "
+                f"on the net): {beside}. Opacus would measure their module's per-example gradients — its layers' "
+                "included — on a copy of the module taken when the engine is built, which sees neither what its "
+                "forward reads at each step (state set by the caller, its training mode) nor any argument but its "
+                "first, while the second pass sums the true gradient: examples under-clipped (up to 3.4·C, found by "
+                "an independent review). Use per_sample='hooks' or 'functorch' (each sums the gradients it clips), "
+                "hold the raw parameter in a module of its own, or freeze it."
             )
         shared = unsupported_ties(net)
         if shared:
             raise ConfigError(
-                f"per_sample='ghost' cannot clip these parameters tied across modules: {'; '.join(shared)}. A shared "
-                "parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie them, or use "
-                "per_sample='hooks'."
+                f"per_sample={self.mode!r} cannot clip these parameters tied across modules: {'; '.join(shared)}. A "
+                "shared parameter's per-example norm is that of the sum of its uses' gradients. Freeze or untie "
+                "them, or use per_sample='hooks'."
             )
         self._check_layout()
         self._tied = TiedNorms(net)  # no tie when sharded (refused): nothing to do
@@ -383,7 +398,7 @@ class GhostClipping:
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
         """Opacus' module whose hooks record the per-example norms (the tied parameters' modules skipped)."""
-        return _GhostNormModule(self.net, skipped=frozenset(self._tied.modules), **options)
+        return GhostNormModule(self.net, skipped=frozenset(self._tied.modules), **options)
 
     def clipped_sum(
         self, batch: Any, clip_fn: ClipFunction, rows: torch.Tensor | None = None
@@ -447,7 +462,7 @@ class GhostClipping:
         root = total.grad_fn if total.grad_fn is not None else get_gradient_edge(total).node
         lowest, leaves = self._targets.plan(root)
         if lowest:
-            torch.autograd.grad(total, lowest, retain_graph=True, allow_unused=True)
+            torch.autograd.grad(total, lowest, retain_graph=self.second_backward, allow_unused=True)
         return leaves
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -631,6 +646,16 @@ class ShardedGhostClipping(GhostClipping):
         for p in self.params:
             p.grad = None
         return sums
+
+
+def batch_dependent_layers(net: nn.Module) -> list[str]:
+    """The trainable layers whose gradient is not a sum of per-example gradients, by name: ``nn.Embedding`` with
+    ``scale_grad_by_freq`` (divided by the batch's token counts). From the net's structure alone."""
+    return [
+        f"{name or '<the net itself>'!r} (Embedding with scale_grad_by_freq)"
+        for name, m in net.named_modules()
+        if isinstance(m, nn.Embedding) and m.scale_grad_by_freq and m.weight.requires_grad
+    ]
 
 
 def _finite_rows(batch: Any, keep: torch.Tensor, counted: torch.Tensor, size: int) -> tuple[Any, torch.Tensor]:

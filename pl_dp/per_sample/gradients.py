@@ -354,11 +354,12 @@ def verify_per_example_gradients(
     positions, and they pass a shape check whenever T equals the batch size. Here, before any step, probe batches
     of each size in ``sizes`` are compared with the autograd gradient of each example's loss computed alone:
 
-    * per-example gradients (:class:`PerSampleGradients`): each row must equal the example's own gradient to
-      within ``rtol`` (relative);
-    * any other engine (ghost clipping, :class:`~pl_dp.per_sample.GhostClipping`, whose second pass differentiates
-      the weighted losses, so the clipped quantity is the true gradient): each per-example norm
-      (``per_example_norms``) must be at least the true norm (within ``rtol``) — a larger norm only clips harder.
+    * an engine that returns per-example gradients when called (:class:`PerSampleGradients`, and
+      :class:`~pl_dp.per_sample.BookKeeping`, whose clipped sum is made of the very rows it measures): each row must
+      equal the example's own gradient to within ``rtol`` (relative);
+    * an engine that returns only norms (``per_example_norms``: :class:`~pl_dp.per_sample.GhostClipping`, whose
+      second pass differentiates the weighted losses, so the clipped quantity is the true gradient): each
+      per-example norm must be at least the true norm (within ``rtol``) — a larger norm only clips harder.
 
     Modules run in eval mode (dropout off) during the check and get their modes back after it. ``examples``
     comes from :func:`pl_dp.step.independence.probe_examples` (public or validation examples, private ones by
@@ -367,7 +368,7 @@ def verify_per_example_gradients(
     """
     count = batch_size_of(examples)
     net, params = per_sample.net, per_sample.params
-    gradients = per_sample if isinstance(per_sample, PerSampleGradients) else None  # else: norms only
+    gradients = per_sample if callable(per_sample) else None  # its rows are what it sums; else: norms only
     modes = {module: module.training for module in net.modules()}
     net.eval()
     wrong: dict[str, float] = {}

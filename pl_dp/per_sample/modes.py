@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pl_dp.errors import ConfigError
+from pl_dp.per_sample.bk import BookKeeping
 from pl_dp.per_sample.ghost import GhostClipping, ShardedGhostClipping
 from pl_dp.per_sample.gradients import PerSampleGradients
 from pl_dp.privacy.clip_functions import ClipFunction
@@ -122,5 +123,14 @@ register_per_sample_mode(
         autocast=False,
         shards=True,
         summary="ghost clipping (Li et al. 2022): per-example norms, then one weighted backward; fp32, FSDP2",
+    )
+)
+register_per_sample_mode(
+    PerSampleMode(
+        "bk",
+        lambda net, loss_fn, _: BookKeeping(net, loss_fn),
+        autocast=False,
+        shards=False,
+        summary="book-keeping (Bu et al. 2023): ghost clipping's norms, the clipped sum from the same backward; fp32",
     )
 )

@@ -78,7 +78,9 @@ class TiedNorms:
     ``_norm_sample`` (Opacus' per-example norm attribute) on them and on the other parameters of their modules.
 
     Its hooks are active only between :meth:`start` and :meth:`finish`, and each owning module must run once per
-    forward (a layer reused in one forward is refused, as for Opacus' ghost norms).
+    forward (a layer reused in one forward is refused, as for Opacus' ghost norms). With :attr:`keep` set,
+    :meth:`finish` also leaves each use's input and output gradient in :attr:`uses` (book-keeping's clipped sum is
+    computed from them, :mod:`pl_dp.per_sample.bk`); they are dropped at the next :meth:`start` or :meth:`clear`.
     """
 
     def __init__(self, net: nn.Module) -> None:
@@ -90,6 +92,9 @@ class TiedNorms:
                 self.modules[m] = names.get(m, "?")
         self._records: dict[nn.Module, list[Any]] = {}
         self._active = False
+        #: whether :meth:`finish` keeps each use's ``(module, [input], output gradient)`` in :attr:`uses`
+        self.keep = False
+        self.uses: list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]] = []
         self._handles = [m.register_forward_hook(self._record) for m in self.modules]
 
     def __bool__(self) -> bool:
@@ -102,6 +107,7 @@ class TiedNorms:
 
     def start(self) -> None:
         self._records = {m: [] for m in self.modules}
+        self.uses = []
         self._active = True
 
     def stop(self) -> None:
@@ -110,6 +116,7 @@ class TiedNorms:
     def clear(self) -> None:
         self._active = False
         self._records = {}
+        self.uses = []
 
     def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not (self._active and torch.is_grad_enabled() and output.requires_grad):
@@ -142,6 +149,8 @@ class TiedNorms:
                 not_per_example.append(self.modules[module])
                 continue
             factors[module] = _factors(module, inputs, grad)
+            if self.keep:
+                self.uses.append((module, [inputs], grad))
         self._records = {}
         if not_per_example:
             return not_per_example

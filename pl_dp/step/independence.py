@@ -136,7 +136,10 @@ def batch_mixing_modules(net: nn.Module) -> list[str]:
       and ``track_running_stats``: in train mode it normalizes each example by the batch's statistics, and its
       running statistics are un-noised averages of the data;
     * InstanceNorm with ``track_running_stats=True``: per example in its output, but its running buffers are
-      un-noised statistics of the data, saved in checkpoints.
+      un-noised statistics of the data, saved in checkpoints;
+    * ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm``: its forward renormalizes, in place, the weight rows
+      the batch looks up — un-noised writes of the private batch's tokens into the weights (torch's documented
+      behaviour), trainable or frozen.
 
     These are the modules Opacus' ``ModuleValidator`` refuses for this reason (its GRU, LSTM and
     MultiheadAttention rules are about computing per-sample gradients, not about mixing); unlike it, modules
@@ -151,6 +154,13 @@ def batch_mixing_modules(net: nn.Module) -> list[str]:
                 "with nn.GroupNorm or nn.LayerNorm (opacus.validators.ModuleValidator.fix(net) swaps every "
                 "BatchNorm for a GroupNorm); for a pretrained net whose statistics stay frozen, "
                 "torchvision.ops.FrozenBatchNorm2d is the same per-example affine map without batch statistics"
+            )
+        elif isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            found.append(
+                f"{label}: max_norm={module.max_norm:g} renormalizes, in place during the forward, the rows of its "
+                "weight that the batch looks up: which tokens the private examples hold is written into the weights, "
+                "un-noised, and every checkpoint saves it. Use max_norm=None (normalize the looked-up vectors in the "
+                "forward instead, e.g. F.normalize)"
             )
         elif isinstance(module, _INSTANCE_NORMS) and module.track_running_stats:
             found.append(

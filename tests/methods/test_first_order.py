@@ -178,16 +178,18 @@ def _digits_fit(per_sample, clip_fn, steps=4):
 
 
 @pytest.mark.parametrize("clip_fn", ["constant", "automatic", "psac"])
-def test_ghost_clipping_fits_digits_and_releases_what_hooks_release(clip_fn):
-    """Same batches and noise: the same mechanism, the same ε, and the same parameters up to rounding."""
-    (ghost, trainer), (hooks, _) = _digits_fit("ghost", clip_fn), _digits_fit("hooks", clip_fn)
+@pytest.mark.parametrize("mode, engine", [("ghost", "GhostClipping"), ("bk", "BookKeeping")])
+def test_ghost_clipping_fits_digits_and_releases_what_hooks_release(clip_fn, mode, engine):
+    """Same batches and noise: the same mechanism, the same ε, and the same parameters up to rounding (ghost
+    clipping, and book-keeping: its norms and clipped sums from one backward pass)."""
+    (ghost, trainer), (hooks, _) = _digits_fit(mode, clip_fn), _digits_fit("hooks", clip_fn)
     assert ghost.private_steps == hooks.private_steps == 4
     assert ghost.accountant.history == hooks.accountant.history
     assert ghost.noise_multiplier == hooks.noise_multiplier and ghost.epsilon == hooks.epsilon
     assert 0 < ghost.epsilon <= 4.0 and torch.isfinite(trainer.callback_metrics["val/loss"])
     for a, b in zip(ghost.net.parameters(), hooks.net.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert ghost._per_sample.__class__.__name__ == "GhostClipping"
+    assert ghost._per_sample.__class__.__name__ == engine
 
 
 def test_ghost_clipping_refuses_an_unsupported_net_at_fit_start():

@@ -27,6 +27,7 @@ BOUNDS = {
     "pazo-m": 1,  # likewise (its public gradient stays on the device)
     "dpsgd": 1,  # whether a per-example gradient is non-finite: a copy of them only when one is
     "dpsgd-ghost": 1,  # whether a norm is non-finite: the second pass runs again without it
+    "dpsgd-bk": 1,  # likewise: the first pass runs again without it
     "coupling": 1,  # DP-SGD's, beside a public gradient that stays on the device
 }
 

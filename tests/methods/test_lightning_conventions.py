@@ -324,6 +324,7 @@ def test_which_methods_shard_is_declared_by_the_method():
     assert not O2NC(net).supports_sharding
     assert DPSGD(net, per_sample="ghost").supports_sharding and Coupling(net, per_sample="ghost").supports_sharding
     assert not DPSGD(net).supports_sharding  # per-example gradients of gathered layers are not sharded
+    assert not DPSGD(net, per_sample="bk").supports_sharding  # book-keeping: one process or DDP (per_sample="ghost")
 
 
 def test_sharding_is_declared_by_each_class_never_inherited():

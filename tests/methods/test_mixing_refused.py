@@ -43,6 +43,40 @@ def test_audit_batchnorm_without_parameters_is_refused_at_fit_start(cls):
     assert _untouched(model)
 
 
+class _Tokens(nn.Module):
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.tokens, self.head = embedding, nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tokens(ids).mean(1))
+
+
+def test_an_embedding_with_max_norm_writes_the_batch_into_its_weight():
+    """Why it is refused: torch renormalizes, in place, the rows a forward looks up — the rows of the tokens the
+    batch holds, frozen or not, outside any noise."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 4, max_norm=0.5)
+    with torch.no_grad():
+        embedding.weight.mul_(10)
+    before = embedding.weight.detach().clone()
+    with torch.no_grad():
+        embedding(torch.tensor([[3, 7]]))
+    changed = (embedding.weight != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [3, 7]
+
+
+@pytest.mark.parametrize("cls", catalog.classes(catalog.REPRESENTATIVES))
+def test_an_embedding_with_max_norm_is_refused_at_fit_start(cls):
+    torch.manual_seed(0)
+    model = cls(_Tokens(nn.Embedding(10, 4, max_norm=1.0)), clip=1.0, privacy=SPEC)
+    ids = torch.randint(0, 10, (60, 5), generator=torch.Generator().manual_seed(0))
+    data = PrivatePublicDataModule(torch.utils.data.TensorDataset(ids, torch.randint(0, 3, (60,))), batch_size=10)
+    with pytest.raises(IndependenceError, match=r"'tokens' \(Embedding\): max_norm=1 renormalizes, in place"):
+        make_trainer(max_steps=2).fit(model, data)
+    assert _untouched(model)
+
+
 def _squared_error(net: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return (net(x) - F.one_hot(y, 3).float()).square().sum(dim=1)

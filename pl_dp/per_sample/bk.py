@@ -1,0 +1,245 @@
+"""Book-keeping (BK) clipping: DP-SGD's clipped sum Σ_i c(‖g_i‖)·g_i in one backward pass.
+
+Bu, Wang, Zha & Karypis, 2023, "Differentially Private Optimization on Large Model at Small Cost" (ICML; the
+``fastDP`` library), Alg. 1. Ghost clipping (:mod:`pl_dp.per_sample.ghost`) runs a second backward, of Σ_i c_i·ℓ_i,
+to get the clipped sum. Every trainable layer's weight gradient is a contraction of what that layer saw in the
+first one: for a linear layer with inputs a_{i,t} and output gradients b_{i,t} (example i, position t),
+
+    Σ_i c_i·g_i = Σ_{i,t} (c_i·b_{i,t}) a_{i,t}ᵀ,
+
+one matrix product of the output gradients, each example's rows scaled by its clip weight, with the inputs. So
+:class:`BookKeeping` runs, per (micro-)batch:
+
+1. ghost clipping's first pass, unchanged (:class:`~pl_dp.per_sample.GhostClipping`): one backward of Σ_i ℓ_i that
+   computes the gradients with respect to the layers' inputs only — no parameter gradient — while Opacus' hooks
+   record each example's norm from the layer's input and output gradient. Here the hooks also *keep* that pair
+   (the "book": ``(layer, inputs, output gradients)`` per call, and for tied weights per use, from
+   :class:`~pl_dp.per_sample.tied.TiedNorms`). A linear layer's norm is its ghost norm (two T×T Gram matrices per
+   example) when 2T² ≤ p·d, else the norm of its instantiated per-example gradient (p·d per example), the cheaper
+   of the two (Bu et al. 2023, §3.2); Hugging Face's ``Conv1D`` (GPT-2) is measured as a linear layer, and an
+   embedding by one T×T Gram matrix (:func:`linear_norms`, :func:`embedding_norms`: the same norms as Opacus', for
+   less work);
+2. the clip weights c_i = c(‖g_i‖), 0 for a non-finite norm (the examples are then dropped and the pass run again
+   without them, as in ghost clipping);
+3. no second backward: each kept call's clipped sum from its book — ``nn.Linear`` (2-D and sequence inputs) one
+   matrix product, ``nn.Embedding`` the rows of the scaled output gradients added at the looked-up indices (the
+   ``padding_idx`` row gets none, as in autograd), and every other layer (LayerNorm, RMSNorm, GroupNorm, Conv,
+   Opacus' recurrent cells, a leaf module of raw parameters) the weighted sum of its per-example gradients from
+   Opacus' sampler of that layer, the one its norm came from.
+
+Time: one forward, the input-gradient half of a backward and the weight-gradient contractions, i.e. about a
+non-private step plus the norms (``benchmarks/ghost_first_pass.py``). Memory: the book holds every hooked layer's
+input and output gradient until the clip weights are known — the inputs are those autograd saves for the backward
+anyway, the output gradients are extra (one activation-sized tensor per layer: for a language model's head,
+batch × tokens × vocabulary). The first pass's backward frees the graph as it goes, as a non-private one does.
+
+Privacy: the sum and the norm come from the same per-layer quantities, so each example's contribution is c_i
+times the very gradient whose norm set c_i — at most C — whatever the net. The fit-start check
+(:func:`~pl_dp.per_sample.verify_per_example_gradients`) therefore compares the per-example gradients this engine
+sums (:meth:`BookKeeping.__call__`) with each example's own gradient, row by row: a parameter used outside its
+layer or a layer that sees the batch in another dimension is refused before any step, as a net that mixes
+examples is refused upstream. Both passes compute in fp32 with autocast off, like ghost clipping.
+
+Not supported (refused when the engine is built, naming the layer; ``per_sample="ghost"`` runs them): an
+``nn.Embedding`` with ``scale_grad_by_freq`` (its gradient is divided by the token counts of the whole batch, so it
+is not a per-example quantity), and a net sharded by FSDP2 (the mode declares ``shards=False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from opacus.grad_sample.linear import compute_linear_norm_sample
+from torch import nn
+
+from pl_dp.per_sample.ghost import GhostClipping, GhostNormModule
+from pl_dp.step.batches import batch_size_of
+from pl_dp.step.losses import PerSampleLoss
+
+#: what the book keeps of one call of a layer: the layer, its inputs, its output gradient (batch first)
+Entry = tuple[nn.Module, list[torch.Tensor], torch.Tensor]
+
+
+def linear_norms(
+    layer: nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-example gradient norms of an ``nn.Linear``, by the cheaper of ghost norm and instantiated gradient.
+
+    On ``[B, T, ·]`` inputs a weight's ghost norm needs two T×T Gram matrices per example, the instantiated gradient
+    one p×d matrix (Bu et al. 2023, §3.2): for 2T² > p·d the gradient is formed and its norm taken, otherwise
+    ‖Σ_t b_t a_tᵀ‖² = Σ_{t,s} (b_t·b_s)(a_t·a_s). The bias's norm is ‖Σ_t b_t‖ (Opacus forms the output Gram again
+    for it). On ``[B, ·]`` inputs (and shapes Opacus refuses), Opacus' ghost norm. Exact either way, and for
+    Hugging Face's ``Conv1D`` too (GPT-2's projections: a linear layer whose weight is stored transposed, which
+    Opacus measures by ``torch.func``)."""
+    if backprops.dim() != 3:
+        return compute_linear_norm_sample(layer, activations, backprops)
+    inputs = activations[0].to(backprops.dtype)
+    norms = {}
+    if layer.weight.requires_grad:
+        if 2 * backprops.shape[1] ** 2 > layer.weight.numel():
+            squares = torch.einsum("btp,btd->bpd", backprops, inputs).square().sum(dim=(1, 2))
+        else:
+            grams = torch.bmm(backprops, backprops.transpose(1, 2)) * torch.bmm(inputs, inputs.transpose(1, 2))
+            squares = grams.sum(dim=(1, 2))
+        norms[layer.weight] = squares.clamp_min(0).sqrt()
+    if layer.bias is not None and layer.bias.requires_grad:
+        norms[layer.bias] = backprops.sum(dim=1).norm(dim=1)
+    return norms
+
+
+def embedding_norms(
+    layer: nn.Embedding, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-example gradient norms of an ``nn.Embedding`` from the T×T Gram matrix of its output gradients:
+    ‖Σ_t e_{i_t} b_tᵀ‖² = Σ_{t,s} [i_t = i_s] (b_t·b_s), one batched matrix product where Opacus sorts and scatters
+    the indices. For 2T² > V·d (long sequences), Opacus' norm. Both count the ``padding_idx`` row as Opacus does (a
+    larger norm only clips harder), so that the norms are ghost clipping's."""
+    ids = activations[0].reshape(activations[0].shape[0], -1)
+    if not layer.weight.requires_grad or 2 * ids.shape[1] ** 2 > layer.weight.numel():
+        return GhostNormModule.NORM_SAMPLERS[nn.Embedding](layer, activations, backprops)
+    grads = backprops.reshape(*ids.shape, -1)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)
+    squares = (torch.bmm(grads, grads.transpose(1, 2)) * same).sum(dim=(1, 2))
+    return {layer.weight: squares.clamp_min(0).sqrt()}
+
+
+def transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2): ``x @ W + b`` with ``W`` stored ``[in, out]``. Told
+    by name, so that this plain-torch layer imports no ``transformers``."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
+
+
+class BookKeepingNormModule(GhostNormModule):
+    """Ghost clipping's norm module that also keeps, per hooked call, the inputs and output gradient its norm was
+    computed from (:attr:`book`), and measures linear layers (and Hugging Face's ``Conv1D``) by
+    :func:`linear_norms`."""
+
+    NORM_SAMPLERS = {**GhostNormModule.NORM_SAMPLERS, nn.Linear: linear_norms, nn.Embedding: embedding_norms}
+    book: list[Entry]
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        transposed = {type(m) for m in module.modules() if transposed_linear(m)}
+        self.NORM_SAMPLERS = {**self.NORM_SAMPLERS, **dict.fromkeys(transposed, linear_norms)}
+        self.book = []
+
+    def rearrange_grad_samples(
+        self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        activations, backprops = super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        self.book.append((module, activations, backprops))
+        return activations, backprops
+
+
+def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[nn.Parameter, torch.Tensor]:
+    """The per-example gradients ``[B, *p.shape]`` of one kept call's trainable parameters, from Opacus' sampler of
+    its layer (``samplers``: its registry; ``torch.func`` for a leaf module of raw parameters), the ``padding_idx``
+    row of an embedding at zero as autograd leaves it."""
+    module, activations, backprops = entry
+    sampler = samplers.get(type(module), ft_compute_per_sample_gradient)
+    grads = {p: g for p, g in sampler(module, activations, backprops).items() if p.requires_grad}
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None and module.weight in grads:
+        grads[module.weight][:, module.padding_idx] = 0
+    return grads
+
+
+def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Σ_i c_i·g_i of one kept call's trainable parameters (fp32), ``weights`` the clip weights c_i (see the module
+    docstring): a contraction for ``nn.Linear`` and ``nn.Embedding``, the weighted per-example gradients otherwise."""
+    module, activations, backprops = entry
+    transposed = transposed_linear(module)
+    if isinstance(module, nn.Linear) or transposed:  # the rows' weights c_i scale the narrower of the two factors
+        out = backprops.float().reshape(-1, backprops.shape[-1])
+        rows = weights.repeat_interleave(out.shape[0] // max(len(weights), 1))
+        inputs = activations[0].float().reshape(out.shape[0], -1)
+        sums = {}
+        if module.bias is not None and module.bias.requires_grad:
+            sums[module.bias] = rows @ out
+        if module.weight.requires_grad:
+            if out.shape[1] <= inputs.shape[1]:
+                out = out * rows[:, None]
+            else:
+                inputs = inputs * rows[:, None]
+            sums[module.weight] = inputs.T @ out if transposed else out.T @ inputs
+        return sums
+    if isinstance(module, nn.Embedding):  # autograd's own lookup backward: padding_idx row left at zero
+        scaled = backprops.float() * weights.view(-1, *[1] * (backprops.dim() - 1))
+        weight = module.weight.detach().float().requires_grad_()
+        with torch.enable_grad():
+            looked_up = F.embedding(activations[0], weight, padding_idx=module.padding_idx)
+        return {module.weight: torch.autograd.grad(looked_up, weight, scaled.reshape(looked_up.shape))[0]}
+    return {
+        p: torch.einsum("b,b...->...", weights, g.float()) for p, g in per_example_gradients(samplers, entry).items()
+    }
+
+
+class BookKeeping(GhostClipping):
+    """The clipped sum Σ_i c(‖g_i‖)·g_i of a batch for the trainable parameters of ``net``, by book-keeping: ghost
+    clipping's first pass, then each layer's sum from the inputs and output gradients it kept, with no second
+    backward (see the module docstring). Refuses what :class:`~pl_dp.per_sample.GhostClipping` refuses. Called on a
+    batch, returns its per-example gradients (as :class:`~pl_dp.per_sample.PerSampleGradients` does): the rows this
+    engine sums, for the fit-start check."""
+
+    mode = "bk"
+    second_backward = False
+
+    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
+        super().__init__(net, loss_fn)
+        self._tied.keep = True
+        self._book: list[Entry] = []
+
+    def _norm_module(self, options: dict[str, Any]) -> BookKeepingNormModule:
+        return BookKeepingNormModule(self.net, skipped=frozenset(self._tied.modules), **options)
+
+    def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ghost clipping's first pass, whose hooks fill the book; its backward frees the graph as it goes (nothing
+        runs backward through it again)."""
+        self._forget()
+        norms, losses = super()._norms(batch, size)
+        self._book = [*self._gsm.book, *self._tied.uses]
+        self._gsm.book, self._tied.uses = [], []
+        return norms, losses.detach()
+
+    def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Each kept call's Σ_i c_i·g_i, added up per parameter (fp32, autocast off)."""
+        book, self._book = self._book, []
+        sums: dict[nn.Parameter, torch.Tensor] = {}
+        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+            for entry in book:
+                for p, s in weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights.detach().float()).items():
+                    sums[p] = s if p not in sums else sums[p].add_(s)
+        return [sums[p] if p in sums else torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+
+    def __call__(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The per-example gradients the clipped sum is made of (one ``[B, *p.shape]`` tensor per parameter, fp32)
+        and the per-example losses — for :func:`~pl_dp.per_sample.verify_per_example_gradients`."""
+        size = batch_size_of(batch)
+        _, losses = self._norms(batch, size)
+        book, self._book = self._book, []
+        grads = {p: torch.zeros((size, *p.shape), dtype=torch.float32, device=p.device) for p in self.params}
+        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+            for entry in book:
+                for p, g in per_example_gradients(self._gsm.GRAD_SAMPLERS, entry).items():
+                    grads[p] += g.float()
+        return list(grads.values()), losses
+
+    def per_example_norms(self, batch: Any) -> torch.Tensor:
+        try:
+            return super().per_example_norms(batch)
+        finally:
+            self._forget()
+
+    def reset(self) -> None:
+        super().reset()
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the book (a pass that raised, or norms asked for alone)."""
+        self._book, self._gsm.book, self._tied.uses = [], [], []
