@@ -99,6 +99,33 @@ def dpzero_engine_op(net, batch, mask=None, queries=1, one_sided=False, **engine
     return op
 
 
+def mezo_floor_op(net, batch, smoothing=1e-3, lr=1e-4):
+    """MeZO's step in a few lines of torch (Malladi et al. 2023, Alg. 1; ``benchmarks/gpu.py``'s floor): u redrawn by
+    ``torch.randn`` from one seed, tensor by tensor on torch's one generator, in each of four in-place sweeps
+    (+λ, −2λ, +λ, −η·g), around the same two forwards as :func:`forward_op`. Not private: no clipping, no noise."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    evaluate = forward_op(net, batch)
+    step = [0]
+
+    def sweep(seed, scale):
+        g = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype), alpha=scale)
+
+    @torch.no_grad()
+    def op():
+        seed = 1000 + step[0]
+        sweep(seed, smoothing)
+        plus = evaluate()
+        sweep(seed, -2 * smoothing)
+        minus = evaluate()
+        sweep(seed, smoothing)
+        sweep(seed, -lr * float(((plus - minus) / (2 * smoothing)).mean()))
+        step[0] += 1
+
+    return op
+
+
 def opacus_op(net, batch):
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer

@@ -1,5 +1,6 @@
-"""``--suite zo``: the DPZero step (engine, Lightning loop) over two forwards and over Opacus, the PAZO methods' steps,
-and peak memory in fresh processes; ``--suite logging``: a DPZero step when every step logs."""
+"""``--suite zo``: the DPZero step (engine, Lightning loop) over two forwards, over MeZO's step in plain torch and over
+Opacus, the PAZO methods' steps, and peak memory in fresh processes; ``--suite logging``: a DPZero step when every
+step logs."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from step_suites.common import (
     forward_op,
     lightning_step_times,
     make_case,
+    mezo_floor_op,
     opacus_op,
     timed,
 )
@@ -31,12 +33,14 @@ def time_case(name, quick, repeats):
     net, dataset, public, batch_size = make_case(name, quick)
     batch = fixed_batch(dataset, batch_size)
     fwd, zo, opacus = forward_op(net, batch), dpzero_engine_op(net, batch), opacus_op(net, batch)
-    for op in (fwd, zo, opacus):  # warm-up
+    mezo = mezo_floor_op(net, batch)
+    for op in (fwd, zo, mezo, opacus):  # warm-up
         op()
-    t_fwd, t_zo, t_opacus = [], [], []
+    t_fwd, t_zo, t_mezo, t_opacus = [], [], [], []
     for _ in range(repeats):  # interleaved to cancel drift
         t_fwd.append(timed(fwd))
         t_zo.append(timed(zo))
+        t_mezo.append(timed(mezo))
         t_opacus.append(timed(opacus))
     t_loop = {m: lightning_step_times(m, net, dataset, public, batch_size, steps=repeats + 2) for m in METHODS}
     t_light = t_loop["dpzero"]
@@ -52,9 +56,12 @@ def time_case(name, quick, repeats):
         "forward_ms": 1e3 * med(t_fwd),
         "dpzero_engine_ms": 1e3 * med(t_zo),
         "dpzero_lightning_ms": 1e3 * med(t_light),
+        "mezo_floor_ms": 1e3 * med(t_mezo),
         "opacus_dpsgd_ms": 1e3 * med(t_opacus),
         "engine_over_two_forwards": med(t_zo) / (2 * med(t_fwd)),
         "lightning_over_two_forwards": med(t_light) / (2 * med(t_fwd)),
+        "mezo_floor_over_two_forwards": med(t_mezo) / (2 * med(t_fwd)),
+        "engine_over_mezo_floor": med(t_zo) / med(t_mezo),
         "dpzero_over_opacus": med(t_zo) / med(t_opacus),
     }
 
@@ -104,16 +111,19 @@ def memory_case(name, quick, probes=3):
 
 def table(rows):
     lines = [
-        "| case | params | B | fwd ms | DPZero engine ms | DPZero in Lightning ms | Opacus DP-SGD ms "
-        "| engine/2fwd | Lightning/2fwd | DPZero/Opacus | peak MB inf / DPZero / Opacus (ZO budget) | kept MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | params | B | fwd ms | MeZO torch ms | DPZero engine ms | DPZero in Lightning ms | Opacus DP-SGD ms "
+        "| MeZO/2fwd | engine/2fwd | Lightning/2fwd | engine/MeZO | DPZero/Opacus "
+        "| peak MB inf / DPZero / Opacus (ZO budget) | kept MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['case']} | {r['parameters'] / 1e6:.2f}M | {r['batch_size']} | {r['forward_ms']:.1f} "
-            f"| {r['dpzero_engine_ms']:.1f} | {r['dpzero_lightning_ms']:.1f} | {r['opacus_dpsgd_ms']:.1f} "
+            f"| {r['mezo_floor_ms']:.1f} | {r['dpzero_engine_ms']:.1f} | {r['dpzero_lightning_ms']:.1f} "
+            f"| {r['opacus_dpsgd_ms']:.1f} | {r['mezo_floor_over_two_forwards']:.2f} "
             f"| {r['engine_over_two_forwards']:.2f} | {r['lightning_over_two_forwards']:.2f} "
-            f"| {r['dpzero_over_opacus']:.2f} | {r['inference_peak_mb']:.1f} / {r['dpzero_peak_mb']:.1f} / "
+            f"| {r['engine_over_mezo_floor']:.2f} | {r['dpzero_over_opacus']:.2f} "
+            f"| {r['inference_peak_mb']:.1f} / {r['dpzero_peak_mb']:.1f} / "
             f"{r['opacus_peak_mb']:.1f} ({r['zo_memory_budget_mb']:.1f}) | {r['kept_directions_mb']:.1f} |"
         )
     lines += [
