@@ -152,10 +152,13 @@ def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[nn
 
 def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
     """Σ_i c_i·g_i of one kept call's trainable parameters (fp32), ``weights`` the clip weights c_i (see the module
-    docstring): a contraction for ``nn.Linear`` and ``nn.Embedding``, the weighted per-example gradients otherwise."""
+    docstring): a contraction for ``nn.Linear`` and ``nn.Embedding``, the weighted per-example gradients otherwise.
+    The contraction is for those exact classes only, as their norm samplers are: a subclass's ``forward`` may do more
+    after the layer's own (scale its output, as muP read-outs and BART's scaled embeddings do), which the kept
+    output gradient has already gone through — its sum comes from the per-example gradients its norm was taken of."""
     module, activations, backprops = entry
     transposed = transposed_linear(module)
-    if isinstance(module, nn.Linear) or transposed:  # the rows' weights c_i scale the narrower of the two factors
+    if type(module) is nn.Linear or transposed:  # the rows' weights c_i scale the narrower of the two factors
         out = backprops.float().reshape(-1, backprops.shape[-1])
         rows = weights.repeat_interleave(out.shape[0] // max(len(weights), 1))
         inputs = activations[0].float().reshape(out.shape[0], -1)
@@ -169,7 +172,7 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
                 inputs = inputs * rows[:, None]
             sums[module.weight] = inputs.T @ out if transposed else out.T @ inputs
         return sums
-    if isinstance(module, nn.Embedding):  # autograd's own lookup backward: padding_idx row left at zero
+    if type(module) is nn.Embedding:  # autograd's own lookup backward: padding_idx row left at zero
         scaled = backprops.float() * weights.view(-1, *[1] * (backprops.dim() - 1))
         weight = module.weight.detach().float().requires_grad_()
         with torch.enable_grad():

@@ -341,6 +341,10 @@ class PerSampleGradients:
 VERIFY_SIZES = (2, 3)
 
 
+#: a clip no probe gradient reaches: every weight c_i is 1, so a clipped sum is the plain sum Σ_i g_i
+UNCLIPPED = ClipFunction("constant", 1e30)
+
+
 def verify_per_example_gradients(
     per_sample: PerSampleEngine, examples: Any, sizes: Sequence[int] = VERIFY_SIZES, rtol: float = 1e-3
 ) -> None:
@@ -356,7 +360,9 @@ def verify_per_example_gradients(
 
     * an engine that returns per-example gradients when called (:class:`PerSampleGradients`, and
       :class:`~pl_dp.per_sample.BookKeeping`, whose clipped sum is made of the very rows it measures): each row must
-      equal the example's own gradient to within ``rtol`` (relative);
+      equal the example's own gradient to within ``rtol`` (relative); and for an engine that computes its sum apart
+      from those rows (book-keeping's per-layer contractions), its clipped sum with every weight 1 must equal the sum
+      of the examples' own gradients (within ``rtol``);
     * an engine that returns only norms (``per_example_norms``: :class:`~pl_dp.per_sample.GhostClipping`, whose
       second pass differentiates the weighted losses, so the clipped quantity is the true gradient): each
       per-example norm must be at least the true norm (within ``rtol``) — a larger norm only clips harder.
@@ -369,6 +375,8 @@ def verify_per_example_gradients(
     count = batch_size_of(examples)
     net, params = per_sample.net, per_sample.params
     gradients = per_sample if callable(per_sample) else None  # its rows are what it sums; else: norms only
+    # an engine that computes its sum apart from its rows (book-keeping): the sum itself is checked too
+    separate_sum = gradients is not None and not isinstance(per_sample, PerSampleGradients)
     modes = {module: module.training for module in net.modules()}
     net.eval()
     wrong: dict[str, float] = {}
@@ -376,10 +384,14 @@ def verify_per_example_gradients(
         for size in (k for k in sizes if k <= count):
             batch = select_examples(examples, torch.arange(size))
             rows = per_sample.per_example_norms(batch) if gradients is None else gradients(batch)[0]
+            totals: list[torch.Tensor] = [torch.zeros_like(p, dtype=torch.float64) for p in params]
             for i in range(size):
                 with torch.enable_grad():
                     single = select_examples(examples, torch.tensor([i]))
                     own = replicated_gradient(check_per_sample(per_sample.loss_fn(net, single), 1).sum(), params)
+                for total, g in zip(totals, own):
+                    if g is not None:
+                        total += g.double()
                 squares = sum(float(whole(g.double().square().sum())) for g in own if g is not None)
                 reference = max(math.sqrt(squares), 1e-12)
                 if gradients is None:
@@ -392,6 +404,13 @@ def verify_per_example_gradients(
                     error = float(torch.linalg.vector_norm((row[i] - target).double()))
                     if error > max(rtol, 16 * torch.finfo(row.dtype).eps) * reference:  # bf16 weights round at 1e-2
                         wrong[name] = max(wrong.get(name, 0.0), error / reference)
+            if separate_sum:  # weights 1 (no example reaches the bound): the sum must be Σ_i g_i
+                sums = per_sample.clipped_sum(batch, UNCLIPPED)[0]
+                scale = max(math.sqrt(sum(float(t.square().sum()) for t in totals)), 1e-12)
+                for name, summed, total in zip(per_sample.names, sums, totals):
+                    error = float(torch.linalg.vector_norm(summed.double() - total))
+                    if error > rtol * scale:
+                        wrong[f"{name} (summed)"] = max(wrong.get(f"{name} (summed)", 0.0), error / scale)
     finally:
         for module, training in modes.items():
             module.training = training

@@ -10,6 +10,9 @@ from typing import Any
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.accountants import REMOVED_ACCOUNTANTS, accountant_names
 
+#: fewer users than this, and δ's default 1/U is large enough to warn about
+SMALL_POPULATION = 100
+
 
 @dataclass(frozen=True)
 class PrivacySpec:
@@ -63,7 +66,19 @@ class PrivacySpec:
         privacy): ``1/n`` when unset; warns if δ > 1/n."""
         if n_private < 1:
             raise ConfigError("the private dataset is empty: there is nothing to train on privately.")
+        if unit == "user" and n_private < 2:
+            raise PrivacyConfigError(
+                "the private set holds one user: a guarantee per user at δ = 1/U = 1 protects nothing. Check the user "
+                "column (every example named the same user?) or train with example-level privacy."
+            )
         if self.delta is None:
+            if unit == "user" and n_private < SMALL_POPULATION:
+                warnings.warn(
+                    f"only {n_private} users: the default delta = 1/U = {1.0 / n_private:.3g} lets the guarantee fail "
+                    f"with that probability (at delta = 1/U, publishing one random user outright would satisfy it). "
+                    "Set a smaller delta in the privacy spec.",
+                    stacklevel=2,
+                )
             return 1.0 / n_private
         if self.delta > 1.0 / n_private:
             warnings.warn(

@@ -15,13 +15,14 @@ is 1 / its population), and the report, the W&B config and the checkpoint read i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Union
 
 import numpy as np
 
-from pl_dp.errors import ConfigError, PrivacyConfigError
+from pl_dp.errors import ConfigError, DataError, PrivacyConfigError
 
 #: the units of privacy pl_dp offers
 UNITS = ("example", "user")
@@ -73,6 +74,13 @@ class UserIndex:
     """
 
     def __init__(self, user_ids: Sequence[Hashable]) -> None:
+        missing = sum(1 for user in user_ids if _missing(user))
+        if missing:
+            raise DataError(
+                f"{missing} private example(s) name no user (None, NaN or an empty string): they would all be pooled "
+                "into one user, or each counted as a user of its own, and a person among them protected as neither. "
+                "Give every example its user id (or drop the examples that have none) before training."
+            )
         numbers: dict[Hashable, int] = {}
         try:
             user_of_example = np.fromiter(
@@ -111,3 +119,10 @@ class UserIndex:
         """One example of each of ``users`` (distinct user numbers), each uniform among that user's examples and
         drawn from ``rng`` (the sampler's secret randomness), in the order of ``users``."""
         return self.order[self.offsets[users] + rng.integers(0, self.counts[users])]
+
+
+def _missing(user: Hashable) -> bool:
+    """Whether a user id names nobody: None, NaN (a float column's empty cell) or an empty string."""
+    if isinstance(user, (float, np.floating)):
+        return math.isnan(user)
+    return user is None or (isinstance(user, str) and not user.strip())

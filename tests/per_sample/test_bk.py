@@ -236,6 +236,71 @@ def test_an_example_with_a_huge_loss_moves_the_sum_by_at_most_the_clip(kind):
     assert moved <= clip * (1 + 1e-5)
 
 
+class _ScaledLinear(nn.Linear):
+    """A read-out that scales its output after the layer's own forward (muP's read-out, an equalized learning rate)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 0.01
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """As Hugging Face's BartScaledWordEmbedding: the lookup times a constant."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 0.01
+
+
+class _ScaledTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.head = _ScaledEmbedding(20, 8), nn.Linear(8, 3)
+        self.head.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tokens(ids).mean(1))
+
+
+@pytest.mark.parametrize("case", ["linear", "embedding"])
+def test_a_layer_subclass_that_rescales_its_output_is_clipped_by_its_own_gradient(case):
+    """Found by review: the sum's shortcut for nn.Linear and nn.Embedding took their subclasses too, while their
+    norms came from their true per-example gradients — a subclass scaling its output by s moved the release by C/s
+    (100·C here), and the fit-start check, which reads the rows, passed. Black box, against ghost clipping."""
+    torch.manual_seed(0)
+    if case == "linear":
+        net: nn.Module = nn.Sequential(nn.Linear(4, 8), _ScaledLinear(8, 3))
+        x = torch.randn(6, 4)
+        x[0] *= 1e4
+    else:
+        net = _ScaledTokens()
+        x = torch.randint(0, 20, (6, 5))
+    y = torch.randint(0, 3, (6,))
+    scale = torch.ones(6)
+    scale[0] = 1e6
+    clip = ClipFunction("constant", 1.0)
+    for engine in (BookKeeping, GhostClipping):
+        summed = engine(copy.deepcopy(net), _scaled_loss)
+        with_it = summed.clipped_sum((x, y, scale), clip)[0]
+        without = summed.clipped_sum((x[1:], y[1:], scale[1:]), clip)[0]
+        moved = torch.sqrt(sum((a - b).double().square().sum() for a, b in zip(with_it, without)))
+        assert moved <= 1.0 + 1e-5, (engine.__name__, float(moved))
+    bk, ghost = BookKeeping(copy.deepcopy(net), _scaled_loss), GhostClipping(copy.deepcopy(net), _scaled_loss)
+    for a, b in zip(bk.clipped_sum((x, y, scale), clip)[0], ghost.clipped_sum((x, y, scale), clip)[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_the_fit_start_check_reads_the_sum_it_releases_not_only_its_rows(monkeypatch):
+    """The rows book-keeping returns for the check and the per-layer contractions it sums are two computations: a
+    sum that drifts from the rows (the subclass bug above) is refused, not only rows that drift from the truth."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+    verify_per_example_gradients(BookKeeping(copy.deepcopy(net), cross_entropy), batch)  # the true sum passes
+    halved = BookKeeping._weighted_sum
+    monkeypatch.setattr(BookKeeping, "_weighted_sum", lambda self, *a: [s / 2 for s in halved(self, *a)])
+    with pytest.raises(RuntimeError, match=r"\(summed\)"):
+        verify_per_example_gradients(BookKeeping(copy.deepcopy(net), cross_entropy), batch)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_one_sequence_of_a_tied_embedding_model_moves_the_sum_by_at_most_the_clip(arch, models):
     """Black box on GPT-2, OPT and Llama-style models (tied input and output embeddings)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from pl_dp.errors import ConfigError, PrivacyConfigError
+from pl_dp.errors import ConfigError, DataError, PrivacyConfigError
 from pl_dp.privacy import PrivacyReport, PrivacySpec, SubsampledGaussian, poisson_loader, poisson_sampler_of
 from pl_dp.privacy.ledger import PrivacyLedger
 from pl_dp.privacy.sampling import PoissonBatchSampler, UserPoissonBatchSampler
@@ -123,3 +123,19 @@ def test_a_run_that_released_example_level_steps_refuses_a_user_level_sampler():
     restored.load_state_dict(ledger.state_dict())  # a resume, or another fit of the same module
     with pytest.raises(PrivacyConfigError, match="released 1 private steps at example-level privacy"):
         restored.observe_sampler(UserPoissonBatchSampler(index, 0.25, seed=1), noise_seeded=False)
+
+
+@pytest.mark.parametrize("missing", [None, float("nan"), np.float32("nan"), "", "  "])
+def test_an_example_that_names_no_user_is_refused(missing):
+    """Found by review: None, "" and NaN pooled into one user (NaN objects, unequal to themselves, into one user
+    each) — a person among them was protected as neither. Refused, with a count and no id."""
+    with pytest.raises(DataError, match=r"1 private example\(s\) name no user"):
+        UserIndex(["ann", missing, "bob"])
+
+
+def test_one_user_is_refused_and_few_users_warn_about_the_default_delta():
+    with pytest.raises(PrivacyConfigError, match="holds one user"):
+        PrivacySpec(epsilon=2.0).resolve_delta(1, "user")
+    with pytest.warns(UserWarning, match=r"only 20 users: the default delta = 1/U = 0.05"):
+        assert PrivacySpec(epsilon=2.0).resolve_delta(20, "user") == 0.05
+    assert PrivacySpec(epsilon=2.0, delta=1e-6).resolve_delta(20, "user") == 1e-6  # a delta given: no warning
