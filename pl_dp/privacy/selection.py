@@ -166,7 +166,12 @@ class TrialCount:
 
 @lru_cache(maxsize=4096)
 def _more_probability(count: TrialCount, finished: int) -> float:
-    """:meth:`TrialCount.more_probability`, computed once per distribution and number of finished trials."""
+    """:meth:`TrialCount.more_probability`, computed once per distribution and number of finished trials.
+
+    The truncated negative binomial has no K = 0: the first trial always runs (exactly 1, where S(1)/S(0) summed
+    in floats rounds below 1 and left P[K = 0] ~ 1e-14, found by review)."""
+    if finished == 0 and not count.is_poisson:
+        return 1.0
     survived = count.survival(finished) if finished else 1.0
     return 0.0 if survived == 0 else min(count.survival(finished + 1) / survived, 1.0)
 
