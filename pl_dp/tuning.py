@@ -24,8 +24,9 @@ What the bound needs, and how the search keeps it:
   the protected set (docs/privacy-model.md): a split holding records whose privacy counts must not be used.
 
 Resumable: the state file (``DIRECTORY/search.json``) records each finished trial (its candidate, score,
-checkpoint, event) and each decision to go on, so a killed search re-runs only the trial it was in (whose output
-was never released) and never re-spends or re-draws what it had decided.
+checkpoint, event) and each decision to go on. A search killed inside a trial counts that trial as one of the K,
+finished with the worst score and no model (it is never re-run: re-running would let a user who watched its progress
+re-roll its noise), and never re-spends or re-draws what it had decided.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ class Released:
     checkpoint: Path | None
     score: float | None
     candidate: dict[str, Any] | None
+    #: every trial drawn was interrupted (killed), so no model was finished to release
+    interrupted: bool = False
 
     @property
     def report(self) -> PrivacyReport | None:
@@ -146,6 +149,8 @@ class Released:
         return None if self.checkpoint is None else PrivacyReport.from_checkpoint(self.checkpoint)
 
     def __str__(self) -> str:
+        if self.checkpoint is None and self.interrupted:
+            return "pl-dp tune: every trial drawn was interrupted (each counts as lost): nothing is released."
         if self.checkpoint is None:
             return "pl-dp tune: the number of trials drawn was 0 (Poisson): nothing was run and nothing is released."
         values = ", ".join(f"{key}={value}" for key, value in (self.candidate or {}).items())
@@ -219,8 +224,8 @@ class Search:
         started = 0
         while state["released"] is None:
             trials = state["trials"]
-            if trials and trials[-1]["score"] is None:  # killed inside this trial: its output was never released
-                trial = trials[-1]
+            if trials and trials[-1]["score"] is None:  # killed inside this trial: it counts, and lost
+                self._count_interrupted(state, trials[-1])
             else:
                 if state["more"] is None:  # one decision per finished trial, kept once drawn
                     state["more"] = self.coin.one_more(self.count, len(trials))
@@ -236,9 +241,21 @@ class Search:
                 trials.append(trial)
                 state["more"] = None
                 self._save(state)
-            started += 1
-            self._run_trial(state, trial, run_trial)
+                started += 1
+                self._run_trial(state, trial, run_trial)
         return self._released(state)
+
+    def _count_interrupted(self, state: dict[str, Any], trial: dict[str, Any]) -> None:
+        """A trial killed before it finished is one of the K trials, finished with the worst score and no model.
+
+        Re-running it would draw fresh noise for a trial whose progress the user may have watched: a user who kills
+        every bad-looking trial would release the best of many runs while the report states the bound for K (found
+        by review). Counted as lost, a kill can only lose a trial, never re-roll it; the decision to go on after it is
+        drawn as after any trial."""
+        trial.update(score=-math.inf if self.mode == "max" else math.inf, checkpoint=None, interrupted=True)
+        shutil.rmtree(self.directory / "trials" / trial["id"], ignore_errors=True)
+        state["more"] = None
+        self._save(state)
 
     def _run_trial(self, state: dict[str, Any], trial: dict[str, Any], run_trial: TrialRunner) -> None:
         directory = self.directory / "trials" / trial["id"]
@@ -276,7 +293,11 @@ class Search:
             self._save(state)
             return
         sign = 1.0 if self.mode == "max" else -1.0
-        best = max(trials, key=lambda trial: sign * trial["score"])
+        best = max(trials, key=lambda trial: (sign * trial["score"], trial["checkpoint"] is not None))
+        if best["checkpoint"] is None:  # every trial was interrupted: there is no model to release
+            state.update(trials=[], more=None, released={"checkpoint": None, "trial": None, "interrupted": True})
+            self._save(state)
+            return
         checkpoint = torch.load(best["checkpoint"], map_location="cpu", weights_only=False)
         checkpoint["pl_dp"]["search"] = {
             "mean": self.count.mean,
@@ -310,7 +331,7 @@ class Search:
             if directory.name != released["trial"]:
                 shutil.rmtree(directory, ignore_errors=True)
         if released["checkpoint"] is None:
-            return Released(checkpoint=None, score=None, candidate=None)
+            return Released(checkpoint=None, score=None, candidate=None, interrupted=released.get("interrupted", False))
         return Released(
             checkpoint=Path(released["checkpoint"]), score=released["score"], candidate=released["candidate"]
         )

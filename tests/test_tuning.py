@@ -87,8 +87,8 @@ def test_only_the_best_is_released_and_nothing_shows_how_many_trials_ran(tmp_pat
 
 
 def test_a_killed_search_resumes_without_rerunning_or_redrawing(tmp_path):
-    """Killed inside its second trial, a search resumes that trial (same candidate) and never re-runs the first; its
-    release reports the same ε as the search's bound."""
+    """Killed inside its second trial, a search resumes without running that trial again (it counts as one of the K,
+    lost) nor the first; its release reports the same ε as the search's bound."""
     count = TrialCount(mean=4.0, shape=1.0)
     killed = RecordedTrial(interrupt_at=2)
     with pytest.raises(KeyboardInterrupt):
@@ -98,12 +98,44 @@ def test_a_killed_search_resumes_without_rerunning_or_redrawing(tmp_path):
     written = os.stat(finished).st_mtime_ns
     resumed = RecordedTrial()
     released = _search(tmp_path, count, seed=1).run(resumed)
-    assert resumed.calls[0] == second and first[0] not in {name for name, _ in resumed.calls}
+    assert {first[0], second[0]}.isdisjoint(name for name, _ in resumed.calls)
     if finished.exists():
         assert os.stat(finished).st_mtime_ns == written
-    assert released.report.epsilon == pytest.approx(search_epsilon(HISTORY, count, DELTA), rel=1e-12)
+    if released.checkpoint is not None:
+        assert released.report.epsilon == pytest.approx(search_epsilon(HISTORY, count, DELTA), rel=1e-12)
     again = RecordedTrial()
     assert _search(tmp_path, count, seed=2).run(again) == released and not again.calls  # a finished search stays so
+
+
+def test_killing_trials_never_runs_more_than_the_drawn_number_of_trials(tmp_path):
+    """A user who kills trials (here half of them, at random) and resumes each time runs, over 400 searches, a number
+    of trials that follows the geometric distribution of K: a kill loses a trial, it never re-rolls one. Re-running
+    the killed trial with fresh noise (found by review) runs about twice as many."""
+    count = TrialCount(mean=2.0, shape=1.0)
+    looks = SecretCoin(seed=12345)
+    runs = []
+    for seed in range(400):
+
+        def watched(candidate, directory, calls=[]):  # noqa: B006 (counts this search's runs)
+            calls.append(directory.name)
+            if looks.uniform() < 0.5:
+                raise KeyboardInterrupt
+            return RecordedTrial()(candidate, directory)
+
+        for attempt in range(50):
+            try:
+                released = _search(tmp_path / str(seed), count, seed * 100 + attempt).run(watched)
+                break
+            except KeyboardInterrupt:
+                continue
+        runs.append(len(watched.__defaults__[0]))
+        if released.checkpoint is None:
+            assert released.interrupted and "interrupted" in str(released)
+    cells = [1, 2, 3, 4]
+    observed = [runs.count(k) for k in cells] + [sum(k > cells[-1] for k in runs)]
+    expected = [len(runs) * count.probability(k) for k in cells]
+    expected.append(len(runs) - sum(expected))
+    assert stats.chisquare(observed, expected).pvalue > 1e-3, observed
 
 
 def test_a_poisson_search_may_draw_no_trial_and_then_releases_nothing(tmp_path):
