@@ -8,11 +8,13 @@ privacy report whose (ε, δ) is Papernot & Steinke's bound for the whole search
 
 What the bound needs, and how the search keeps it:
 
-* **One mechanism, repeated.** Every trial must release the same privacy event (σ, q and steps). The space may
+* **One mechanism, repeated.** Every trial must plan the same privacy event (σ, q and planned steps). The space may
   vary only the method's hyperparameters (``model.init_args.*`` but its ``privacy`` and the secrets' seeds),
-  ``optimizer.*`` and ``lr_scheduler.*``; data, trainer and privacy keys are refused (:func:`check_space`). The
-  first trial's accountant history declares the event; a later trial whose history differs stops the search,
-  which then releases nothing.
+  ``optimizer.*`` and ``lr_scheduler.*``; data, trainer and privacy keys are refused (:func:`check_space`). Each
+  trial is accounted by its *plan*, fixed at fit start before any step (:func:`planned_event`): a trial that stops
+  early (EarlyStopping, ``max_time``) released a prefix of its plan, which the plan's event bounds, and its actual
+  step count — which may depend on the data — is never compared, printed or stored. The first trial's plan declares
+  the event; a later trial that planned another stops the search, which then releases nothing.
 * **Random hyperparameters.** Each trial draws its candidate uniformly from the grid (the theorem's i.i.d. runs);
   the grid is not enumerated in order, which would make the trials different mechanisms.
 * **K random and hidden.** After each trial the search draws, from the OS's CSPRNG, whether to run one more, with
@@ -120,7 +122,13 @@ def candidate_arguments(candidate: Mapping[str, Any]) -> list[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class TrialResult:
-    """What one finished trial left: its score, its accountant history (the privacy event), δ and its checkpoint."""
+    """What one finished trial left: its score, its *planned* privacy event, δ and its checkpoint.
+
+    ``history`` is the accountant history the trial's plan — σ, q and the planned steps, fixed at fit start before
+    any step — releases, never the steps the trial actually took: a trial may stop early on its model's results
+    (EarlyStopping, ``max_time``), and a step count that depends on the data may be neither compared, printed nor
+    stored (found by review). A trial that stops early releases a prefix of its plan's iterates, so the plan's event
+    bounds it; a trial whose steps exceed the plan is refused (:func:`planned_event`)."""
 
     score: float
     history: list[list[float]]
@@ -267,12 +275,12 @@ class Search:
         event = {"accountant": result.accountant, "history": result.history, "delta": result.delta}
         if state["event"] is None:
             state["event"] = event
-        elif event != state["event"]:
+        elif event != state["event"]:  # planned events come from the config: the later one is not printed anyway
             raise PrivacyConfigError(
-                f"a trial released the privacy event {event}, the first trial {state['event']}: the trials are not "
+                f"a trial planned another privacy event than the first trial's {state['event']}: the trials are not "
                 "one mechanism repeated, so Papernot & Steinke's bound does not hold, and the search stops without "
                 f"releasing anything (keep {self.directory} private). Vary only hyperparameters that leave the "
-                "noise multiplier, the sample rate and the steps unchanged, in a new --tune.directory."
+                "noise multiplier, the sample rate and the planned steps unchanged, in a new --tune.directory."
             )
         trial["checkpoint"] = result.checkpoint
         trial["score"] = self._comparable(result.score)
@@ -306,7 +314,8 @@ class Search:
             "score": best["score"],
             "candidate": best["candidate"],
             "seeded": self.coin.seeded,
-            "history": state["event"]["history"],
+            "history": state["event"]["history"],  # the planned event, the same for every trial
+            "released_steps": checkpoint["pl_dp"].get("private_steps"),  # the released trial's own (its output)
         }
         released = self.directory / RELEASED_FILE
         torch.save(checkpoint, released)
@@ -390,13 +399,42 @@ def lightning_trial(config: Path, overrides: Sequence[str], metric: str, progres
         state = model.privacy_state_dict()
         return TrialResult(
             score=float(scored[metric]),
-            history=[list(row) for row in state["accountant"]["history"]],
+            history=planned_event(state),
             accountant=accountant,
             delta=float(state["delta"]),
             checkpoint=str(path),
         )
 
     return run
+
+
+def planned_event(state: Mapping[str, Any]) -> list[list[float]]:
+    """The privacy event a fresh trial planned at fit start, before any step: ``[[σ, q, planned steps]]`` from its
+    privacy state (:meth:`~pl_dp.privacy.ledger.PrivacyLedger.state_dict`), a function of the config and the data's
+    size only.
+
+    The trial's actual accountant history must fit in it — every row at the plan's σ and q, no more steps in all
+    than planned — which holds whenever the trial stopped early (a prefix of the plan's releases: post-processing).
+    Anything else is refused with a message that does not state the actual history, whose length may depend on the
+    data."""
+    sigma, rate, steps = state["noise_multiplier"], state["sample_rate"], state["planned_steps"]
+    history = state["accountant"]["history"]
+    fits = (
+        rate is not None
+        and steps is not None
+        and all(
+            math.isclose(row[0], sigma, rel_tol=1e-12) and math.isclose(row[1], rate, rel_tol=1e-12) for row in history
+        )
+        and sum(int(row[2]) for row in history) <= int(steps)
+    )
+    if not fits or not steps:
+        raise PrivacyConfigError(
+            "a trial's private steps do not fit the plan it made at fit start (noise multiplier, sample rate and "
+            "planned steps), or it planned none: the search accounts each trial by its plan and cannot account this "
+            "one, so it stops without releasing anything. Trials must be fresh fits of one plan: no ckpt_path, and no "
+            "callback that changes the noise multiplier, the sample rate or the steps."
+        )
+    return [[float(sigma), float(rate), int(steps)]]
 
 
 def split_arguments(argv: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:

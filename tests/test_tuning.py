@@ -20,6 +20,7 @@ from pl_dp.tuning import (
     SearchSpace,
     TrialResult,
     lightning_trial,
+    planned_event,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,9 +148,54 @@ def test_a_poisson_search_may_draw_no_trial_and_then_releases_nothing(tmp_path):
 
 def test_a_trial_with_another_privacy_event_stops_the_search_and_releases_nothing(tmp_path):
     trial = RecordedTrial(histories=[HISTORY, [[1.2, 0.05, 41]]] + [HISTORY] * 50)
-    with pytest.raises(PrivacyConfigError, match="not one mechanism repeated"):
+    with pytest.raises(PrivacyConfigError, match="not one mechanism repeated") as refused:
         _search(tmp_path, TrialCount(mean=50.0, shape=1.0), seed=0).run(trial)
     assert not (tmp_path / RELEASED_FILE).exists()
+    assert "41" not in str(refused.value)  # a later trial's event is never printed
+
+
+def test_a_trial_that_stops_early_is_accounted_by_its_plan(tmp_path, capsys):
+    """EarlyStopping (a stop that depends on the model) ends a trial after one of its two planned epochs: the trial is
+    accounted by its plan fixed at fit start — the search neither refuses it nor stores its actual step count — and
+    the release's ``search.history`` is the planned event. Comparing actual histories (found by review) made a
+    data-dependent exit and message, and stored the first trial's actual history."""
+    import yaml
+
+    config = yaml.safe_load(_tiny("tune_dpsgd.yaml", tmp_path, max_epochs=2).read_text())
+    early = {"monitor": "val/acc", "mode": "max", "stopping_threshold": 0.0}  # stops at the first validation
+    config["trainer"]["callbacks"].append(
+        {"class_path": "lightning.pytorch.callbacks.EarlyStopping", "init_args": early}
+    )
+    path = tmp_path / "early.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = lightning_trial(path, [], "val/acc", progress=False)({"model.init_args.lr": 0.5}, tmp_path / "trial")
+    state = torch.load(result.checkpoint, weights_only=False)["pl_dp"]
+    (sigma, rate, steps), actual = result.history[0], state["accountant"]["history"]
+    assert len(result.history) == 1 and steps == state["planned_steps"]
+    assert 0 < state["private_steps"] < steps and actual[0][:2] == [sigma, rate]  # it stopped early
+    directory = tmp_path / "search"
+    space = "model.init_args.lr=[0.5]"
+    main(
+        ["tune", "--config", str(path), "--tune.space", space, "--tune.mean", "1.5", "--tune.directory", str(directory)]
+    )
+    search = torch.load(directory / RELEASED_FILE, weights_only=False)["pl_dp"]["search"]
+    assert search["history"] == result.history
+    report = PrivacyReport.from_checkpoint(directory / RELEASED_FILE)
+    assert "trained on" not in str(report)  # the released trial's own early stop is no training after the search
+    assert report.epsilon == pytest.approx(
+        search_epsilon(result.history, TrialCount(mean=1.5, shape=1.0), result.delta)
+    )
+    capsys.readouterr()
+
+
+def test_a_trial_is_accounted_by_its_plan_and_refused_beyond_it():
+    state = {"noise_multiplier": 1.2, "sample_rate": 0.05, "planned_steps": 40, "accountant": {"history": HISTORY}}
+    assert planned_event(state) == [[1.2, 0.05, 40]]
+    assert planned_event(state | {"accountant": {"history": [[1.2, 0.05, 7]]}}) == [[1.2, 0.05, 40]]  # stopped early
+    for history in ([[1.2, 0.05, 47]], [[1.3, 0.05, 7]], [[1.2, 0.05, 30], [1.2, 0.06, 7]]):
+        with pytest.raises(PrivacyConfigError, match="do not fit the plan") as refused:
+            planned_event(state | {"accountant": {"history": history}})
+        assert "47" not in str(refused.value) and " 7" not in str(refused.value)
 
 
 @pytest.mark.parametrize(

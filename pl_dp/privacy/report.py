@@ -110,7 +110,13 @@ class PrivacyReport:
             history = accountant_state["history"]
             trial = search.get("history", history)
             # trained on after the search: compose its whole history again (it contains the steps since: an upper bound)
-            later = [] if [list(row) for row in history] == [list(row) for row in trial] else history
+            # (a trial is accounted by its plan, which bounds a trial that stopped early: the released trial's own
+            # steps, ``released_steps``, are no training after the search)
+            released_steps = search.get("released_steps")
+            untouched = (released_steps is not None and released_steps == state.get("private_steps")) or [
+                list(r) for r in history
+            ] == [list(r) for r in trial]
+            later = [] if untouched else history
             trial_epsilon = load_accountant({**accountant_state, "history": trial}).get_epsilon(state["delta"])
             epsilon = search_epsilon(trial, count, state["delta"], then=later)
         unit = PrivacyUnit.from_dict(state["unit"]) if state.get("unit") else None
@@ -187,7 +193,9 @@ class PrivacyReport:
             return []
         count = TrialCount(mean=self.search["mean"], shape=self.search["shape"])
         values = ", ".join(f"{key}={value}" for key, value in self.search["candidate"].items())
-        trial_steps = sum(int(row[2]) for row in self.search.get("history", ()))
+        trial_steps = self.search.get("released_steps")
+        if trial_steps is None:
+            trial_steps = sum(int(row[2]) for row in self.search.get("history", ()))
         later = (
             [
                 f"  trained on    {self.private_steps - trial_steps} private steps after the search: epsilon composes "

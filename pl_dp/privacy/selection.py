@@ -21,8 +21,9 @@ This module holds the Lightning-free parts of ``pl-dp tune`` (:mod:`pl_dp.tuning
 * :func:`search_epsilon` — ε of the whole search at δ, by dp-accounting's RDP accountant.
 
 Privacy effect: the search's (ε, δ) covers the best model, its score and the trial's privacy record, provided
-every trial is the same mechanism (same σ, q and steps: the search refuses hyperparameters that change them and
-stops, releasing nothing, when a trial's history differs from the first's), the score is computed on data outside
+every trial is the same mechanism (same σ, q and planned steps: the search refuses hyperparameters that change them,
+accounts each trial by its plan, fixed before any step, and stops, releasing nothing, when a trial planned another
+event than the first), the score is computed on data outside
 the protected set, and nothing else of the search — its count of trials, the other trials' outputs — is released.
 """
 
