@@ -260,6 +260,9 @@ def test_pl_dp_tune_on_digits_releases_one_checkpoint_and_its_report(tmp_path, c
     assert guarantee in capsys.readouterr().out
     main(["test", "--config", str(config), "--ckpt_path", str(directory / RELEASED_FILE)])
     assert guarantee in capsys.readouterr().out  # the model restored from the release reports the search's epsilon
+    with pytest.raises(SystemExit) as refused:  # training the release further would leave the search's cost out
+        main(["fit", "--config", str(config), "--ckpt_path", str(directory / RELEASED_FILE), "--trainer.max_steps=6"])
+    assert refused.value.code == 2 and "release of a hyperparameter search" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:
         main(["tune", *args[:2], "--tune.space", "data.init_args.batch_size=[8]", *args[4:]])
     assert refused.value.code == 2 and "same privacy event" in capsys.readouterr().err
