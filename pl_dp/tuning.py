@@ -244,7 +244,10 @@ class Search:
                 if max_trials is not None and started >= max_trials:
                     return None
                 candidates = self.space.candidates()
-                trial = {"id": uuid.uuid4().hex, "candidate": candidates[self.coin.choice(len(candidates))]}
+                trial: dict[str, Any] = {
+                    "id": uuid.uuid4().hex,
+                    "candidate": candidates[self.coin.choice(len(candidates))],
+                }
                 trial["score"] = None
                 trials.append(trial)
                 state["more"] = None

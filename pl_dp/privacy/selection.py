@@ -36,6 +36,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import Any
 
 import dp_accounting
 from dp_accounting import dp_event
@@ -245,7 +246,7 @@ def search_epsilon(history: History, count: TrialCount, delta: float, then: Hist
         absl.setLevel(level)
 
 
-def release_epsilon(search: Mapping[str, object], history: History, private_steps: int | None, delta: float) -> float:
+def release_epsilon(search: Mapping[str, Any], history: History, private_steps: int | None, delta: float) -> float:
     """ε at ``delta`` of a model a search released (its checkpoint's ``search`` record), whose own accountant holds
     ``history`` after ``private_steps`` steps: the search's bound over its planned trial event, composed with the
     whole ``history`` again when the model was trained on after the search (an upper bound), the search alone when
@@ -253,8 +254,8 @@ def release_epsilon(search: Mapping[str, object], history: History, private_step
 
     The one place the ε of a search's release is computed: the privacy report and the ledger (``model.epsilon``,
     the fit summary) both use it, so no figure of a release leaves the search's cost out (found by review)."""
-    count = TrialCount(mean=float(search["mean"]), shape=float(search["shape"]))  # type: ignore[arg-type]
-    trial: History = search.get("history", history)  # type: ignore[assignment]
+    count = TrialCount(mean=float(search["mean"]), shape=float(search["shape"]))
+    trial: History = search.get("history", history)
     released_steps = search.get("released_steps")
     untouched = (released_steps is not None and released_steps == private_steps) or [list(r) for r in history] == [
         list(r) for r in trial
