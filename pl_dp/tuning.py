@@ -21,7 +21,8 @@ What the bound needs, and how the search keeps it:
   the conditional probability of the distribution (:meth:`TrialCount.more_probability`): K is never drawn whole
   and never written. The search directory and the progress lines while it runs are its *working state*: they show
   how many trials ran, which the bound keeps hidden, so they must be kept like the private data. When the search
-  ends it deletes every trial but the best and keeps only the released result in its state file.
+  ends it deletes the whole ``trials/`` folder (the best trial's model is in ``best.ckpt``) and keeps only the
+  released result in its state file; release ``best.ckpt`` alone and keep the directory private.
 * **The score costs nothing.** It is computed on the validation split, which pl_dp's privacy model leaves outside
   the protected set (docs/privacy-model.md): a split holding records whose privacy counts must not be used.
 
@@ -320,6 +321,9 @@ class Search:
             "history": state["event"]["history"],  # the planned event, the same for every trial
             "released_steps": checkpoint["pl_dp"].get("private_steps"),  # the released trial's own (its output)
         }
+        # the trial's privacy journal stays behind in trials/, which is deleted: the release is not trained further
+        # (the ledger refuses it), so its checkpoint's history is all there is to count
+        checkpoint["pl_dp"]["journal"] = None
         released = self.directory / RELEASED_FILE
         torch.save(checkpoint, released)
         state.update(
@@ -335,13 +339,12 @@ class Search:
         self._save(state)
 
     def _released(self, state: dict[str, Any]) -> Released:
-        """The release of a finished search, after deleting every trial directory but the best's (which keeps its
-        privacy journal) — also those a search killed while it deleted them left."""
+        """The release of a finished search, after deleting the whole ``trials/`` folder — also what a search killed
+        while it deleted it left. Nothing of a trial stays: a kept trial directory's modification time would show
+        that other trials ran, and its ``trial.ckpt`` would report one trial's ε for the released model (found by
+        review)."""
         released = state["released"]
-        trials = self.directory / "trials"
-        for directory in trials.iterdir() if trials.is_dir() else ():
-            if directory.name != released["trial"]:
-                shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(self.directory / "trials", ignore_errors=True)
         if released["checkpoint"] is None:
             return Released(checkpoint=None, score=None, candidate=None, interrupted=released.get("interrupted", False))
         return Released(
@@ -467,7 +470,8 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "progress": ("true", "show each trial's progress (working state: it shows how many trials ran)"),
     "max_trials": ("none", "start at most this many trials in this run, then stop (resume with the same command)"),
 }
-#: what ``pl-dp tune`` prints when --tune.max_trials stopped it before the search ended
+#: what ``pl-dp tune`` prints when --tune.max_trials stopped it before the search ended: working state, like the
+#: progress lines (that the search goes on after N trials shows K > N)
 PAUSED = "pl-dp tune: stopped before the search ended (--tune.max_trials); run the same command to resume it."
 TUNE_USAGE = (
     "usage: pl-dp tune --config C.yaml --tune.space 'model.init_args.lr=[0.01,0.1,1.0]' --tune.mean 4 "

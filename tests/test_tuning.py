@@ -80,7 +80,7 @@ def test_only_the_best_is_released_and_nothing_shows_how_many_trials_ran(tmp_pat
     assert released.checkpoint == tmp_path / RELEASED_FILE and released.score == best
     state = json.loads((tmp_path / STATE_FILE).read_text())
     assert state["trials"] == [] and state["released"]["candidate"] == {"model.init_args.lr": best}
-    assert len(list((tmp_path / "trials").iterdir())) == 1  # the best trial's directory (its privacy journal)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [RELEASED_FILE, STATE_FILE]  # no trials/ folder
     checkpoint = torch.load(released.checkpoint, weights_only=False)
     assert checkpoint["pl_dp"]["search"]["candidate"] == {"model.init_args.lr": best}
     assert released.report.epsilon == pytest.approx(search_epsilon(HISTORY, count, DELTA), rel=1e-12)
@@ -248,7 +248,7 @@ def test_pl_dp_tune_on_digits_releases_one_checkpoint_and_its_report(tmp_path, c
     out = capsys.readouterr().out
     assert f"pl-dp tune: released {directory / RELEASED_FILE}" in out
     assert "pl_dp privacy report — DPSGD" in out and "RepeatAndSelectDpEvent" in out
-    assert sorted(path.name for path in directory.rglob("*.ckpt")) == ["best.ckpt", "trial.ckpt"]
+    assert sorted(path.name for path in directory.rglob("*")) == ["best.ckpt", "search.json"]  # no trial's files
     report = PrivacyReport.from_checkpoint(directory / RELEASED_FILE)
     state = json.loads((directory / STATE_FILE).read_text())["event"]
     assert report.epsilon == pytest.approx(
