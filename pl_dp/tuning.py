@@ -8,24 +8,28 @@ privacy report whose (ε, δ) is Papernot & Steinke's bound for the whole search
 
 What the bound needs, and how the search keeps it:
 
-* **One mechanism, repeated.** Every trial must release the same privacy event (σ, q and steps). The space may
+* **One mechanism, repeated.** Every trial must plan the same privacy event (σ, q and planned steps). The space may
   vary only the method's hyperparameters (``model.init_args.*`` but its ``privacy`` and the secrets' seeds),
-  ``optimizer.*`` and ``lr_scheduler.*``; data, trainer and privacy keys are refused (:func:`check_space`). The
-  first trial's accountant history declares the event; a later trial whose history differs stops the search,
-  which then releases nothing.
+  ``optimizer.*`` and ``lr_scheduler.*``; data, trainer and privacy keys are refused (:func:`check_space`). Each
+  trial is accounted by its *plan*, fixed at fit start before any step (:func:`planned_event`): a trial that stops
+  early (EarlyStopping, ``max_time``) released a prefix of its plan, which the plan's event bounds, and its actual
+  step count — which may depend on the data — is never compared, printed or stored. The first trial's plan declares
+  the event; a later trial that planned another stops the search, which then releases nothing.
 * **Random hyperparameters.** Each trial draws its candidate uniformly from the grid (the theorem's i.i.d. runs);
   the grid is not enumerated in order, which would make the trials different mechanisms.
 * **K random and hidden.** After each trial the search draws, from the OS's CSPRNG, whether to run one more, with
   the conditional probability of the distribution (:meth:`TrialCount.more_probability`): K is never drawn whole
   and never written. The search directory and the progress lines while it runs are its *working state*: they show
   how many trials ran, which the bound keeps hidden, so they must be kept like the private data. When the search
-  ends it deletes every trial but the best and keeps only the released result in its state file.
+  ends it deletes the whole ``trials/`` folder (the best trial's model is in ``best.ckpt``) and keeps only the
+  released result in its state file; release ``best.ckpt`` alone and keep the directory private.
 * **The score costs nothing.** It is computed on the validation split, which pl_dp's privacy model leaves outside
   the protected set (docs/privacy-model.md): a split holding records whose privacy counts must not be used.
 
 Resumable: the state file (``DIRECTORY/search.json``) records each finished trial (its candidate, score,
-checkpoint, event) and each decision to go on, so a killed search re-runs only the trial it was in (whose output
-was never released) and never re-spends or re-draws what it had decided.
+checkpoint, event) and each decision to go on. A search killed inside a trial counts that trial as one of the K,
+finished with the worst score and no model (it is never re-run: re-running would let a user who watched its progress
+re-roll its noise), and never re-spends or re-draws what it had decided.
 """
 
 from __future__ import annotations
@@ -119,7 +123,13 @@ def candidate_arguments(candidate: Mapping[str, Any]) -> list[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class TrialResult:
-    """What one finished trial left: its score, its accountant history (the privacy event), δ and its checkpoint."""
+    """What one finished trial left: its score, its *planned* privacy event, δ and its checkpoint.
+
+    ``history`` is the accountant history the trial's plan — σ, q and the planned steps, fixed at fit start before
+    any step — releases, never the steps the trial actually took: a trial may stop early on its model's results
+    (EarlyStopping, ``max_time``), and a step count that depends on the data may be neither compared, printed nor
+    stored (found by review). A trial that stops early releases a prefix of its plan's iterates, so the plan's event
+    bounds it; a trial whose steps exceed the plan is refused (:func:`planned_event`)."""
 
     score: float
     history: list[list[float]]
@@ -139,6 +149,8 @@ class Released:
     checkpoint: Path | None
     score: float | None
     candidate: dict[str, Any] | None
+    #: every trial drawn was interrupted (killed), so no model was finished to release
+    interrupted: bool = False
 
     @property
     def report(self) -> PrivacyReport | None:
@@ -146,6 +158,8 @@ class Released:
         return None if self.checkpoint is None else PrivacyReport.from_checkpoint(self.checkpoint)
 
     def __str__(self) -> str:
+        if self.checkpoint is None and self.interrupted:
+            return "pl-dp tune: every trial drawn was interrupted (each counts as lost): nothing is released."
         if self.checkpoint is None:
             return "pl-dp tune: the number of trials drawn was 0 (Poisson): nothing was run and nothing is released."
         values = ", ".join(f"{key}={value}" for key, value in (self.candidate or {}).items())
@@ -219,8 +233,8 @@ class Search:
         started = 0
         while state["released"] is None:
             trials = state["trials"]
-            if trials and trials[-1]["score"] is None:  # killed inside this trial: its output was never released
-                trial = trials[-1]
+            if trials and trials[-1]["score"] is None:  # killed inside this trial: it counts, and lost
+                self._count_interrupted(state, trials[-1])
             else:
                 if state["more"] is None:  # one decision per finished trial, kept once drawn
                     state["more"] = self.coin.one_more(self.count, len(trials))
@@ -231,14 +245,29 @@ class Search:
                 if max_trials is not None and started >= max_trials:
                     return None
                 candidates = self.space.candidates()
-                trial = {"id": uuid.uuid4().hex, "candidate": candidates[self.coin.choice(len(candidates))]}
+                trial: dict[str, Any] = {
+                    "id": uuid.uuid4().hex,
+                    "candidate": candidates[self.coin.choice(len(candidates))],
+                }
                 trial["score"] = None
                 trials.append(trial)
                 state["more"] = None
                 self._save(state)
-            started += 1
-            self._run_trial(state, trial, run_trial)
+                started += 1
+                self._run_trial(state, trial, run_trial)
         return self._released(state)
+
+    def _count_interrupted(self, state: dict[str, Any], trial: dict[str, Any]) -> None:
+        """A trial killed before it finished is one of the K trials, finished with the worst score and no model.
+
+        Re-running it would draw fresh noise for a trial whose progress the user may have watched: a user who kills
+        every bad-looking trial would release the best of many runs while the report states the bound for K (found
+        by review). Counted as lost, a kill can only lose a trial, never re-roll it; the decision to go on after it is
+        drawn as after any trial."""
+        trial.update(score=-math.inf if self.mode == "max" else math.inf, checkpoint=None, interrupted=True)
+        shutil.rmtree(self.directory / "trials" / trial["id"], ignore_errors=True)
+        state["more"] = None
+        self._save(state)
 
     def _run_trial(self, state: dict[str, Any], trial: dict[str, Any], run_trial: TrialRunner) -> None:
         directory = self.directory / "trials" / trial["id"]
@@ -250,12 +279,12 @@ class Search:
         event = {"accountant": result.accountant, "history": result.history, "delta": result.delta}
         if state["event"] is None:
             state["event"] = event
-        elif event != state["event"]:
+        elif event != state["event"]:  # planned events come from the config: the later one is not printed anyway
             raise PrivacyConfigError(
-                f"a trial released the privacy event {event}, the first trial {state['event']}: the trials are not "
+                f"a trial planned another privacy event than the first trial's {state['event']}: the trials are not "
                 "one mechanism repeated, so Papernot & Steinke's bound does not hold, and the search stops without "
                 f"releasing anything (keep {self.directory} private). Vary only hyperparameters that leave the "
-                "noise multiplier, the sample rate and the steps unchanged, in a new --tune.directory."
+                "noise multiplier, the sample rate and the planned steps unchanged, in a new --tune.directory."
             )
         trial["checkpoint"] = result.checkpoint
         trial["score"] = self._comparable(result.score)
@@ -276,7 +305,11 @@ class Search:
             self._save(state)
             return
         sign = 1.0 if self.mode == "max" else -1.0
-        best = max(trials, key=lambda trial: sign * trial["score"])
+        best = max(trials, key=lambda trial: (sign * trial["score"], trial["checkpoint"] is not None))
+        if best["checkpoint"] is None:  # every trial was interrupted: there is no model to release
+            state.update(trials=[], more=None, released={"checkpoint": None, "trial": None, "interrupted": True})
+            self._save(state)
+            return
         checkpoint = torch.load(best["checkpoint"], map_location="cpu", weights_only=False)
         checkpoint["pl_dp"]["search"] = {
             "mean": self.count.mean,
@@ -285,8 +318,12 @@ class Search:
             "score": best["score"],
             "candidate": best["candidate"],
             "seeded": self.coin.seeded,
-            "history": state["event"]["history"],
+            "history": state["event"]["history"],  # the planned event, the same for every trial
+            "released_steps": checkpoint["pl_dp"].get("private_steps"),  # the released trial's own (its output)
         }
+        # the trial's privacy journal stays behind in trials/, which is deleted: the release is not trained further
+        # (the ledger refuses it), so its checkpoint's history is all there is to count
+        checkpoint["pl_dp"]["journal"] = None
         released = self.directory / RELEASED_FILE
         torch.save(checkpoint, released)
         state.update(
@@ -302,15 +339,14 @@ class Search:
         self._save(state)
 
     def _released(self, state: dict[str, Any]) -> Released:
-        """The release of a finished search, after deleting every trial directory but the best's (which keeps its
-        privacy journal) — also those a search killed while it deleted them left."""
+        """The release of a finished search, after deleting the whole ``trials/`` folder — also what a search killed
+        while it deleted it left. Nothing of a trial stays: a kept trial directory's modification time would show
+        that other trials ran, and its ``trial.ckpt`` would report one trial's ε for the released model (found by
+        review)."""
         released = state["released"]
-        trials = self.directory / "trials"
-        for directory in trials.iterdir() if trials.is_dir() else ():
-            if directory.name != released["trial"]:
-                shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(self.directory / "trials", ignore_errors=True)
         if released["checkpoint"] is None:
-            return Released(checkpoint=None, score=None, candidate=None)
+            return Released(checkpoint=None, score=None, candidate=None, interrupted=released.get("interrupted", False))
         return Released(
             checkpoint=Path(released["checkpoint"]), score=released["score"], candidate=released["candidate"]
         )
@@ -369,13 +405,42 @@ def lightning_trial(config: Path, overrides: Sequence[str], metric: str, progres
         state = model.privacy_state_dict()
         return TrialResult(
             score=float(scored[metric]),
-            history=[list(row) for row in state["accountant"]["history"]],
+            history=planned_event(state),
             accountant=accountant,
             delta=float(state["delta"]),
             checkpoint=str(path),
         )
 
     return run
+
+
+def planned_event(state: Mapping[str, Any]) -> list[list[float]]:
+    """The privacy event a fresh trial planned at fit start, before any step: ``[[σ, q, planned steps]]`` from its
+    privacy state (:meth:`~pl_dp.privacy.ledger.PrivacyLedger.state_dict`), a function of the config and the data's
+    size only.
+
+    The trial's actual accountant history must fit in it — every row at the plan's σ and q, no more steps in all
+    than planned — which holds whenever the trial stopped early (a prefix of the plan's releases: post-processing).
+    Anything else is refused with a message that does not state the actual history, whose length may depend on the
+    data."""
+    sigma, rate, steps = state["noise_multiplier"], state["sample_rate"], state["planned_steps"]
+    history = state["accountant"]["history"]
+    fits = (
+        rate is not None
+        and steps is not None
+        and all(
+            math.isclose(row[0], sigma, rel_tol=1e-12) and math.isclose(row[1], rate, rel_tol=1e-12) for row in history
+        )
+        and sum(int(row[2]) for row in history) <= int(steps)
+    )
+    if not fits or not steps:
+        raise PrivacyConfigError(
+            "a trial's private steps do not fit the plan it made at fit start (noise multiplier, sample rate and "
+            "planned steps), or it planned none: the search accounts each trial by its plan and cannot account this "
+            "one, so it stops without releasing anything. Trials must be fresh fits of one plan: no ckpt_path, and no "
+            "callback that changes the noise multiplier, the sample rate or the steps."
+        )
+    return [[float(sigma), float(rate), int(steps)]]
 
 
 def split_arguments(argv: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
@@ -405,7 +470,8 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "progress": ("true", "show each trial's progress (working state: it shows how many trials ran)"),
     "max_trials": ("none", "start at most this many trials in this run, then stop (resume with the same command)"),
 }
-#: what ``pl-dp tune`` prints when --tune.max_trials stopped it before the search ended
+#: what ``pl-dp tune`` prints when --tune.max_trials stopped it before the search ended: working state, like the
+#: progress lines (that the search goes on after N trials shows K > N)
 PAUSED = "pl-dp tune: stopped before the search ended (--tune.max_trials); run the same command to resume it."
 TUNE_USAGE = (
     "usage: pl-dp tune --config C.yaml --tune.space 'model.init_args.lr=[0.01,0.1,1.0]' --tune.mean 4 "

@@ -20,6 +20,7 @@ from pl_dp.tuning import (
     SearchSpace,
     TrialResult,
     lightning_trial,
+    planned_event,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def test_only_the_best_is_released_and_nothing_shows_how_many_trials_ran(tmp_pat
     assert released.checkpoint == tmp_path / RELEASED_FILE and released.score == best
     state = json.loads((tmp_path / STATE_FILE).read_text())
     assert state["trials"] == [] and state["released"]["candidate"] == {"model.init_args.lr": best}
-    assert len(list((tmp_path / "trials").iterdir())) == 1  # the best trial's directory (its privacy journal)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [RELEASED_FILE, STATE_FILE]  # no trials/ folder
     checkpoint = torch.load(released.checkpoint, weights_only=False)
     assert checkpoint["pl_dp"]["search"]["candidate"] == {"model.init_args.lr": best}
     assert released.report.epsilon == pytest.approx(search_epsilon(HISTORY, count, DELTA), rel=1e-12)
@@ -87,8 +88,8 @@ def test_only_the_best_is_released_and_nothing_shows_how_many_trials_ran(tmp_pat
 
 
 def test_a_killed_search_resumes_without_rerunning_or_redrawing(tmp_path):
-    """Killed inside its second trial, a search resumes that trial (same candidate) and never re-runs the first; its
-    release reports the same ε as the search's bound."""
+    """Killed inside its second trial, a search resumes without running that trial again (it counts as one of the K,
+    lost) nor the first; its release reports the same ε as the search's bound."""
     count = TrialCount(mean=4.0, shape=1.0)
     killed = RecordedTrial(interrupt_at=2)
     with pytest.raises(KeyboardInterrupt):
@@ -98,12 +99,44 @@ def test_a_killed_search_resumes_without_rerunning_or_redrawing(tmp_path):
     written = os.stat(finished).st_mtime_ns
     resumed = RecordedTrial()
     released = _search(tmp_path, count, seed=1).run(resumed)
-    assert resumed.calls[0] == second and first[0] not in {name for name, _ in resumed.calls}
+    assert {first[0], second[0]}.isdisjoint(name for name, _ in resumed.calls)
     if finished.exists():
         assert os.stat(finished).st_mtime_ns == written
-    assert released.report.epsilon == pytest.approx(search_epsilon(HISTORY, count, DELTA), rel=1e-12)
+    if released.checkpoint is not None:
+        assert released.report.epsilon == pytest.approx(search_epsilon(HISTORY, count, DELTA), rel=1e-12)
     again = RecordedTrial()
     assert _search(tmp_path, count, seed=2).run(again) == released and not again.calls  # a finished search stays so
+
+
+def test_killing_trials_never_runs_more_than_the_drawn_number_of_trials(tmp_path):
+    """A user who kills trials (here half of them, at random) and resumes each time runs, over 400 searches, a number
+    of trials that follows the geometric distribution of K: a kill loses a trial, it never re-rolls one. Re-running
+    the killed trial with fresh noise (found by review) runs about twice as many."""
+    count = TrialCount(mean=2.0, shape=1.0)
+    looks = SecretCoin(seed=12345)
+    runs = []
+    for seed in range(400):
+
+        def watched(candidate, directory, calls=[]):  # noqa: B006 (counts this search's runs)
+            calls.append(directory.name)
+            if looks.uniform() < 0.5:
+                raise KeyboardInterrupt
+            return RecordedTrial()(candidate, directory)
+
+        for attempt in range(50):
+            try:
+                released = _search(tmp_path / str(seed), count, seed * 100 + attempt).run(watched)
+                break
+            except KeyboardInterrupt:
+                continue
+        runs.append(len(watched.__defaults__[0]))
+        if released.checkpoint is None:
+            assert released.interrupted and "interrupted" in str(released)
+    cells = [1, 2, 3, 4]
+    observed = [runs.count(k) for k in cells] + [sum(k > cells[-1] for k in runs)]
+    expected = [len(runs) * count.probability(k) for k in cells]
+    expected.append(len(runs) - sum(expected))
+    assert stats.chisquare(observed, expected).pvalue > 1e-3, observed
 
 
 def test_a_poisson_search_may_draw_no_trial_and_then_releases_nothing(tmp_path):
@@ -115,9 +148,54 @@ def test_a_poisson_search_may_draw_no_trial_and_then_releases_nothing(tmp_path):
 
 def test_a_trial_with_another_privacy_event_stops_the_search_and_releases_nothing(tmp_path):
     trial = RecordedTrial(histories=[HISTORY, [[1.2, 0.05, 41]]] + [HISTORY] * 50)
-    with pytest.raises(PrivacyConfigError, match="not one mechanism repeated"):
+    with pytest.raises(PrivacyConfigError, match="not one mechanism repeated") as refused:
         _search(tmp_path, TrialCount(mean=50.0, shape=1.0), seed=0).run(trial)
     assert not (tmp_path / RELEASED_FILE).exists()
+    assert "41" not in str(refused.value)  # a later trial's event is never printed
+
+
+def test_a_trial_that_stops_early_is_accounted_by_its_plan(tmp_path, capsys):
+    """EarlyStopping (a stop that depends on the model) ends a trial after one of its two planned epochs: the trial is
+    accounted by its plan fixed at fit start — the search neither refuses it nor stores its actual step count — and
+    the release's ``search.history`` is the planned event. Comparing actual histories (found by review) made a
+    data-dependent exit and message, and stored the first trial's actual history."""
+    import yaml
+
+    config = yaml.safe_load(_tiny("tune_dpsgd.yaml", tmp_path, max_epochs=2).read_text())
+    early = {"monitor": "val/acc", "mode": "max", "stopping_threshold": 0.0}  # stops at the first validation
+    config["trainer"]["callbacks"].append(
+        {"class_path": "lightning.pytorch.callbacks.EarlyStopping", "init_args": early}
+    )
+    path = tmp_path / "early.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = lightning_trial(path, [], "val/acc", progress=False)({"model.init_args.lr": 0.5}, tmp_path / "trial")
+    state = torch.load(result.checkpoint, weights_only=False)["pl_dp"]
+    (sigma, rate, steps), actual = result.history[0], state["accountant"]["history"]
+    assert len(result.history) == 1 and steps == state["planned_steps"]
+    assert 0 < state["private_steps"] < steps and actual[0][:2] == [sigma, rate]  # it stopped early
+    directory = tmp_path / "search"
+    space = "model.init_args.lr=[0.5]"
+    main(
+        ["tune", "--config", str(path), "--tune.space", space, "--tune.mean", "1.5", "--tune.directory", str(directory)]
+    )
+    search = torch.load(directory / RELEASED_FILE, weights_only=False)["pl_dp"]["search"]
+    assert search["history"] == result.history
+    report = PrivacyReport.from_checkpoint(directory / RELEASED_FILE)
+    assert "trained on" not in str(report)  # the released trial's own early stop is no training after the search
+    assert report.epsilon == pytest.approx(
+        search_epsilon(result.history, TrialCount(mean=1.5, shape=1.0), result.delta)
+    )
+    capsys.readouterr()
+
+
+def test_a_trial_is_accounted_by_its_plan_and_refused_beyond_it():
+    state = {"noise_multiplier": 1.2, "sample_rate": 0.05, "planned_steps": 40, "accountant": {"history": HISTORY}}
+    assert planned_event(state) == [[1.2, 0.05, 40]]
+    assert planned_event(state | {"accountant": {"history": [[1.2, 0.05, 7]]}}) == [[1.2, 0.05, 40]]  # stopped early
+    for history in ([[1.2, 0.05, 47]], [[1.3, 0.05, 7]], [[1.2, 0.05, 30], [1.2, 0.06, 7]]):
+        with pytest.raises(PrivacyConfigError, match="do not fit the plan") as refused:
+            planned_event(state | {"accountant": {"history": history}})
+        assert "47" not in str(refused.value) and " 7" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
@@ -170,7 +248,7 @@ def test_pl_dp_tune_on_digits_releases_one_checkpoint_and_its_report(tmp_path, c
     out = capsys.readouterr().out
     assert f"pl-dp tune: released {directory / RELEASED_FILE}" in out
     assert "pl_dp privacy report — DPSGD" in out and "RepeatAndSelectDpEvent" in out
-    assert sorted(path.name for path in directory.rglob("*.ckpt")) == ["best.ckpt", "trial.ckpt"]
+    assert sorted(path.name for path in directory.rglob("*")) == ["best.ckpt", "search.json"]  # no trial's files
     report = PrivacyReport.from_checkpoint(directory / RELEASED_FILE)
     state = json.loads((directory / STATE_FILE).read_text())["event"]
     assert report.epsilon == pytest.approx(
@@ -182,6 +260,9 @@ def test_pl_dp_tune_on_digits_releases_one_checkpoint_and_its_report(tmp_path, c
     assert guarantee in capsys.readouterr().out
     main(["test", "--config", str(config), "--ckpt_path", str(directory / RELEASED_FILE)])
     assert guarantee in capsys.readouterr().out  # the model restored from the release reports the search's epsilon
+    with pytest.raises(SystemExit) as refused:  # training the release further would leave the search's cost out
+        main(["fit", "--config", str(config), "--ckpt_path", str(directory / RELEASED_FILE), "--trainer.max_steps=6"])
+    assert refused.value.code == 2 and "release of a hyperparameter search" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:
         main(["tune", *args[:2], "--tune.space", "data.init_args.batch_size=[8]", *args[4:]])
     assert refused.value.code == 2 and "same privacy event" in capsys.readouterr().err

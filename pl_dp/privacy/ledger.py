@@ -31,6 +31,7 @@ from pl_dp.privacy.accountants import Accountant, create_accountant
 from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.journal import PrivacyJournal
 from pl_dp.privacy.report import PrivacyReport
+from pl_dp.privacy.selection import release_epsilon
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.units import PrivacyUnit
 
@@ -192,6 +193,15 @@ class PrivacyLedger:
         target warns: the guard will stop early.
         """
         spec = self._spec
+        if self.search is not None:
+            raise PrivacyConfigError(
+                "this model is the release of a hyperparameter search (pl-dp tune): its epsilon "
+                f"{self.epsilon:.3f} (delta={self._delta:.3g}) is the whole search's, which the plan, the budget guard "
+                "and the logged privacy/epsilon of a further fit do not compose, so training it further is refused. "
+                "Test, validate or report it as it is (pl-dp test/validate/report), or train the chosen "
+                "hyperparameters in a fresh run (pl-dp fit without --ckpt_path), whose epsilon then adds to the "
+                "search's."
+            )
         self.planned_steps = planned_steps
         spent = self._accountant.get_epsilon(self._delta)
         if restored is not None:
@@ -354,9 +364,12 @@ class PrivacyLedger:
 
     @property
     def epsilon(self) -> float:
-        """Exact ε spent so far (0 for a non-private run)."""
+        """Exact ε spent so far (0 for a non-private run); for a search's release (:attr:`search`) the whole
+        search's ε (:func:`~pl_dp.privacy.selection.release_epsilon`), the report's, never the one trial's."""
         if self.accountant is None or self.delta is None:
             return 0.0
+        if self.search is not None and self.accountant.history:
+            return release_epsilon(self.search, self.accountant.history, self.private_steps, self.delta)
         return self.accountant.get_epsilon(self.delta)
 
     def logged_epsilon(self, final: bool = False, written: bool = True) -> dict[str, float]:

@@ -17,7 +17,7 @@ from dp_accounting import NeighboringRelation
 from pl_dp.errors import ConfigError
 from pl_dp.privacy.accountants import STATE_NAME_KEY, accountant_class, load_accountant
 from pl_dp.privacy.mechanisms import SubsampledGaussian
-from pl_dp.privacy.selection import TrialCount, search_epsilon
+from pl_dp.privacy.selection import TrialCount, release_epsilon
 from pl_dp.privacy.units import PrivacyUnit
 from pl_dp.step.independence import RELEASE_TOLERANCE
 
@@ -106,13 +106,10 @@ class PrivacyReport:
         if (
             search is not None and accountant_state is not None and epsilon
         ):  # a search's release: Papernot & Steinke's bound over its random trials
-            count = TrialCount(mean=search["mean"], shape=search["shape"])
             history = accountant_state["history"]
             trial = search.get("history", history)
-            # trained on after the search: compose its whole history again (it contains the steps since: an upper bound)
-            later = [] if [list(row) for row in history] == [list(row) for row in trial] else history
             trial_epsilon = load_accountant({**accountant_state, "history": trial}).get_epsilon(state["delta"])
-            epsilon = search_epsilon(trial, count, state["delta"], then=later)
+            epsilon = release_epsilon(search, history, state.get("private_steps"), state["delta"])
         unit = PrivacyUnit.from_dict(state["unit"]) if state.get("unit") else None
         seeded = tuple(k for k, v in state.get("user_seeded", {}).items() if v)
         return cls(
@@ -187,7 +184,9 @@ class PrivacyReport:
             return []
         count = TrialCount(mean=self.search["mean"], shape=self.search["shape"])
         values = ", ".join(f"{key}={value}" for key, value in self.search["candidate"].items())
-        trial_steps = sum(int(row[2]) for row in self.search.get("history", ()))
+        trial_steps = self.search.get("released_steps")
+        if trial_steps is None:
+            trial_steps = sum(int(row[2]) for row in self.search.get("history", ()))
         later = (
             [
                 f"  trained on    {self.private_steps - trial_steps} private steps after the search: epsilon composes "

@@ -21,8 +21,9 @@ This module holds the Lightning-free parts of ``pl-dp tune`` (:mod:`pl_dp.tuning
 * :func:`search_epsilon` — ε of the whole search at δ, by dp-accounting's RDP accountant.
 
 Privacy effect: the search's (ε, δ) covers the best model, its score and the trial's privacy record, provided
-every trial is the same mechanism (same σ, q and steps: the search refuses hyperparameters that change them and
-stops, releasing nothing, when a trial's history differs from the first's), the score is computed on data outside
+every trial is the same mechanism (same σ, q and planned steps: the search refuses hyperparameters that change them,
+accounts each trial by its plan, fixed before any step, and stops, releasing nothing, when a trial planned another
+event than the first), the score is computed on data outside
 the protected set, and nothing else of the search — its count of trials, the other trials' outputs — is released.
 """
 
@@ -32,9 +33,10 @@ import logging
 import math
 import random
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import Any
 
 import dp_accounting
 from dp_accounting import dp_event
@@ -166,7 +168,12 @@ class TrialCount:
 
 @lru_cache(maxsize=4096)
 def _more_probability(count: TrialCount, finished: int) -> float:
-    """:meth:`TrialCount.more_probability`, computed once per distribution and number of finished trials."""
+    """:meth:`TrialCount.more_probability`, computed once per distribution and number of finished trials.
+
+    The truncated negative binomial has no K = 0: the first trial always runs (exactly 1, where S(1)/S(0) summed
+    in floats rounds below 1 and left P[K = 0] ~ 1e-14, found by review)."""
+    if finished == 0 and not count.is_poisson:
+        return 1.0
     survived = count.survival(finished) if finished else 1.0
     return 0.0 if survived == 0 else min(count.survival(finished + 1) / survived, 1.0)
 
@@ -237,3 +244,20 @@ def search_epsilon(history: History, count: TrialCount, delta: float, then: Hist
         return float(accountant.get_epsilon(delta))
     finally:
         absl.setLevel(level)
+
+
+def release_epsilon(search: Mapping[str, Any], history: History, private_steps: int | None, delta: float) -> float:
+    """ε at ``delta`` of a model a search released (its checkpoint's ``search`` record), whose own accountant holds
+    ``history`` after ``private_steps`` steps: the search's bound over its planned trial event, composed with the
+    whole ``history`` again when the model was trained on after the search (an upper bound), the search alone when
+    it was not (the released trial's own steps, ``released_steps``, fit in the planned event).
+
+    The one place the ε of a search's release is computed: the privacy report and the ledger (``model.epsilon``,
+    the fit summary) both use it, so no figure of a release leaves the search's cost out (found by review)."""
+    count = TrialCount(mean=float(search["mean"]), shape=float(search["shape"]))
+    trial: History = search.get("history", history)
+    released_steps = search.get("released_steps")
+    untouched = (released_steps is not None and released_steps == private_steps) or [list(r) for r in history] == [
+        list(r) for r in trial
+    ]
+    return search_epsilon(trial, count, delta, then=() if untouched else history)

@@ -76,3 +76,26 @@ def test_user_seeded_secrets_are_sticky_and_make_the_report_no_guarantee():
     ledger.observe_sampler(_sampler(seeded=False), noise_seeded=False)
     report = ledger.report("DPSGD", secure_rng=False, noise_seeded=True)
     assert report.user_seeded == ("noise", "sampling") and not report.is_guarantee
+
+
+def test_a_search_release_spends_the_whole_search_and_is_not_trained_further():
+    """A ledger restored from a search's release (pl-dp tune's best.ckpt): its ε — model.epsilon, the fit summary — is
+    the whole search's, the report's, not the one trial's (found by review: a further fit planned, guarded and
+    printed the trial's ε only); a further fit is refused."""
+    from pl_dp.privacy.selection import TrialCount, search_epsilon
+
+    trial = _planned(PrivacySpec(epsilon=2.0))
+    for _ in range(50):
+        _step(trial)
+    state = trial.state_dict()
+    history = [list(row) for row in state["accountant"]["history"]]
+    count = TrialCount(mean=4.0, shape=1.0)
+    state["search"] = {"mean": 4.0, "shape": 1.0, "metric": "val/acc", "score": 0.9, "candidate": {"lr": 0.1}}
+    state["search"] |= {"history": history, "released_steps": 50}
+    released = PrivacyLedger(PrivacySpec(epsilon=2.0), "rdp")
+    released.load_state_dict(state)
+    expected = search_epsilon(history, count, state["delta"])
+    assert released.epsilon == pytest.approx(expected, rel=1e-12) and expected > trial.epsilon
+    assert released.report("DPSGD", True, False).epsilon == pytest.approx(released.epsilon, rel=1e-12)
+    with pytest.raises(PrivacyConfigError, match="release of a hyperparameter search"):
+        _planned(PrivacySpec(epsilon=3.0), steps=40, restored=state, allow_change=True)

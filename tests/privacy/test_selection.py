@@ -117,3 +117,11 @@ def test_a_coin_is_a_secret_and_refuses_to_be_copied():
 def test_a_distribution_that_is_no_search_is_refused(mean, shape):
     with pytest.raises(PrivacyConfigError, match="trials"):
         TrialCount(mean=mean, shape=shape)
+
+
+@pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, 3.0])
+@pytest.mark.parametrize("mean", [1.5, 4.0, 37.0])
+def test_the_first_trial_always_runs_without_a_poisson_count(shape, mean):
+    """The truncated negative binomial has no K = 0: the first continuation probability is exactly 1 (not the
+    survival sum rounded below 1, which left P[K = 0] ~ 1e-14)."""
+    assert TrialCount(mean=mean, shape=shape).more_probability(0) == 1.0
