@@ -2,6 +2,7 @@
 
     python benchmarks/opacus_epoch.py            # ~2 minutes on 2 CPU cores
     python benchmarks/opacus_epoch.py --quick    # one repetition, the MLP only
+    python benchmarks/opacus_epoch.py --whole-run --json benchmarks/results/opacus_whole_run.json   # ~1 minute
 
 Both train on the private split of the digits (1,208 examples, expected batch 64, ε = 2 at δ = 1/n, clip 1, SGD
 at lr 0.5) for 5 epochs, σ calibrated by each library from the target, with each accountant both offer (RDP, PRV;
@@ -11,12 +12,21 @@ sampling, a plain loop, and ``get_epsilon`` at the end of each epoch, as its tut
 Per-epoch time = the whole fit, set-up and calibration included, over the epochs; runs are interleaved
 (pl_dp, Opacus, pl_dp, …) and the medians reported. Prints a table and JSON (``--json PATH``; the committed copy is
 ``benchmarks/results/opacus_epoch.json``).
+
+``--whole-run``: the small run of issue [fast] 39 item 3, with σ given (not calibrated, so calibration is not in the
+comparison): the digits MLP, expected batch 48 (25 steps an epoch), 10 epochs (250 steps), σ = 1, PRV. Each run is
+timed whole — set-up (``make_private`` / ``Trainer.fit``'s start, with pl_dp's fit-start checks), the loop and the
+final ε (Opacus: one ``get_epsilon`` at the end; pl_dp: ``model.epsilon``) — the two libraries alternating in one
+process, medians of ``--repeats`` (default 7; ``--quick``: 3), and the ratio of the fastest runs of each (on a shared
+machine the least disturbed ones).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -102,6 +112,83 @@ def opacus_epoch(build, accountant: str) -> tuple[float, float]:
     return (time.perf_counter() - start) / EPOCHS, epsilon
 
 
+WHOLE_BATCH, WHOLE_EPOCHS, WHOLE_SIGMA = 48, 10, 1.0
+
+
+def pl_dp_whole_run() -> tuple[float, float, int]:
+    """Seconds of a whole pl_dp fit with σ given, its final ε and its private steps."""
+    L.seed_everything(0, verbose=False)
+    start = time.perf_counter()
+    data = DigitsDataModule(batch_size=WHOLE_BATCH)
+    spec = PrivacySpec(epsilon=10.0, noise_multiplier=WHOLE_SIGMA, accountant="prv")
+    model = DPSGD(mlp(), lr=LR, clip=CLIP, privacy=spec)
+    quiet_trainer(max_epochs=WHOLE_EPOCHS).fit(model, data)
+    epsilon = model.epsilon
+    return time.perf_counter() - start, epsilon, model.private_steps
+
+
+def opacus_whole_run() -> tuple[float, float, int]:
+    """Seconds of a whole Opacus run (``make_private`` with Poisson sampling, the loop, one final ``get_epsilon``),
+    its ε and its steps."""
+    from opacus import PrivacyEngine
+
+    L.seed_everything(0, verbose=False)
+    start = time.perf_counter()
+    data = DigitsDataModule(batch_size=WHOLE_BATCH)
+    data.setup("fit")
+    private = data.private
+    delta = 1.0 / len(private)
+    steps_per_epoch = len(private) // WHOLE_BATCH  # pl_dp's epoch; Opacus samples at q = 1 / len(loader)
+    model = mlp()
+    engine = PrivacyEngine(accountant="prv")
+    model, optimizer, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=DataLoader(private, batch_size=math.ceil(len(private) / steps_per_epoch)),
+        noise_multiplier=WHOLE_SIGMA,
+        max_grad_norm=CLIP,
+        poisson_sampling=True,
+    )
+    steps = 0
+    for _ in range(WHOLE_EPOCHS):
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            steps += 1
+    epsilon = engine.get_epsilon(delta)
+    return time.perf_counter() - start, epsilon, steps
+
+
+def measure_whole_run(repeats: int) -> dict:
+    """The two whole runs alternating (a warm-up pair first, not counted), medians and their ratio."""
+    times: dict[str, list[float]] = {"pl_dp": [], "opacus": []}
+    result: dict[str, tuple[float, int]] = {}
+    for repeat in range(repeats + 1):
+        for library, run in (("pl_dp", pl_dp_whole_run), ("opacus", opacus_whole_run)):
+            seconds, epsilon, steps = run()
+            result[library] = (epsilon, steps)
+            if repeat:
+                times[library].append(seconds)
+    pl, op = statistics.median(times["pl_dp"]), statistics.median(times["opacus"])
+    return {
+        "case": f"digits MLP 64-64-10, b = {WHOLE_BATCH}, {WHOLE_EPOCHS} epochs, sigma = {WHOLE_SIGMA}, PRV",
+        "repeats": repeats,
+        "pl_dp_s": pl,
+        "opacus_s": op,
+        "ratio": pl / op,
+        "ratio_of_fastest": min(times["pl_dp"]) / min(times["opacus"]),
+        "pl_dp_runs_s": times["pl_dp"],
+        "opacus_runs_s": times["opacus"],
+        "pl_dp_epsilon": result["pl_dp"][0],
+        "opacus_epsilon": result["opacus"][0],
+        "pl_dp_steps": result["pl_dp"][1],
+        "opacus_steps": result["opacus"][1],
+        "load_average": list(os.getloadavg()),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
 def measure(models: dict, repeats: int) -> list[dict]:
     rows = []
     for name, build in models.items():
@@ -132,8 +219,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--whole-run", action="store_true", help="the small whole run with sigma given (see above)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    if args.whole_run:
+        row = measure_whole_run(3 if args.quick else (args.repeats if args.repeats != 3 else 7))
+        print(
+            f"{row['case']}: pl_dp {row['pl_dp_s']:.3f} s, Opacus {row['opacus_s']:.3f} s, ratio {row['ratio']:.2f} "
+            f"(fastest runs: {row['ratio_of_fastest']:.2f}); "
+            f"eps {row['pl_dp_epsilon']:.3f} / {row['opacus_epsilon']:.3f}; steps {row['pl_dp_steps']} / "
+            f"{row['opacus_steps']}; load {row['load_average'][0]:.1f}"
+        )
+        print(json.dumps(row, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(row, indent=1) + "\n")
+        return
     models = {"digits MLP 64-64-10": mlp} if args.quick else {"digits MLP 64-64-10": mlp, "digits CNN": cnn}
     rows = measure(models, 1 if args.quick else args.repeats)
     print(

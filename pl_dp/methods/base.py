@@ -726,7 +726,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         every logged step (:class:`~pl_dp.privacy.calibration.EpsilonTracker`).
 
         RDP and the tree accountant evaluate ε at every logged step. PRV and PLD do on a grid of the plan and at the
-        fit's last step only, and there ε goes to the loggers directly, at the step Lightning writes this batch's
+        fit's last step only (a fit with neither a logger nor a progress bar, where nothing reads a grid point's ε,
+        at the last step only), and there ε goes to the loggers directly, at the step Lightning writes this batch's
         metrics at: through ``self.log`` Lightning would write its last value again at every later step of the
         epoch, an ε the history at those steps does not have. ``self.log(logger=False)`` keeps it in
         ``callback_metrics`` and the progress bar (the latest evaluation).
@@ -735,7 +736,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             return
         trainer = self.trainer
         every = trainer.log_every_n_steps
-        values = self.ledger.logged_epsilon(final, written=every > 0 and trainer.global_step % every == 0)
+        seen = bool(trainer.loggers) or trainer.progress_bar_callback is not None  # who reads a grid point's ε
+        written = seen and every > 0 and trainer.global_step % every == 0
+        values = self.ledger.logged_epsilon(final, written=written)
         sparse = "epsilon_rdp" in values  # PRV, PLD: ε is evaluated at some logged steps only
         if "epsilon" in values:
             exact = {

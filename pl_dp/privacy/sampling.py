@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.errors import ConfigError, PrivacyConfigError
@@ -317,10 +317,14 @@ class EmptySafeCollate:
         self.dropped = 0
         self.structure: Any = None
         self._empty: Any = None
+        # a plain TensorDataset's examples are rows of the same tensors: one structure by construction
+        self._one_structure = type(dataset) is TensorDataset
 
     def expect(self, example: Any) -> None:
         """From now on only examples of ``example``'s structure are batched, and an empty batch is ``example``'s
-        batch sliced to 0 (built now, not at the step that samples nothing)."""
+        batch sliced to 0 (built now, not at the step that samples nothing). A plain ``TensorDataset``'s examples
+        all have one structure (rows of the same tensors), so the per-example comparison is skipped there: it could
+        leave nothing out."""
         self.structure = example_structure(example)
         self._empty = _slice_empty(self.collate_fn([example]))
 
@@ -329,7 +333,7 @@ class EmptySafeCollate:
             with sealed():
                 return self.collate_fn(items)
         kept = [item for item in items if item is not UNREADABLE]
-        if self.structure is not None:
+        if self.structure is not None and not self._one_structure:
             kept = [item for item in kept if example_structure(item) == self.structure]
         self.dropped += len(items) - len(kept)
         with sealed():

@@ -304,6 +304,27 @@ def test_the_private_loader_leaves_an_example_out_by_its_own_structure_alone():
         assert len(with_one_more["x"]) == len(together["x"]) + 1
 
 
+def test_a_tensor_dataset_s_examples_are_batched_without_comparing_each_one_s_structure(monkeypatch):
+    """A TensorDataset's examples are rows of the same tensors, of one structure by construction: comparing each
+    sampled example's structure (a cost of every step) could leave none out, so the private loader does not."""
+    from pl_dp.privacy import sampling
+
+    data = blobs(60)
+    collate = PrivatePublicDataModule(data, batch_size=6).train_dataloader().collate_fn
+    collate.expect(data[0])
+    compared = []
+    structure = sampling.example_structure
+    monkeypatch.setattr(sampling, "example_structure", lambda example: compared.append(example) or structure(example))
+    x, y = collate([data[i] for i in (3, 7, 11)])
+    assert compared == []
+    assert torch.equal(x, data.tensors[0][[3, 7, 11]]) and torch.equal(y, data.tensors[1][[3, 7, 11]])
+    collate = PrivatePublicDataModule(SomeWithAKey(), batch_size=6).train_dataloader().collate_fn
+    collate.expect(SomeWithAKey()[0])
+    compared.clear()
+    collate([SomeWithAKey()[i] for i in (3, 5)])
+    assert len(compared) == 2  # any other dataset's examples are still compared, each one
+
+
 def test_an_empty_batch_does_not_read_a_record():
     """The empty batch was collated from dataset[0] at the step that sampled nothing: a flaky record 0 ended the run
     then. It is built at fit start now."""

@@ -15,7 +15,7 @@ from pl_dp import PrivacySpec
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPZero
-from pl_dp.privacy import NoiseSource, create_accountant, poisson_loader
+from pl_dp.privacy import PRV, NoiseSource, create_accountant, poisson_loader
 from pl_dp.zo import PerturbationEngine
 from tests.conftest import blobs, make_trainer
 
@@ -302,6 +302,23 @@ def test_logged_epsilon_is_the_exact_epsilon_and_the_rdp_bound_has_its_own_name(
     left = [float(r["privacy/budget_left"]) for r in rows if r["privacy/budget_left"]]
     assert left == pytest.approx([2.0 - logged[steps] for steps in sorted(logged)])
     assert float(trainer.callback_metrics["privacy/epsilon"]) == pytest.approx(model.epsilon, rel=1e-6)
+
+
+def test_a_fit_that_nothing_logs_evaluates_the_prv_epsilon_once(monkeypatch):
+    """With σ given, neither a logger nor a progress bar, and a run that goes to plan: the plan's check, the budget
+    guard and the final ε are one PRV evaluation — Opacus' one ``get_epsilon`` at the end — and the ε kept is the
+    exact one of the history."""
+    calls = []
+    evaluate = PRV._epsilon
+    monkeypatch.setattr(PRV, "_epsilon", lambda self, h, d: calls.append(list(h)) or evaluate(self, h, d))
+    dm = PrivatePublicDataModule(blobs(100), batch_size=20)
+    spec = PrivacySpec(epsilon=10.0, noise_multiplier=1.0)
+    model = DPZero(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=spec)
+    trainer = make_trainer(max_steps=16, log_every_n_steps=1)
+    trainer.fit(model, dm)
+    assert calls == [[(1.0, dm.sample_rate, 16)]]
+    assert model.epsilon == evaluate(PRV(), calls[0], model.delta)
+    assert float(trainer.callback_metrics["privacy/epsilon"]) == pytest.approx(model.epsilon, rel=1e-6)  # float32
 
 
 def test_joint_clip_step_equals_the_vector_mechanism_by_hand():

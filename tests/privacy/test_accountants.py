@@ -134,6 +134,25 @@ def test_epsilon_tracker_logs_the_exact_epsilon_on_a_grid_and_the_rdp_curve_unde
     assert len(exact_calls) == 4
 
 
+def test_the_planned_history_is_evaluated_once_for_the_plan_the_guard_and_the_final_epsilon(monkeypatch):
+    """A fit with σ given checks the plan's ε, the budget guard looks ahead to the horizon, and the run ends with
+    the final ε: one (history, δ), so one PRV evaluation (each 0.05–0.5 s), remembered exactly."""
+    calls = []
+    evaluate = PRV._epsilon
+    monkeypatch.setattr(PRV, "_epsilon", lambda self, h, d: calls.append(list(h)) or evaluate(self, h, d))
+    acc = PRV()
+    planned = acc.epsilon_after(1e-5, 50, noise_multiplier=1.0, sample_rate=0.05)
+    guard = StepBudget(acc, 10.0, 1e-5, horizon=50)
+    for _ in range(50):
+        assert guard.allows(1.0, 0.05)
+        acc.step(noise_multiplier=1.0, sample_rate=0.05)
+    assert acc.get_epsilon(1e-5) == planned == evaluate(PRV(), [(1.0, 0.05, 50)], 1e-5)
+    assert calls == [[(1.0, 0.05, 50)]]
+    assert acc.get_epsilon(1e-3) < planned and len(calls) == 2  # another δ: another evaluation
+    acc.step(noise_multiplier=1.0, sample_rate=0.05)
+    assert acc.get_epsilon(1e-5) > planned and len(calls) == 3  # another history: another evaluation
+
+
 def test_epsilon_tracker_waits_for_a_written_step_and_is_exact_at_the_last_one():
     acc = PRV()
     tracker = EpsilonTracker(acc, 1e-5, planned_steps=40, evaluations=4)  # grid: 10, 20, 30, 40
