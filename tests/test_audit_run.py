@@ -151,6 +151,7 @@ def test_bad_requests_raise(kwargs, match):
         audit_run(**kwargs)
 
 
+@pytest.mark.slow
 def test_a_user_of_many_examples_is_audited_as_one_canary():
     """Each canary is one user of 20 identical examples. Sampled at user level (each real example its own user,
     each canary one user: q = b / (real + m) users, one example per sampled user) the run stays below its claim

@@ -182,7 +182,7 @@ _SMALL_RUN_PRIVACY = ("--privacy.epsilon", "2", "--privacy.delta", "1e-5", "--pr
 def test_audit_run_mode_passes_an_honest_run_and_exits_1_on_a_leak():
     honest = _run("audit", "--run", *_SMALL_RUN_AUDIT, *_SMALL_RUN_PRIVACY)
     assert honest.returncode == 0, honest.stderr[-3000:]
-    assert "pl-dp run audit: DPSGD, 100 canaries" in honest.stdout and "consistent" in honest.stdout
+    assert "pl-dp run audit: DPSGD, example-level, 100 canaries" in honest.stdout and "consistent" in honest.stdout
     leaky = _run("audit", "--run", *_SMALL_RUN_AUDIT, *_SMALL_RUN_PRIVACY, "--noise_seed", "7")
     assert leaky.returncode == 1, leaky.stderr[-3000:]
     assert "the replay reproduced the noise of 100 steps" in leaky.stdout and "VIOLATION" in leaky.stdout

@@ -154,6 +154,7 @@ def test_a_trial_with_another_privacy_event_stops_the_search_and_releases_nothin
     assert "41" not in str(refused.value)  # a later trial's event is never printed
 
 
+@pytest.mark.slow
 def test_a_trial_that_stops_early_is_accounted_by_its_plan(tmp_path, capsys):
     """EarlyStopping (a stop that depends on the model) ends a trial after one of its two planned epochs: the trial is
     accounted by its plan fixed at fit start — the search neither refuses it nor stores its actual step count — and
@@ -237,6 +238,7 @@ def _tiny(name, tmp_path, **trainer):
     return path
 
 
+@pytest.mark.slow
 def test_pl_dp_tune_on_digits_releases_one_checkpoint_and_its_report(tmp_path, capsys):
     """The command line on DP-SGD, three steps per trial: one checkpoint and the search's report, which
     ``pl-dp report`` gives again from the checkpoint."""
@@ -268,6 +270,7 @@ def test_pl_dp_tune_on_digits_releases_one_checkpoint_and_its_report(tmp_path, c
     assert refused.value.code == 2 and "same privacy event" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_dpzero_search_stopped_after_one_trial_resumes_without_rerunning_it(tmp_path):
     """DPZero trials of three steps, the real Lightning trial: a search capped at one trial stops resumable; the
     resumed search never runs that trial again, and reports the bound of the whole search."""
