@@ -56,7 +56,9 @@ def test_module_refuses_a_spec_whose_sigma_cannot_meet_its_own_epsilon():
         make_trainer(max_epochs=30).fit(model, dm)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized: the same 12 cases every run, so the suite's time does not swing with the draws (a draw of many
+# small-batch epochs under PLD took 79 s against 11 s)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(
     accountant=st.sampled_from(["rdp", "pld"]),
     epsilon=st.floats(0.3, 8.0),
