@@ -44,6 +44,8 @@ class PrivatePublicDataModule(L.LightningDataModule):
       (variable, possibly empty batches; one epoch = ``len(private) // batch_size`` steps, at
       least 1) — the only sampling the accountant's numbers hold for — unless the method
       declares its own (``private_loader``; O2NC partitions the data and ignores ``batch_size``).
+      A method with banded correlated noise (``bands`` b > 1) gets cyclic Poisson sampling over b groups at rate
+      b·``batch_size`` / n within the step's group: the same expected batch size and epoch length.
       Under data parallelism each rank gets its shard of the same global Poisson batch.
       With ``user_of`` it samples users instead (user-level privacy, :mod:`pl_dp.privacy.units`).
     * ``public_batches(k)`` draws k disjoint public batches per call, without end; public
@@ -247,17 +249,26 @@ class PrivatePublicDataModule(L.LightningDataModule):
                     "user_of for example-level privacy."
                 )
             return own
-        steps = max(1, self.privacy_unit.population // self.batch_size)
+        population = self.privacy_unit.population
+        steps = max(1, population // self.batch_size)
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        bands = int(getattr(module, "bands", 1))  # banded noise: cyclic groups, batch_size still the expected size
+        if bands * self.batch_size > population:
+            raise ConfigError(
+                f"{bands} cyclic groups of {population} examples hold {population / bands:.4g} each in expectation: "
+                f"too few for an expected batch of {self.batch_size} (the rate within a group would be "
+                f"{bands * self.batch_size / population:.3g} > 1). Lower batch_size or bands."
+            )
         return poisson_loader(
             self.private,
-            self.sample_rate,
+            bands * self.batch_size / population if bands > 1 else self.sample_rate,
             seed=self.sampling_seed,
             steps_per_epoch=steps,
             num_replicas=world,
             rank=rank,
             collate_fn=self.private_collate(bool(getattr(module, "fixed_shapes", False))),
             users=self.users,
+            bands=bands,
             **self.loader_kwargs,
         )
 

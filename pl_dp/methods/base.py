@@ -158,6 +158,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
     #: the mechanism of each private step (:meth:`mechanism`); a spec's accountant must support it
     #: (:meth:`~pl_dp.privacy.accountants.Accountant.supports`)
     release: type[Mechanism] = SubsampledGaussian
+    #: the participation schema its noise is accounted for: 1, Poisson sampling of every example at every step; b > 1,
+    #: cyclic Poisson sampling over b groups (banded correlated noise, :mod:`pl_dp.privacy.correlated`). The data
+    #: module builds the matching loader, and a private fit refuses a loader of another schema
+    bands: int = 1
     #: the modes in which the method evaluates private losses, probed at fit start for per-example independence: "train"
     #: (training mode, autograd: first-order) and/or "eval" (eval mode, inference mode: zeroth-order)
     private_loss_modes: tuple[str, ...] = ("train", "eval")
@@ -454,10 +458,22 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         return None
 
     def private_sampler_of(self, loader: Any) -> Any:
-        """The sampler behind the private loader, checked against this method's accounting (it must match)."""
+        """The sampler behind the private loader, checked against this method's accounting (it must match): Poisson
+        sampling, over :attr:`bands` cyclic groups (one, plain Poisson sampling, unless the noise is banded)."""
         if self.privacy is None:
             return getattr(loader, "batch_sampler", None)
-        return poisson_sampler_of(loader)
+        sampler = poisson_sampler_of(loader)
+        found = getattr(sampler, "bands", 1)
+        if found != self.bands:
+            raise PrivacyConfigError(
+                f"{type(self).__name__}'s noise is accounted for "
+                + (f"cyclic Poisson sampling over {self.bands} groups" if self.bands > 1 else "plain Poisson sampling")
+                + ", but the private loader samples "
+                + (f"{found} cyclic groups" if found > 1 else "every example at every step (plain Poisson)")
+                + ": the accountant would not describe the run. Let pl_dp.data.PrivatePublicDataModule build the "
+                f"loader, or build it with pl_dp.privacy.poisson_loader(..., bands={self.bands})."
+            )
+        return sampler
 
     def setup_privacy(self) -> None:
         """Read the sampler, let the ledger plan σ for the steps this fit plans, arm the budget guard.

@@ -20,6 +20,7 @@ from pl_dp.methods.public import PublicDataMixin
 from pl_dp.per_sample import ShardedGhostClipping, verify_per_example_gradients
 from pl_dp.per_sample.modes import PerSampleEngine, get_per_sample_mode
 from pl_dp.privacy.clip_functions import ClipFunction
+from pl_dp.privacy.correlated import BandedMatrixFactorization, BandedNoise, BandedSquareRoot
 from pl_dp.privacy.mechanisms import SubsampledGaussian
 from pl_dp.step.batches import batch_size_of, fill_rows, split_batch
 from pl_dp.step.fit_start import FitStartChecks
@@ -30,6 +31,8 @@ from pl_dp.step.shards import as_gradient_of, local
 
 T = TypeVar("T")
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+#: the noise strategies of ``noise=``: i.i.d. draws (DP-SGD), or correlated by banded matrix factorization
+NOISE_STRATEGIES = ("independent", "banded")
 #: ``optimizer=`` for the net's own ``configure_optimizers`` (what the hyperparameters record when it is used)
 NET_OPTIMIZER = "net"
 
@@ -65,6 +68,15 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
             accountant records σ for the pair.
         quantile_noise: σ_b, the count's noise std; ``None`` means expected batch size / 20.
         quantile_lr: η_C of the geometric update.
+        noise: ``"independent"`` (DP-SGD's i.i.d. draws) or ``"banded"``: correlated noise by banded matrix
+            factorization (DP-BandMF, :mod:`pl_dp.privacy.correlated`): the noise of step t is σ·ζ·C·w_t with
+            w_t = z_t − Σ_{j<b} c_j·w_{t−j}, the coefficients of the banded square root (Kalinin & Lampert 2024),
+            accounted with amplification as one subsampled Gaussian step per ``bands`` steps (Choquette-Choo et al.
+            2023) under cyclic Poisson sampling over ``bands`` groups, which the data module builds. See
+            docs/correlated-noise.md.
+        bands: b, the number of bands of the strategy (``noise="banded"`` only). b = 1 is DP-SGD, bit for bit;
+            a larger b cancels more noise across steps, with fewer compositions but each example sampled in one step
+            of every b. Keeps b − 1 past noise outputs (model-sized tensors, in process memory only).
     """
 
     private_loss_modes = ("train",)  # per-example gradients in training mode
@@ -94,10 +106,25 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         clip_quantile: float | None = None,
         quantile_noise: float | None = None,
         quantile_lr: float = 0.2,
+        noise: str = "independent",
+        bands: int = 1,
         lr: float = 0.1,
         **kwargs: Any,
     ) -> None:
         super().__init__(net, lr=lr, **kwargs)
+        if noise not in NOISE_STRATEGIES:
+            raise ConfigError(f"noise must be one of {list(NOISE_STRATEGIES)}, got {noise!r}.")
+        strategy = BandedSquareRoot(bands)  # refuses a bands that is not an integer >= 1
+        if noise == "independent" and bands != 1:
+            raise ConfigError(f"bands={bands} needs noise='banded': independent noise has no bands.")
+        if bands > 1 and clip_quantile is not None:
+            raise ConfigError(
+                "adaptive clipping (clip_quantile) changes the clip bound between the steps one banded noise draw "
+                "spans, which the banded analysis does not cover: use a fixed clip with noise='banded', bands > 1."
+            )
+        self.bands = strategy.bands
+        #: the banded recursion and its secret past outputs (None: independent noise)
+        self.noise_correlation = BandedNoise(strategy) if noise == "banded" else None
         if clip_quantile is not None:
             if not 0.0 < clip_quantile < 1.0:
                 raise ConfigError(f"clip_quantile must lie in (0, 1), got {clip_quantile!r}.")
@@ -178,12 +205,22 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         """One d-dimensional release per step: the weighted per-example sum, sensitivity C (the current
         R_t with adaptive clipping, plus the sensitivity-1 count as an auxiliary release)."""
         sensitivity = None if self.clip_function is None else self.clip_function.sensitivity
-        if self.clip_quantile is None:
-            return self._gaussian(batch_size, sensitivity)
         count_noise = self.quantile_noise
-        if count_noise is None:
+        if self.clip_quantile is not None and count_noise is None:
             count_noise = (self.expected_batch_size or max(batch_size, 1)) / 20.0
-        return self._gaussian(batch_size, sensitivity, auxiliary_noise_multiplier=count_noise)
+        gaussian = self._gaussian(
+            batch_size, sensitivity, auxiliary_noise_multiplier=None if self.clip_quantile is None else count_noise
+        )
+        if self.noise_correlation is None:
+            return gaussian
+        return BandedMatrixFactorization.of(gaussian, self.noise_correlation)
+
+    def prepare_accounting(self, sampler: Any, restored: dict[str, Any] | None) -> None:
+        """Banded noise: every fit starts a new banded mechanism — the recursion forgets its past outputs, as the
+        ledger counts this fit's bands from its first step (a resume, with its fresh noise key and groups, too)."""
+        super().prepare_accounting(sampler, restored)
+        if self.noise_correlation is not None:
+            self.noise_correlation.restart()
 
     def on_train_start(self) -> None:
         if self._per_sample is not None:  # a new fit may train another set of parameters
@@ -403,6 +440,11 @@ class Coupling(PublicDataMixin, FirstOrderModule, shardable=True):
     per-sample norms (§3) and elsewhere a quantile of public norms (§6), which is not what AdaMix does
     on private data. Its "adaptive projection" is not reproduced (the paper's §5 does not specify it).
 
+    ``noise="banded"`` correlates the private term's noise across steps (:class:`FirstOrderModule`); mixing in the
+    public gradient is post-processing of that release. With bands > 1 every step must read its private batch
+    (α < 1): a step that skipped it would break the schedule of releases the band's accounting rests on, so such a
+    step is refused.
+
     Baselines as configurations: OnlyPub (α = 1: the private data is never read and no ε is
     spent), OnlyPriv (α = 0: DP-SGD on private data, no public work), FullPriv (α = 0 with the
     public examples moved into the private set), NonPriv (``privacy=None, clip=None``); DPMD is
@@ -468,6 +510,12 @@ class Coupling(PublicDataMixin, FirstOrderModule, shardable=True):
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
         params, alpha = self.trainable_parameters(), self.alpha
+        if alpha == 1.0 and self.bands > 1:
+            raise PrivacyConfigError(
+                f"alpha=1 skips the private batch, but banded noise with bands={self.bands} releases at every step of "
+                "a band (its accounting counts steps, one composition per band): keep alpha < 1 with noise='banded', "
+                "or use noise='independent'."
+            )
         combined = [torch.zeros_like(local(p)) for p in params]
         result = StepResult({"train/alpha": torch.tensor(alpha)})
         if alpha > 0.0:

@@ -1,6 +1,6 @@
 """The privacy mathematics: spec, accountants (and the tree accountant), calibration, clip functions, mechanisms,
-noise, seeding, the unit of privacy (example or user), Poisson sampling (over examples or users), the ledger, journal
-and report.
+noise (independent, or correlated by banded matrix factorization), seeding, the unit of privacy (example or user),
+Poisson sampling (over examples or users, or cyclic over groups), the ledger, journal and report.
 
 What a private step is made of besides (its batches, per-example losses, the seal, the pre-flight pass and the
 independence probe) is :mod:`pl_dp.step`, the layer below. Plain torch, Opacus and dp-accounting; no Lightning.
@@ -19,10 +19,12 @@ from pl_dp.privacy.accountants import (
 )
 from pl_dp.privacy.calibration import EpsilonTracker, StepBudget, calibrate_noise_multiplier
 from pl_dp.privacy.clip_functions import ClipFunction, clip_per_example
+from pl_dp.privacy.correlated import BandedMatrixFactorization, BandedNoise, BandedSquareRoot
 from pl_dp.privacy.mechanisms import Mechanism, SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import (
+    CyclicPoissonBatchSampler,
     EmptySafeCollate,
     PoissonBatchSampler,
     UserPoissonBatchSampler,
@@ -38,7 +40,11 @@ __all__ = [
     "PRV",
     "RDP",
     "Accountant",
+    "BandedMatrixFactorization",
+    "BandedNoise",
+    "BandedSquareRoot",
     "ClipFunction",
+    "CyclicPoissonBatchSampler",
     "EmptySafeCollate",
     "EpsilonTracker",
     "Mechanism",

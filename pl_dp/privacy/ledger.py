@@ -13,6 +13,11 @@ the way Opacus keeps its accountants apart from its engine (Lightning-free, test
 * the **guard** — the budget targets (the spec's, and tighter ones registered by callbacks); one
   place answers "may the next step run?", so the budget is never exceeded.
 
+Under cyclic Poisson sampling over b groups (banded correlated noise, :mod:`pl_dp.privacy.correlated`) the
+accountant composes one subsampled Gaussian per band of b private steps of a fit — at the band's first step — not one
+per step (Choquette-Choo et al. 2023); :meth:`PrivacyLedger.compositions` is the one place that counts them, for the
+record, the plan, the calibration and the guard alike. With b = 1 (every other sampler) a composition is a step.
+
 Its ``state_dict`` is what a checkpoint holds for privacy; it never holds a secret (the DP noise key or the
 sampling seed).
 """
@@ -59,10 +64,13 @@ class PrivacyLedger:
         self.noise_multiplier = 0.0
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
+        #: the participation schema: b cyclic groups, one composition per b steps of a fit (1: every step)
+        self.bands = 1
         self.delta: float | None = None
         self.planned_steps: int | None = None
         # the record
         self.private_steps = 0
+        self._fit_start = 0  # private_steps when this fit's plan began: its bands count from there
         self.user_seeded = {"noise": False, "sampling": False}  # sticky across fits and resumes
         #: the specs allowed resumes replaced: {"private_steps": steps before the change, "from": spec, "to": spec}
         self.spec_changes: list[dict[str, Any]] = []
@@ -134,6 +142,13 @@ class PrivacyLedger:
         if hasattr(sampler, "sample_rate"):  # pl_dp's samplers, Opacus' Poisson sampler
             self.sample_rate = sampler.sample_rate
             self.expected_batch_size = sampler.expected_batch_size
+        self.bands = int(getattr(sampler, "bands", 1))
+
+    def compositions(self, steps: int) -> int:
+        """How many subsampled-Gaussian compositions the next ``steps`` private steps of this fit add: one per band of
+        :attr:`bands` steps, counted from the fit's first step, ⌈(s + k)/b⌉ − ⌈s/b⌉ after s steps (k for b = 1)."""
+        done, bands = self.private_steps - self._fit_start, self.bands
+        return -(-(done + steps) // bands) + (-done // bands)
 
     @property
     def _unit(self) -> PrivacyUnit:
@@ -203,9 +218,11 @@ class PrivacyLedger:
                 "search's."
             )
         self.planned_steps = planned_steps
+        self._fit_start = self.private_steps  # a fit is a banded mechanism of its own (its noise recursion restarts)
+        releases = self.compositions(steps_left)
         spent = self._accountant.get_epsilon(self._delta)
         if restored is not None:
-            self._resume_plan(restored, steps_left, allow_change)
+            self._resume_plan(restored, releases, allow_change)
         elif spent >= spec.epsilon:
             raise PrivacyConfigError(
                 f"this module has already spent epsilon={spent:.3f} (delta={self._delta:.3g}) of its target "
@@ -215,7 +232,7 @@ class PrivacyLedger:
             )
         elif spec.noise_multiplier is not None:
             self.noise_multiplier = spec.noise_multiplier
-            eps = self._epsilon_after(self._delta, steps_left)
+            eps = self._epsilon_after(self._delta, releases)
             if eps > spec.epsilon:
                 raise PrivacyConfigError(
                     f"noise_multiplier={self.noise_multiplier:g} cannot meet epsilon={spec.epsilon:g} "
@@ -227,15 +244,15 @@ class PrivacyLedger:
                 )
         else:
             self.noise_multiplier = calibrate_noise_multiplier(
-                spec.epsilon, self._delta, self._sample_rate, max(steps_left, 1), self._accountant
+                spec.epsilon, self._delta, self._sample_rate, max(releases, 1), self._accountant
             )
-        horizon = self._accountant.steps + steps_left
+        horizon = self._accountant.steps + releases
         self.exhausted = False
         self._budgets = [StepBudget(self._accountant, spec.epsilon, self._delta, horizon=horizon)]
         self._tracker = EpsilonTracker(self._accountant, self._delta, horizon)
         if restored is None:  # a new plan meets the target by construction (calibrated, or checked above)
             return
-        planned_epsilon = self._epsilon_after(self._delta, steps_left)
+        planned_epsilon = self._epsilon_after(self._delta, releases)
         if planned_epsilon > spec.epsilon:
             warnings.warn(
                 f"this fit plans {steps_left} more private steps, which at the checkpoint's noise multiplier "
@@ -246,10 +263,10 @@ class PrivacyLedger:
                 stacklevel=3,
             )
 
-    def _epsilon_after(self, delta: float, steps: int) -> float:
-        """ε after ``steps`` more steps of the current plan (σ, q) at ``delta``."""
+    def _epsilon_after(self, delta: float, releases: int) -> float:
+        """ε after ``releases`` more compositions (:meth:`compositions`) of the current plan (σ, q) at ``delta``."""
         return self._accountant.epsilon_after(
-            delta, steps, noise_multiplier=self.noise_multiplier, sample_rate=self._sample_rate
+            delta, releases, noise_multiplier=self.noise_multiplier, sample_rate=self._sample_rate
         )
 
     def check_resume(self, saved: dict[str, Any], allow_change: bool, sample_rate: float | None = None) -> list[str]:
@@ -267,6 +284,10 @@ class PrivacyLedger:
             changes.append(
                 f"the checkpoint's sample rate {saved['sample_rate']:g} differs from the loader's {sample_rate:g}"
             )
+        if sample_rate is not None and saved.get("bands", 1) != self.bands:
+            changes.append(
+                f"the checkpoint's {saved.get('bands', 1)} cyclic groups differ from the loader's {self.bands}"
+            )
         if changes and not allow_change:
             raise PrivacyConfigError(
                 "; ".join(changes) + ": resuming under a different privacy spec or sample rate is refused (the "
@@ -279,17 +300,17 @@ class PrivacyLedger:
                 self.spec_changes.append(change)
         return changes
 
-    def _resume_plan(self, saved: dict[str, Any], steps_left: int, allow_change: bool) -> None:
+    def _resume_plan(self, saved: dict[str, Any], releases: int, allow_change: bool) -> None:
         changes = self.check_resume(saved, allow_change, self._sample_rate)
         if not changes:
             self.noise_multiplier = saved["noise_multiplier"]
             return
-        self._replan_after_change(changes, steps_left)
+        self._replan_after_change(changes, releases)
 
-    def _replan_after_change(self, changes: list[str], steps_left: int) -> None:
-        """σ for the steps left, on top of the restored accountant history (never from zero)."""
+    def _replan_after_change(self, changes: list[str], releases: int) -> None:
+        """σ for the compositions left, on top of the restored accountant history (never from zero)."""
         spec = self._spec
-        remaining = max(1, steps_left)
+        remaining = max(1, releases)
         spent = self._accountant.get_epsilon(self._delta) if self._accountant.history else 0.0
         if spent >= spec.epsilon:
             raise PrivacyConfigError(
@@ -324,27 +345,30 @@ class PrivacyLedger:
         exceeds it runs until the guard stops it.
         """
         delta = self._delta if delta is None else delta
-        steps_left = max(self._budgets[0].horizon - self._accountant.steps, 0) if self._budgets else 0
-        self._budgets.append(StepBudget(self._accountant, epsilon, delta, horizon=self._accountant.steps + steps_left))
-        planned = self._epsilon_after(delta, steps_left)
+        releases = max(self._budgets[0].horizon - self._accountant.steps, 0) if self._budgets else 0
+        self._budgets.append(StepBudget(self._accountant, epsilon, delta, horizon=self._accountant.steps + releases))
+        planned = self._epsilon_after(delta, releases)
         if planned > epsilon and self._spec.noise_multiplier is not None:
             raise PrivacyConfigError(
-                f"the {steps_left} planned private steps with noise_multiplier={self.noise_multiplier:g} would "
+                f"the {releases} planned private releases with noise_multiplier={self.noise_multiplier:g} would "
                 f"spend epsilon={planned:.3f} > target {epsilon:g}: refusing to start. Raise the noise multiplier "
                 "or plan fewer steps."
             )
         return planned
 
     def allows_next_step(self) -> bool:
-        """Whether the next private step keeps ε within every target; once refused, stays refused this fit."""
-        if not self.exhausted:
+        """Whether the next private step keeps ε within every target; once refused, stays refused this fit. A step
+        inside a band (no composition of its own: :meth:`compositions`) was paid for at the band's first step."""
+        if not self.exhausted and self.compositions(1):
             self.exhausted = not all(b.allows(self.noise_multiplier, self._sample_rate) for b in self._budgets)
         return not self.exhausted
 
     # ---- the record --------------------------------------------------------------------------
     def record(self, mechanism: Any) -> None:
-        """Record one private step of ``mechanism`` (a :class:`SubsampledGaussian` or tree release)."""
-        mechanism.account(self.accountant, self._segment)
+        """Record one private step of ``mechanism`` (a :class:`SubsampledGaussian` or tree release): with the
+        accountants when it opens a composition (:meth:`compositions`: every step but those inside a band)."""
+        if self.compositions(1):
+            mechanism.account(self.accountant, self._segment)
         self.private_steps += 1
 
     def write_journal(self, directory: Path, writer: bool) -> None:
@@ -387,6 +411,7 @@ class PrivacyLedger:
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
+            "bands": self.bands,
             "delta": self.delta,
             "planned_steps": self.planned_steps,
             "private_steps": self.private_steps,
@@ -407,6 +432,7 @@ class PrivacyLedger:
         self.noise_multiplier = float(state["noise_multiplier"])
         self.sample_rate = state["sample_rate"]
         self.expected_batch_size = state.get("expected_batch_size")
+        self.bands = int(state.get("bands", 1))
         self.delta = state["delta"]
         self.planned_steps = state["planned_steps"]
         for secret, seeded in state.get("user_seeded", {}).items():

@@ -116,8 +116,13 @@ class SubsampledGaussian:
 
     def privatize(self, sums: torch.Tensor, noise: NoiseSource) -> torch.Tensor:
         """(sums + N(0, noise_std²)) / expected batch size, for a tensor of released sums."""
-        noisy = sums + noise.normal(sums.shape, self.noise_std, sums.device, sums.dtype)
+        noisy = sums + self._noise(0, noise.normal(sums.shape, self.noise_std, sums.device, sums.dtype))
         return noisy / self.expected_batch_size
+
+    def _noise(self, index: int, draw: torch.Tensor) -> torch.Tensor:
+        """The noise added to released tensor ``index`` from this step's draw: the draw itself (independent noise;
+        :class:`~pl_dp.privacy.correlated.BandedMatrixFactorization` correlates it across steps)."""
+        return draw
 
     def privatize_(
         self,
@@ -136,11 +141,11 @@ class SubsampledGaussian:
         for i, t in enumerate(sums):
             if self.is_private:
                 if blocks is None:
-                    t.add_(noise.normal(t.shape, self.noise_std, t.device, t.dtype))
+                    t.add_(self._noise(i, noise.normal(t.shape, self.noise_std, t.device, t.dtype)))
                 else:
                     shape, offset = blocks[i]
                     part = noise.normal(shape, self.noise_std, t.device, t.dtype, block=(offset, t.numel()))
-                    t.add_(part.view_as(t))
+                    t.add_(self._noise(i, part).view_as(t))
             t.div_(self.expected_batch_size)
 
     def account(self, *accountants: Accountant | None) -> None:

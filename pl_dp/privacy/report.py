@@ -89,6 +89,8 @@ class PrivacyReport:
     unit: str = "example"
     #: how many units the private set holds (examples, or users): the n of q and of δ's default; None before a plan
     population: int | None = None
+    #: cyclic groups of the sampling, with banded correlated noise (1: plain Poisson sampling, independent noise)
+    bands: int = 1
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> PrivacyReport:
@@ -134,6 +136,7 @@ class PrivacyReport:
             trial_epsilon=trial_epsilon,
             unit=unit.kind if unit is not None else "example",
             population=unit.population if unit is not None else None,
+            bands=int(state.get("bands", 1)),
         )
 
     @classmethod
@@ -214,6 +217,16 @@ class PrivacyReport:
             "drawn at random, so one user is at most one row of any batch"
         )
 
+    def _band_sampling(self) -> str:
+        """What the sampling line adds under banded correlated noise: the cyclic groups and what one composition is."""
+        if self.bands == 1:
+            return ""
+        return (
+            f", cyclic over {self.bands} groups (each example in one, drawn at random; step t samples group t mod "
+            f"{self.bands} at that rate); banded correlated noise (matrix factorization): the accountant composes one "
+            f"subsampled Gaussian per band of {self.bands} steps of each fit, Choquette-Choo et al. 2023"
+        )
+
     def _change_lines(self) -> list[str]:
         lines = []
         for change in self.spec_changes:
@@ -261,7 +274,7 @@ class PrivacyReport:
             rate = (
                 f"rate {self.sample_rate:.4g}" if len(rates) <= 1 else f"rate per segment; now {self.sample_rate:.4g}"
             )
-            lines.append(f"  sampling      Poisson, {rate}{expected}" + self._unit_sampling())
+            lines.append(f"  sampling      Poisson, {rate}{expected}" + self._unit_sampling() + self._band_sampling())
         if self.user_seeded:
             lines.append(
                 f"  secrets       USER-SEEDED ({', '.join(self.user_seeded)}): epsilon is NO guarantee against "

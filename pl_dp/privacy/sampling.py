@@ -108,6 +108,8 @@ class PoissonBatchSampler(CopiesDrawTheirOwnSecret, CountingBatchSampler):
         self.position = 0  # index of the next batch to draw
 
     secret = "seed"  # left out of pickles and deep copies, which draw their own (CopiesDrawTheirOwnSecret)
+    #: the participation schema: 1, every example may join every step (:class:`CyclicPoissonBatchSampler`: b groups)
+    bands = 1
 
     def _draw_secret(self) -> int:
         return entropy_seed()
@@ -129,14 +131,81 @@ class PoissonBatchSampler(CopiesDrawTheirOwnSecret, CountingBatchSampler):
         """
         rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, index)))
         size = rng.binomial(self.num_samples, self.sample_rate)
-        idx = np.sort(self.examples_of(rng.choice(self.num_samples, size=size, replace=False), rng))
+        sampled = self.eligible(rng.choice(self.num_samples, size=size, replace=False), index)
+        idx = np.sort(self.examples_of(sampled, rng))
         if self.num_replicas > 1:
             idx = idx[idx % self.num_replicas == self.rank]
         return idx.tolist()
 
+    def eligible(self, sampled: np.ndarray, index: int) -> np.ndarray:
+        """The ``sampled`` units that may join batch ``index``: all of them (every unit, every step)."""
+        return sampled
+
     def examples_of(self, sampled: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The examples the ``sampled`` units put in the batch: themselves (the unit is the example)."""
         return sampled
+
+
+_GROUP_DOMAIN = 0x67726F757073  # "groups": the counter of the group assignment in the sampling seed's chain
+_SPLITMIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+class CyclicPoissonBatchSampler(PoissonBatchSampler):
+    """Cyclic Poisson sampling: the participation schema of banded matrix factorization with amplification.
+
+    Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta & Xu (NeurIPS 2023, "Amplified banded matrix
+    factorization", arXiv 2306.08153, Theorem 5): each example belongs to one of ``bands`` groups, and batch t
+    includes each member of group t mod b independently with probability ``sample_rate`` (q) — so any two
+    participations of one example are at least b steps apart (b-min-separation), which is what lets a b-banded
+    strategy's release be accounted as ⌈T/b⌉ subsampled Gaussian steps at rate q
+    (:mod:`pl_dp.privacy.correlated`).
+
+    **Groups.** Each example's group is drawn independently and uniformly, as a function of (sampling seed, index)
+    alone (SplitMix64 of the seed's group key and the index, mod b) — jax_privacy's ``INDEPENDENT`` partition, the one
+    that holds under add/remove adjacency: adding or removing an example moves no other example's group (a split by
+    index, i mod b, would shift them). The groups come from the secret sampling seed, are never stored and change
+    with it (a resumed run, a copy, every fit draw new ones; the ledger accounts each fit as a banded mechanism of its
+    own, so no participation schedule crosses a fit).
+
+    **Cost.** Batch t is drawn as a Poisson sample of all n examples at rate q (``Generator.binomial`` and
+    ``choice(replace=False)``, as :class:`PoissonBatchSampler`), of which the members of group t mod b are kept: each
+    member joins with probability q, independently — exactly the schema — and a step costs O(q·n) = O(b · expected
+    batch size), not O(n). The expected batch size is q·n/b: for the expected batch size b′ of a DP-SGD run, take
+    q = b·b′/n (what :class:`~pl_dp.data.PrivatePublicDataModule` does for ``batch_size=b′``); an epoch is still
+    n/b′ steps.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        bands: int,
+        steps_per_epoch: int | None = None,
+        seed: int | None = None,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(num_samples, sample_rate, steps_per_epoch, seed, num_replicas, rank)
+        if isinstance(bands, bool) or int(bands) != bands or bands < 1:
+            raise ConfigError(f"bands must be an integer >= 1, got {bands!r}.")
+        self.bands = int(bands)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·n/b: one group of n/b examples in expectation, sampled at rate q."""
+        return self.sample_rate * self.num_samples / self.bands
+
+    def group_of(self, indices: np.ndarray) -> np.ndarray:
+        """The group (in [0, b)) of each example in ``indices``: a function of (sampling seed, index) alone."""
+        x = np.asarray(indices, dtype=np.uint64) ^ np.uint64(derive_seed(self.seed, _GROUP_DOMAIN))
+        x = x + _SPLITMIX[0]
+        x = (x ^ (x >> np.uint64(30))) * _SPLITMIX[1]
+        x = (x ^ (x >> np.uint64(27))) * _SPLITMIX[2]
+        return ((x ^ (x >> np.uint64(31))) % np.uint64(self.bands)).astype(np.int64)
+
+    def eligible(self, sampled: np.ndarray, index: int) -> np.ndarray:
+        """The ``sampled`` examples of group ``index`` mod b."""
+        return sampled[self.group_of(sampled) == index % self.bands]
 
 
 class UserPoissonBatchSampler(PoissonBatchSampler):
@@ -374,12 +443,15 @@ def poisson_loader(
     rank: int = 0,
     collate_fn: Callable[[list], Any] = default_collate,
     users: UserIndex | None = None,
+    bands: int = 1,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` with Poisson sampling at ``sample_rate`` (empty batches allowed).
 
     With ``users`` (each example's user, :class:`~pl_dp.privacy.units.UserIndex`) it samples users at
     ``sample_rate`` and one example of each sampled user (:class:`UserPoissonBatchSampler`): user-level privacy.
+    With ``bands`` > 1 it samples cyclically (:class:`CyclicPoissonBatchSampler`: batch t samples group t mod b at
+    ``sample_rate``), the schema of banded matrix factorization (``DPSGD(noise="banded", bands=b)``).
 
     ``seed`` is the secret sampling seed: leave it ``None`` (OS entropy) unless reproducing a run. Examples are
     read and batched sealed (:class:`SealedReads`, :class:`EmptySafeCollate`): an example that fails to load or to
@@ -394,11 +466,18 @@ def poisson_loader(
         raise ConfigError(
             f"the user index names the users of {users.num_examples} examples, but the dataset has {len(dataset)}."
         )
-    sampler = (
-        PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
-        if users is None
-        else UserPoissonBatchSampler(users, sample_rate, steps_per_epoch, seed, num_replicas, rank)
-    )
+    sampler: PoissonBatchSampler
+    if users is not None:
+        if bands != 1:
+            raise ConfigError(
+                "cyclic Poisson sampling (bands > 1, for banded correlated noise) samples examples: user-level "
+                "privacy (user_of) is not supported with it. Use noise='independent', or drop user_of."
+            )
+        sampler = UserPoissonBatchSampler(users, sample_rate, steps_per_epoch, seed, num_replicas, rank)
+    elif bands != 1:
+        sampler = CyclicPoissonBatchSampler(len(dataset), sample_rate, bands, steps_per_epoch, seed, num_replicas, rank)
+    else:
+        sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
     collate = EmptySafeCollate(dataset, collate_fn)
     loader = DataLoader(SealedReads(dataset), batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
     # DataLoader forbids setting ``sampler`` next to ``batch_sampler``; it never iterates it
