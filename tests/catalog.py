@@ -43,8 +43,8 @@ class Entry:
     id: str
     cls: type[PrivateModule]
     small: Callable[[], dict[str, Any]]
-    #: what a variant changes from its method's entry ("per_sample", "clip", "adaptive clip", "optimizer"); None
-    #: for the method's own entry
+    #: what a variant changes from its method's entry ("per_sample", "clip", "adaptive clip", "optimizer", "noise");
+    #: None for the method's own entry
     aspect: str | None = None
 
     def __repr__(self) -> str:  # the id, in pytest's parameter ids and assertion messages
@@ -138,6 +138,9 @@ VARIANTS: list[Entry] = [
     _variant("dpsgd", "dpsgd-automatic", "clip", clip_fn="automatic", r=0.01),
     _variant("dpsgd", "dpsgd-psac", "clip", clip_fn="psac", r=0.01),
     _variant("dpsgd", "dpsgd-psac-adam", "optimizer", lr=0.05, clip_fn="psac", optimizer="adam"),
+    # banded correlated noise (matrix factorization) over cyclic Poisson sampling, on both first-order methods
+    _variant("dpsgd", "dpsgd-banded", "noise", noise="banded", bands=3),
+    _variant("coupling", "coupling-banded", "noise", noise="banded", bands=2),
     # AdaMix's coupling with DP-SGD's constant clip and a private quantile that adapts the threshold each step
     _variant("coupling", "coupling-adamix", "adaptive clip", clip_fn="constant", clip_quantile=0.5, quantile_noise=5.0),
     _variant(

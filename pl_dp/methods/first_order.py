@@ -217,8 +217,15 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
 
     def prepare_accounting(self, sampler: Any, restored: dict[str, Any] | None) -> None:
         """Banded noise: every fit starts a new banded mechanism — the recursion forgets its past outputs, as the
-        ledger counts this fit's bands from its first step (a resume, with its fresh noise key and groups, too)."""
+        ledger counts this fit's bands from its first step (a resume, with its fresh noise key and groups, too). Its
+        groups must then hold for the whole fit: a loader rebuilt within it draws new ones, so that is refused."""
         super().prepare_accounting(sampler, restored)
+        if self.bands > 1 and self.trainer.reload_dataloaders_every_n_epochs:
+            raise PrivacyConfigError(
+                "reload_dataloaders_every_n_epochs rebuilds the private loader within the fit, and with it the cyclic "
+                "groups (drawn from a fresh secret seed) in the middle of a banded mechanism: an example could take "
+                f"part twice within {self.bands} steps, which its accounting excludes. Leave it at 0 with banded noise."
+            )
         if self.noise_correlation is not None:
             self.noise_correlation.restart()
 

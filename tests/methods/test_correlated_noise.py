@@ -180,6 +180,10 @@ def test_configurations_the_banded_analysis_does_not_cover_are_refused():
     with pytest.raises(ConfigError, match="too few for an expected batch"):
         dm = PrivatePublicDataModule(blobs(40), batch_size=15)
         make_trainer(max_steps=1).fit(DPSGD(nn.Linear(4, 3), privacy=SPEC, noise="banded", bands=3), dm)
+    with pytest.raises(PrivacyConfigError, match="reload_dataloaders_every_n_epochs"):
+        dm = PrivatePublicDataModule(blobs(40), batch_size=5)
+        banded = DPSGD(nn.Linear(4, 3), privacy=SPEC, noise="banded", bands=2)
+        make_trainer(max_steps=1, reload_dataloaders_every_n_epochs=1).fit(banded, dm)
     coupling = Coupling(nn.Linear(4, 3), alpha=1.0, clip=1.0, privacy=SPEC, noise="banded", bands=2)
     dm = PrivatePublicDataModule(blobs(40), public=blobs(20, seed=3), batch_size=5)
     with pytest.raises(PrivacyConfigError, match="alpha=1 skips the private batch"):

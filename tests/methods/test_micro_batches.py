@@ -13,13 +13,14 @@ from tests.conftest import blobs, make_trainer
 
 #: every method but the zeroth-order ones after the first (their private passes are pl_dp.zo's one two-point
 #: estimator, which DPZero runs here: two fits a case keep the list short), and the configurations that change how a
-#: micro-batch is computed: every per-sample mode, and the adaptive clip threshold (AdaMix's private quantile)
+#: micro-batch is computed: every per-sample mode, the adaptive clip threshold (AdaMix's private quantile), and banded
+#: correlated noise (a step's noise depends on the earlier steps')
 METHODS = {
     entry.id: entry
     for entry in [
         *catalog.select(zeroth_order=True)[:1],
         *catalog.select(zeroth_order=False),
-        *catalog.select(catalog.VARIANTS, aspects=("per_sample", "adaptive clip")),
+        *catalog.select(catalog.VARIANTS, aspects=("per_sample", "adaptive clip", "noise")),
     ]
 }
 
