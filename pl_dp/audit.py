@@ -246,6 +246,8 @@ class _NeighbouringReleases:
                 self.datamodule.load_state_dict(copy.deepcopy(self.public_state))
             if self.clip_function is not None:
                 module.clip_function = self.clip_function
+            if getattr(module, "noise_correlation", None) is not None:  # banded noise: each trial a band's first step
+                module.noise_correlation.restart()
             module.noise_multiplier = self.noise_multiplier
         return mechanism.vector(), mechanism
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
+from pl_dp.audit import audit
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPSGD, Coupling
@@ -234,3 +235,22 @@ def test_kill_and_resume_restarts_the_recursion_and_composes_the_segments(tmp_pa
     sixth = math.sqrt((inverse @ inverse.T)[5, 5].item())  # step 6 of one recursion over 8 steps: 1.15
     assert tail.updates()[0].std().item() == pytest.approx(scale, rel=0.03)  # the resumed segment's first step
     assert whole.updates()[5].std().item() == pytest.approx(scale * sixth, rel=0.03)
+
+
+def test_the_one_step_audit_sees_a_bands_first_step():
+    """``pl_dp.audit`` runs the method's own step many times: with banded noise each trial is a band's first step
+    (the recursion restarts), a Gaussian of std σζC for a sensitivity of C — within the claim, and the canary moves
+    the statistic by 1/(σζ) noise stds."""
+    sigma, bands = 2.0, 3
+    torch.manual_seed(0)
+    model = DPSGD(
+        nn.Linear(4, 3),
+        clip=1.0,
+        privacy=PrivacySpec(epsilon=100.0, accountant="rdp", noise_multiplier=sigma),
+        noise_seed=0,
+        noise="banded",
+        bands=bands,
+    )
+    result = audit(model, PrivatePublicDataModule(blobs(40), batch_size=8), trials=300)
+    assert not result.violated and result.epsilon_lower_bound <= result.claimed_epsilon
+    assert result.separation * sigma * BandedSquareRoot(bands).sensitivity == pytest.approx(1.0, abs=0.45), result
