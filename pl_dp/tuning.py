@@ -417,13 +417,16 @@ def lightning_trial(config: Path, overrides: Sequence[str], metric: str, progres
 def planned_event(state: Mapping[str, Any]) -> list[list[float]]:
     """The privacy event a fresh trial planned at fit start, before any step: ``[[σ, q, planned steps]]`` from its
     privacy state (:meth:`~pl_dp.privacy.ledger.PrivacyLedger.state_dict`), a function of the config and the data's
-    size only.
+    size only. Under banded correlated noise over b cyclic groups a fit's T planned steps are ⌈T/b⌉ compositions
+    (:meth:`~pl_dp.privacy.ledger.PrivacyLedger.compositions`), the rows its history holds.
 
     The trial's actual accountant history must fit in it — every row at the plan's σ and q, no more steps in all
     than planned — which holds whenever the trial stopped early (a prefix of the plan's releases: post-processing).
     Anything else is refused with a message that does not state the actual history, whose length may depend on the
     data."""
     sigma, rate, steps = state["noise_multiplier"], state["sample_rate"], state["planned_steps"]
+    if steps is not None:
+        steps = -(-int(steps) // int(state.get("bands", 1)))
     history = state["accountant"]["history"]
     fits = (
         rate is not None

@@ -197,6 +197,10 @@ def test_a_trial_is_accounted_by_its_plan_and_refused_beyond_it():
         with pytest.raises(PrivacyConfigError, match="do not fit the plan") as refused:
             planned_event(state | {"accountant": {"history": history}})
         assert "47" not in str(refused.value) and " 7" not in str(refused.value)
+    banded = state | {"bands": 4, "accountant": {"history": [[1.2, 0.05, 10]]}}  # 40 steps: ⌈40/4⌉ compositions
+    assert planned_event(banded) == [[1.2, 0.05, 10]]
+    with pytest.raises(PrivacyConfigError, match="do not fit the plan"):
+        planned_event(banded | {"accountant": {"history": [[1.2, 0.05, 11]]}})
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,9 @@ def calibrate_noise_multiplier(
 ) -> float:
     """Smallest σ (to ``tolerance``·ε) with ε ≤ ``epsilon`` after ``steps`` more steps at rate q.
 
+    ``steps`` counts Poisson-subsampled Gaussian compositions: one per private step, or under banded correlated noise
+    one per band of b steps (:meth:`~pl_dp.privacy.ledger.PrivacyLedger.compositions` converts a plan's steps).
+
     The search is Opacus' ``get_noise_multiplier`` (double σ until ε fits, then bisect), run on
     pl_dp's accountant interface so that it works for every backend — including ones Opacus
     does not have (the O2NC tree accountant) — and always against the history already spent
