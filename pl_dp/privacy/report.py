@@ -176,9 +176,10 @@ class PrivacyReport:
             f"{len(self.segments)} segments of one noise multiplier and sample rate (the plan changed: epsilon "
             "composes them all)"
         ]
+        unit = "steps" if self.bands == 1 else f"compositions (one per band of {self.bands} steps)"
         for index, (sigma, rate, steps) in enumerate(self.segments, 1):
             sampled = "" if rate is None else f", sample rate {rate:.4g}"
-            lines.append(f"  segment {index:<5} {steps} steps at noise multiplier {sigma:.4g}{sampled}")
+            lines.append(f"  segment {index:<5} {steps} {unit} at noise multiplier {sigma:.4g}{sampled}")
         return lines
 
     def _search_lines(self) -> list[str]:
