@@ -3,7 +3,9 @@ DP-SGD bit for bit, the added noise has the strategy's covariance, one example m
 participation (black box), the participation schema is enforced, and a kill-and-resume restarts the recursion and
 composes the segments."""
 
+import copy
 import math
+import pickle
 
 import lightning as L
 import pytest
@@ -86,6 +88,9 @@ def test_the_noise_a_fit_adds_has_the_strategys_covariance():
     expected = (1.0 * strategy.sensitivity * clip) ** 2 * inverse @ inverse.T
     assert (empirical - expected).abs().max().item() < 0.05 * expected.diagonal().max().item()
     assert model.private_steps == steps and model.accountant.steps == 2  # ⌈6/3⌉ compositions
+    assert model.noise_correlation._past  # the secret past outputs, in this process's memory only: copies lack them
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert clone.noise_correlation._past == {} and clone.noise_correlation.strategy == strategy
 
 
 def _linear_loss(net, batch):
