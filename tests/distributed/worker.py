@@ -205,6 +205,10 @@ METHODS = {
     "dpsgd_zero_grad": lambda: DPSGD(
         nn.Linear(64, 16), loss=_zero_gradient_loss, lr=1.0, clip=CLIP, privacy=_spec(), noise_seed=7
     ),
+    # banded correlated noise over cyclic Poisson sampling: every rank keeps the same past noise and the same groups
+    "dpsgd_banded": lambda: DPSGD(
+        nn.Linear(12, 4), lr=0.5, clip=CLIP, privacy=_spec(), noise_seed=7, noise="banded", bands=3
+    ),
 }
 
 
@@ -297,6 +301,10 @@ SHARDED_METHODS = {
     ),
     "coupling_ghost": lambda: Coupling(
         nn.Linear(12, 4), lr=0.5, clip=CLIP, alpha=0.3, per_sample="ghost", privacy=_spec(), noise_seed=7
+    ),
+    # banded noise on sharded parameters: each rank runs the recursion on its block of every draw
+    "dpsgd_ghost_banded": lambda: DPSGD(
+        _mlp(), lr=0.5, clip=CLIP, per_sample="ghost", privacy=_spec(), noise_seed=7, noise="banded", bands=3
     ),
     "dpzoso": lambda: DPZero(_mlp(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
     "dpzopo": lambda: DPZero(_mlp(), lr=0.05, clip=CLIP, queries=2, privacy=_spec(), noise_seed=7),
