@@ -6,6 +6,8 @@ PYTHON ?= python3
 # CPU build from the local wheel cache; override for CUDA, e.g. TORCH_SPEC="torch==2.13.0" with your index.
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# `make test` runs the suite in this many pytest-xdist workers, a file at a time each (one torch thread a worker)
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-slow test-gpu docs lint typecheck bench reproduce
@@ -23,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pl-dp fit --config configs/digits/pazo_m.yaml
 
 test: $(STAMP)
-	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests
+	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
 
 test-slow: $(STAMP)
 	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow tests

@@ -15,7 +15,8 @@ tests/test_audit_run.py and the examples of tests/test_examples.py did not make 
 
 The commands, their environment (the session's as it was when it started: no test's monkeypatching or seeds), their
 timeouts, the functions called and every check on what they gave are the tests' own; only where and when they run
-changes. A run the session did not start runs when its test asks for it.
+changes. A run the session did not start runs when its test asks for it — every run, under pytest-xdist (``make
+test``), where the other worker keeps the second core busy while one waits.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ from torch.utils.data import TensorDataset
 from pl_dp.audit import quiet_trainer
 
 os.environ.setdefault("WANDB_MODE", "offline")
-torch.set_num_threads(2)
+#: the name of this pytest-xdist worker (``make test`` runs the suite in one worker a core), or ``None`` in a plain run
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if XDIST_WORKER else 2)  # a worker a core: one thread each
 warnings.filterwarnings("ignore", message=".*Optimal order is the largest alpha.*")
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
@@ -86,7 +88,9 @@ def trainer_factory():
 
 def pytest_collection_modifyitems(session, config, items):
     """The modules whose tests wait for a run started in the background (tests/background.py) run after the others,
-    each in one piece and in their order: the runs have the whole session to end in."""
+    each in one piece and in their order: the runs have the whole session to end in. Under pytest-xdist, which runs
+    those runs in the test that needs them, they go first instead: the longest modules, handed out while the other
+    workers still have the short ones to balance them."""
     from tests import background
 
     if _NO_DEVICE:
@@ -95,7 +99,7 @@ def pytest_collection_modifyitems(session, config, items):
             item.add_marker(skip)
         return
     waiting = {item.module for item in items if any(job.wanted(item) for job in background.JOBS)}
-    items.sort(key=lambda item: getattr(item, "module", None) in waiting)  # stable: the order is kept otherwise
+    items.sort(key=lambda item: (getattr(item, "module", None) in waiting) != bool(XDIST_WORKER))  # stable sort
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -109,7 +113,8 @@ def background_runs(request, tmp_path_factory):
     running when the session ends."""
     from tests import background
 
-    started = [] if _NO_DEVICE else background.start(request.session.items, tmp_path_factory)
+    # in workers, whose other worker keeps the second core busy, each run starts when its test asks for it
+    started = [] if _NO_DEVICE or XDIST_WORKER else background.start(request.session.items, tmp_path_factory)
     yield
     for job in started:
         job.cancel()

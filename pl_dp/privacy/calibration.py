@@ -23,13 +23,17 @@ def calibrate_noise_multiplier(
 ) -> float:
     """Smallest σ (to ``tolerance``·ε) with ε ≤ ``epsilon`` after ``steps`` more steps at rate q.
 
+    The bracket is Opacus' ``get_noise_multiplier`` (double σ from 10 until ε fits), run on pl_dp's accountant
+    interface so that it works for every backend — including ones Opacus does not have (the O2NC tree
+    accountant) — and always against the history already spent (so a resumed or staged plan is calibrated for
+    what is left). Inside the bracket, where Opacus bisects, the Illinois variant of regula falsi (Dowell &
+    Jarratt 1971) on log ε against log σ — nearly a straight line — aims at ε = (1 − ``tolerance``/2)·``epsilon``:
+    about 5 evaluations of the accountant instead of bisection's ~12 (0.3–0.6 s each under PLD and PRV). Either
+    way the answer is a σ the accountant itself evaluated at an ε within [(1 − ``tolerance``)·``epsilon``,
+    ``epsilon``].
+
     ``steps`` counts Poisson-subsampled Gaussian compositions: one per private step, or under banded correlated noise
     one per band of b steps (:meth:`~pl_dp.privacy.ledger.PrivacyLedger.compositions` converts a plan's steps).
-
-    The search is Opacus' ``get_noise_multiplier`` (double σ until ε fits, then bisect), run on
-    pl_dp's accountant interface so that it works for every backend — including ones Opacus
-    does not have (the O2NC tree accountant) — and always against the history already spent
-    (so a resumed or staged plan is calibrated for what is left).
     """
     if steps < 1:
         raise PrivacyConfigError(f"cannot calibrate noise for {steps} planned private steps.")
@@ -38,22 +42,37 @@ def calibrate_noise_multiplier(
         return accountant.epsilon_after(delta, steps, noise_multiplier=sigma, sample_rate=sample_rate)
 
     sigma_low, sigma_high = 0.0, 10.0
-    eps_high = eps(sigma_high)
+    eps_low, eps_high = math.inf, eps(sigma_high)
     while eps_high > epsilon:
-        sigma_low, sigma_high = sigma_high, 2 * sigma_high
+        sigma_low, sigma_high, eps_low = sigma_high, 2 * sigma_high, eps_high
         if sigma_high > _MAX_SIGMA:
             raise PrivacyConfigError(
                 f"epsilon={epsilon:g} is out of reach for {steps} steps at sample rate {sample_rate:g}: "
                 f"even noise multiplier {_MAX_SIGMA:g} spends more."
             )
         eps_high = eps(sigma_high)
+    aim = math.log(epsilon * (1 - tolerance / 2))
+    weight_low = weight_high = 1.0  # Illinois: the end kept twice in a row counts half as much each time
+    kept = 0  # which end stayed last time: -1 low, +1 high
     while epsilon - eps_high > tolerance * epsilon:
-        sigma = (sigma_low + sigma_high) / 2
+        if sigma_low == 0.0 or not math.isfinite(eps_low) or eps_low <= 0.0 or eps_high <= 0.0:
+            sigma = (sigma_low + sigma_high) / 2
+        else:
+            x_low, x_high = math.log(sigma_low), math.log(sigma_high)
+            f_low = weight_low * (math.log(eps_low) - aim)
+            f_high = weight_high * (math.log(eps_high) - aim)
+            x = x_high - f_high * (x_high - x_low) / (f_high - f_low) if f_high != f_low else (x_low + x_high) / 2
+            width = x_high - x_low
+            sigma = math.exp(min(max(x, x_low + width / 64), x_high - width / 64))
         e = eps(sigma)
         if e <= epsilon:
             sigma_high, eps_high = sigma, e
+            weight_high, weight_low = 1.0, weight_low / 2 if kept == -1 else 1.0
+            kept = -1
         else:
-            sigma_low = sigma
+            sigma_low, eps_low = sigma, e
+            weight_low, weight_high = 1.0, weight_high / 2 if kept == 1 else 1.0
+            kept = 1
     return sigma_high
 
 
