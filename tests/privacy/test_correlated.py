@@ -13,7 +13,7 @@ from dp_accounting import NeighboringRelation
 from dp_accounting.dp_event import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
 from dp_accounting.pld import PLDAccountant
 
-from pl_dp.errors import ConfigError
+from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy import (
     BandedMatrixFactorization,
     BandedNoise,
@@ -216,3 +216,21 @@ def test_a_new_fit_starts_new_bands():
     ledger.plan(6, None, False, 6)
     _run(ledger, 6, 4)
     assert ledger.private_steps == 12 and ledger.accountant.steps == 4  # ⌈6/4⌉ + ⌈6/4⌉, not ⌈12/4⌉
+
+
+def test_a_resume_under_another_number_of_groups_is_refused_unless_allowed():
+    """A checkpoint's history was released under its cyclic groups; a loader of another b changes the event."""
+    spec = PrivacySpec(epsilon=50.0, delta=1e-5, noise_multiplier=1.0, accountant="rdp")
+    ledger = _ledger(spec, 4, 0.2, 8)
+    _run(ledger, 8, 4)
+    state = ledger.state_dict()
+    assert state["bands"] == 4
+    resumed = PrivacyLedger(spec, "rdp")
+    n = 1000
+    sampler = SimpleNamespace(
+        sample_rate=0.2, expected_batch_size=0.2 * n / 2, bands=2, seeded=False, unit=PrivacyUnit("example", n)
+    )
+    resumed.load_state_dict(state)  # the checkpoint (on_load_checkpoint), then the loader (the fit's start)
+    resumed.observe_sampler(sampler, noise_seeded=False)
+    with pytest.raises(PrivacyConfigError, match="4 cyclic groups differ from the loader's 2"):
+        resumed.plan(8, state, False, 16)
