@@ -162,10 +162,11 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
 
     **Groups.** Each example's group is drawn independently and uniformly, as a function of (sampling seed, index)
     alone (SplitMix64 of the seed's group key and the index, mod b) — jax_privacy's ``INDEPENDENT`` partition, the one
-    that holds under add/remove adjacency: adding or removing an example moves no other example's group (a split by
-    index, i mod b, would shift them). The groups come from the secret sampling seed, are never stored and change
-    with it (a resumed run, a copy, every fit draw new ones; the ledger accounts each fit as a banded mechanism of its
-    own, so no participation schedule crosses a fit).
+    that holds under add/remove adjacency: the other examples' groups are i.i.d. uniform whether or not one example
+    is added, so the two data sets stay neighbours group by group (an equal split, or i mod b, would change the groups'
+    sizes or shift the later examples' groups). That rests on the seed being secret, as the Poisson sample does. The
+    groups are never stored and change with the seed (a resumed run, a copy, every fit draw new ones; the ledger
+    accounts each fit as a banded mechanism of its own, so no participation schedule crosses a fit).
 
     **Cost.** Batch t is drawn as a Poisson sample of all n examples at rate q (``Generator.binomial`` and
     ``choice(replace=False)``, as :class:`PoissonBatchSampler`), of which the members of group t mod b are kept: each
