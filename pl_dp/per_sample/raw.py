@@ -1,0 +1,194 @@
+"""Exact per-example gradients of raw parameters held beside layers, from the live graph, for ghost and BK clipping.
+
+A LayerScale block (Touvron, Cord, Sablayrolles, Synnaeve & Jégou, 2021, "Going deeper with Image Transformers",
+CaiT; also ViT variants and ConvNeXt, Liu et al. 2022) computes ``x + gamma * f(x)``: ``gamma`` is a raw
+``nn.Parameter`` of the block, beside the block's own layers; a learnable scale or bias on the net itself is the
+same. Opacus has no norm sampler for such a module, and its fallback measures the whole module by ``torch.func``
+on a copy taken when the engine is built, from its first input only (a gate, a scale set later or a training-mode
+branch went unseen: up to 3.4·C, found by review). Here the module's layers keep their own hooks and its raw
+parameters θ are differentiated in the graph the first pass has just built — the very function the second pass
+(ghost) or the book (BK) sums:
+
+1. a forward hook records the module's call, its output tensors o (batch first), one call per forward;
+2. ghost clipping's first backward also returns G = ∂(Σ_j ℓ_j)/∂o. Examples are independent (invariant 8), so
+   row i of G is ∂ℓ_i/∂o_i and example i's gradient is g_i = (∂o/∂θ)ᵀ G⁽ⁱ⁾, G⁽ⁱ⁾ being G with every row but i
+   zeroed: one vector-Jacobian product per example, computed batched (``torch.autograd.grad(...,
+   is_grads_batched=True)``, vmap over the cotangents) in chunks of a bounded number of elements;
+3. this holds only if every use of θ the loss depends on lies below o: :meth:`RawGradients.check` walks the graph
+   from the loss and refuses a θ reachable without passing through the call's outputs (read in the loss, in another
+   module, or through an output that is not a returned tensor), whatever the batch.
+
+Exact: the same graph, dropout masks and state as the sum that is released, so each example's contribution is c_i
+times the gradient whose norm set c_i — at most C. Cost: the backward from o to θ only (for LayerScale one
+element-wise product) once per example — B·|o| work and chunk·|o| memory per block; the raw parameters' per-example
+gradients are B·|θ| (kept for BK's sum). Examples do not mix in the result, but a non-finite value of one row
+reaches every row of a batched backward (0·∞ = NaN): a non-finite per-example gradient in a batch of more than one
+example raises, and the seal computes the batch again in halves, down to single examples
+(:func:`~pl_dp.step.seal.isolate_failures`), where a non-finite gradient is dropped and counted as any other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from pl_dp.per_sample.gradients import OPACUS_RNNS
+
+#: at most this many elements of batched cotangents at once (a chunk of examples times the call's outputs)
+CHUNK_ELEMENTS = 2**24
+
+
+def raw_parameter_modules(net: nn.Module) -> dict[nn.Module, str]:
+    """The modules of ``net`` that hold trainable raw parameters beside trainable layers (or the net itself around
+    them), by name: their parameters are differentiated by :class:`RawGradients`, their layers by their own hooks.
+    From the net's structure alone; a leaf module of raw parameters stays with Opacus' sampler."""
+    found = {}
+    for name, module in net.named_modules():
+        children = any(p.requires_grad for child in module.children() for p in child.parameters())
+        measured = type(module) in GradSampleModuleFastGradientClipping.GRAD_SAMPLERS or type(module) in OPACUS_RNNS
+        own = any(p.requires_grad for p in module.parameters(recurse=False))
+        if own and children and not measured:  # Opacus' recurrent layers hold their cells' parameters
+            found[module] = name or "<the net itself>"
+    return found
+
+
+class RawGradients:
+    """Per-example gradients of the raw parameters of ``modules`` (see the module docstring), between :meth:`start`
+    and :meth:`finish` of one first pass. With :attr:`keep` set, :meth:`finish` leaves them in :attr:`grads`
+    (book-keeping's sum is computed from them); they are dropped at the next :meth:`start` or :meth:`clear`."""
+
+    def __init__(self, modules: dict[nn.Module, str], mode: str) -> None:
+        self.modules = modules
+        self.mode = mode
+        self.params = {m: [p for p in m.parameters(recurse=False) if p.requires_grad] for m in modules}
+        #: per call: the module and its output tensors that need a gradient
+        self.calls: list[tuple[nn.Module, list[torch.Tensor]]] = []
+        #: ∂(Σ_j ℓ_j)/∂o of each call's outputs, in order, set by the first backward
+        self.output_grads: list[torch.Tensor | None] = []
+        self.keep = False
+        self.grads: dict[nn.Parameter, torch.Tensor] = {}
+        self._active = False
+        self._handles = [m.register_forward_hook(self._record) for m in modules]
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def start(self) -> None:
+        self.calls, self.output_grads, self.grads, self._active = [], [], {}, True
+
+    def clear(self) -> None:
+        self.calls, self.output_grads, self.grads, self._active = [], [], {}, False
+
+    def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not (self._active and torch.is_grad_enabled()):
+            return
+        if any(m is module for m, _ in self.calls):  # a second call's graph may contain the first's
+            raise NotImplementedError(
+                f"per_sample={self.mode!r} cannot handle {self.modules[module]!r} ({type(module).__name__}): it holds "
+                "raw parameters and is called more than once in one forward. Use per_sample='functorch'."
+            )
+        tensors = [output] if isinstance(output, torch.Tensor) else output
+        outputs = [t for t in tensors if isinstance(t, torch.Tensor)] if isinstance(tensors, (list, tuple)) else []
+        self.calls.append((module, [t for t in outputs if t.requires_grad]))
+
+    def edges(self) -> list[GradientEdge]:
+        """The gradient edges of every recorded call's outputs, for the first backward to return G at."""
+        return [get_gradient_edge(t) for _, outputs in self.calls for t in outputs]
+
+    def check(self, root: Node) -> None:
+        """Refuse a raw parameter that the graph of ``root`` (the loss) reaches without passing through an output of
+        its module's call: that use would be summed by the release but left out of the measured gradient."""
+        calls = dict(self.calls)
+        outside = []
+        for module, params in self.params.items():
+            blocked = {(t.grad_fn, t.output_nr) for t in calls.get(module, []) if t.grad_fn is not None}
+            targets = {id(p) for p in params}
+            seen: set[Node] = set()
+            stack = [root]
+            while stack and targets:
+                node = stack.pop()
+                if node in seen:
+                    continue
+                seen.add(node)
+                variable = getattr(node, "variable", None)  # an AccumulateGrad node
+                if isinstance(variable, torch.Tensor) and id(variable) in targets:
+                    targets.discard(id(variable))
+                    outside.append(self._name(module, variable))
+                stack += [n for n, k in node.next_functions if n is not None and (n, k) not in blocked]
+        if outside:
+            raise ValueError(
+                f"per_sample={self.mode!r} cannot clip {sorted(outside)}: the net or the loss uses them outside the "
+                "call of the module that holds them (read in another module, in the loss, or through an output the "
+                "module does not return as a tensor), where their per-example gradients are measured. Use each raw "
+                "parameter only inside its module's forward, or per_sample='functorch'."
+            )
+
+    def _name(self, module: nn.Module, p: torch.Tensor) -> str:
+        prefix = self.modules[module]
+        name = next(n for n, q in module.named_parameters(recurse=False) if q is p)
+        return name if prefix == "<the net itself>" else f"{prefix}.{name}"
+
+    def finish(self, size: int) -> list[str]:
+        """Set ``_norm_sample`` ([size], fp32) on every raw parameter from its per-example gradients (zero for a
+        module the loss does not use); return the names of calls whose outputs are not batch first. Raises if a
+        per-example gradient is non-finite in a batch of more than one example (see the module docstring)."""
+        self._active = False
+        grads = iter(self.output_grads)
+        not_per_example = []
+        done: set[nn.Module] = set()
+        for module, outputs in self.calls:
+            pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+            if any(o.shape[0] != size for o, _ in pairs):
+                not_per_example.append(self.modules[module])
+                continue
+            per_example = _per_example(pairs, self.params[module], size)
+            if size > 1 and not all(bool(g.isfinite().all()) for g in per_example):
+                raise FloatingPointError(
+                    f"a non-finite per-example gradient of the raw parameters of {self.modules[module]!r}: a batched "
+                    "backward spreads one example's non-finite values to the others; the batch is computed again "
+                    "in parts (pl_dp.step.seal.isolate_failures)."
+                )
+            for p, g in zip(self.params[module], per_example):
+                p._norm_sample = g.flatten(1).norm(dim=1)
+                if self.keep:
+                    self.grads[p] = g
+            done.add(module)
+        for module in self.modules.keys() - done:
+            for p in self.params[module]:
+                p._norm_sample = torch.zeros(size, device=p.device)
+        self.calls, self.output_grads = [], []
+        return not_per_example
+
+
+def _per_example(pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list[nn.Parameter], size: int) -> list:
+    """g_i = (∂o/∂θ)ᵀ G⁽ⁱ⁾ for every example i and raw parameter θ (fp32, ``[size, *θ.shape]``), by batched
+    vector-Jacobian products through the kept graph, in chunks of at most :data:`CHUNK_ELEMENTS` cotangent elements."""
+    result = [torch.zeros((size, *p.shape), dtype=torch.float32, device=p.device) for p in params]
+    if not pairs or size == 0:
+        return result
+    outputs = [o for o, _ in pairs]
+    chunk = max(1, min(size, CHUNK_ELEMENTS // max(1, sum(o.numel() for o in outputs))))
+    for start in range(0, size, chunk):
+        rows = torch.arange(start, min(start + chunk, size), device=outputs[0].device)
+        steps = torch.arange(len(rows), device=rows.device)
+        cotangents = []
+        for _, g in pairs:
+            batched = torch.zeros((len(rows), *g.shape), dtype=g.dtype, device=g.device)
+            batched[steps, rows] = g[rows]
+            cotangents.append(batched)
+        found = torch.autograd.grad(
+            outputs, params, cotangents, retain_graph=True, is_grads_batched=True, allow_unused=True
+        )
+        for total, g in zip(result, found):
+            if g is not None:
+                total[start : start + len(rows)] = g.float()
+    return result
