@@ -113,7 +113,7 @@ class GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
             return
         yield from super().iterate_submodules(module)  # which recurses through iterate_submodules
 
-    def validate(self, module: nn.Module, *, strict: bool = False) -> list[NotImplementedError]:  # type: ignore[override]
+    def validate(self, module: nn.Module, *, strict: bool = False) -> list[NotImplementedError]:
         """Opacus' refusal of a trainable module holding buffers (it would measure the module on a copy), for the
         modules it measures: not the skipped ones, whose norms come from the live graph or :mod:`.tied`."""
         errors = [
