@@ -154,6 +154,31 @@ def _scaled_loss(net, batch):
     return F.cross_entropy(net(x), y, reduction="none") * scale
 
 
+class _DroppedBlock(_LayerScaleBlock):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, gate=None):
+        return x + self.drop(self.gamma * torch.tanh(self.fc(x)))
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=["ghost", "bk"])
+def test_in_training_mode_the_norms_are_those_of_the_gradients_of_the_pass_itself(engine):
+    """Dropout on: the norms are those of the very graph the release sums (its masks), each example's gradient taken
+    from the same forward — what a copy of the module, run again, could not give."""
+    net = nn.Sequential(_DroppedBlock(), nn.Linear(5, 3)).train()
+    _, batch = _case("layer-scale")
+    params = list(net.parameters())
+    torch.manual_seed(7)
+    losses = cross_entropy(net, batch)
+    own = [torch.autograd.grad(losses[i], params, retain_graph=True) for i in range(len(losses))]
+    expected = torch.stack([torch.sqrt(sum(g.square().sum() for g in grads)) for grads in own])
+    torch.manual_seed(7)  # the same dropout masks
+    norms = engine(copy.deepcopy(net), cross_entropy).per_example_norms(batch)
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=1e-8)
+
+
 @pytest.mark.parametrize("engine", ENGINES, ids=["ghost", "bk"])
 @pytest.mark.parametrize("name", ["root-scale", "root-bias", "gated"])
 def test_an_example_with_a_huge_gradient_moves_the_sum_by_at_most_the_clip(name, engine):
