@@ -7,29 +7,33 @@ same. Opacus has no norm sampler for such a module, and its fallback measures th
 on a copy taken when the engine is built, from its first input only (a gate, a scale set later or a training-mode
 branch went unseen: up to 3.4·C, found by review). Here the module's layers keep their own hooks and its raw
 parameters θ are differentiated in the graph the first pass has just built — the very function the second pass
-(ghost) or the book (BK) sums:
+(ghost) or the book (BK) sums, dropout masks and state included. Examples are independent (invariant 8), so the
+gradient G of Σ_j ℓ_j at any batch-first tensor has row i = ∂ℓ_i/∂(row i), and a forward hook records the module's
+call (one per forward):
 
-1. a forward hook records the module's call, its output tensors o (batch first), one call per forward;
-2. ghost clipping's first backward also returns G = ∂(Σ_j ℓ_j)/∂o. Examples are independent (invariant 8), so
-   row i of G is ∂ℓ_i/∂o_i and example i's gradient is g_i = (∂o/∂θ)ᵀ G⁽ⁱ⁾, G⁽ⁱ⁾ being G with every row but i
-   zeroed: one vector-Jacobian product per example, computed batched (``torch.autograd.grad(...,
-   is_grads_batched=True)``, vmap over the cotangents) in chunks of a bounded number of elements;
-3. this holds only if every use of θ the loss depends on lies below o: :meth:`RawGradients.check` walks the graph
-   from the loss and refuses a θ reachable without passing through the call's outputs (read in the loss, in another
-   module, or through an output that is not a returned tensor), whatever the batch.
+* **Through products** (LayerScale): when every use of θ below the call's outputs passes through a product
+  ``q * h`` (``MulBackward0``) whose factor q reaches θ and has no batch dimension while h is batch first, the first
+  backward also returns G at each product's output; row i of G ⊙ h summed to q's shape is example i's gradient of q,
+  and one batched vector-Jacobian product from q (no batch dimension: B·|q| work) carries it to θ. Cost: one
+  element-wise product per use, O(B·|h|) — as for a layer's ghost norm — and no cross-row arithmetic.
+* **From the outputs** (any other use: a bias added, a division): the first backward returns G at the call's outputs
+  o, and example i's gradient is (∂o/∂θ)ᵀ G⁽ⁱ⁾, G⁽ⁱ⁾ being G with every row but i zeroed: one vector-Jacobian product
+  per example, batched (``torch.autograd.grad(..., is_grads_batched=True)``, vmap over the cotangents) in chunks of at
+  most :data:`CHUNK_ELEMENTS` cotangent elements — B·|o| work per example through the module's graph from o to θ.
+  A non-finite value of one row reaches every row of such a batched backward (0·∞ = NaN): a non-finite per-example
+  gradient in a batch of more than one example raises, and the seal computes the batch again in halves, down to
+  single examples (:func:`~pl_dp.step.seal.isolate_failures`), where it is dropped and counted as any other.
 
-Exact: the same graph, dropout masks and state as the sum that is released, so each example's contribution is c_i
-times the gradient whose norm set c_i — at most C. Cost: the backward from o to θ only (for LayerScale one
-element-wise product) once per example — B·|o| work and chunk·|o| memory per block; the raw parameters' per-example
-gradients are B·|θ| (kept for BK's sum). Examples do not mix in the result, but a non-finite value of one row
-reaches every row of a batched backward (0·∞ = NaN): a non-finite per-example gradient in a batch of more than one
-example raises, and the seal computes the batch again in halves, down to single examples
-(:func:`~pl_dp.step.seal.isolate_failures`), where a non-finite gradient is dropped and counted as any other.
+Both are exact only if every use of θ the loss depends on lies below the call's outputs: :meth:`RawGradients.check`
+walks the graph from the loss and refuses a θ reachable without passing through them (read in the loss, in another
+module, or through an output that is not a returned tensor), and a second call of the module is refused — whatever
+the batch. Each example's contribution is then c_i times the gradient whose norm set c_i: at most C. The per-example
+gradients are B·|θ| (kept for BK's sum).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
@@ -71,6 +75,8 @@ class RawGradients:
         self.output_grads: list[torch.Tensor | None] = []
         self.keep = False
         self.grads: dict[nn.Parameter, torch.Tensor] = {}
+        #: per call: its products (:func:`_products`), or None where its outputs' gradients are needed
+        self._plans: list[list[Product] | None] = []
         self._active = False
         self._handles = [m.register_forward_hook(self._record) for m in modules]
 
@@ -83,10 +89,10 @@ class RawGradients:
         self._handles = []
 
     def start(self) -> None:
-        self.calls, self.output_grads, self.grads, self._active = [], [], {}, True
+        self.calls, self.output_grads, self.grads, self._plans, self._active = [], [], {}, [], True
 
     def clear(self) -> None:
-        self.calls, self.output_grads, self.grads, self._active = [], [], {}, False
+        self.calls, self.output_grads, self.grads, self._plans, self._active = [], [], {}, [], False
 
     def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not (self._active and torch.is_grad_enabled()):
@@ -100,9 +106,19 @@ class RawGradients:
         outputs = [t for t in tensors if isinstance(t, torch.Tensor)] if isinstance(tensors, (list, tuple)) else []
         self.calls.append((module, [t for t in outputs if t.requires_grad]))
 
-    def edges(self) -> list[GradientEdge]:
-        """The gradient edges of every recorded call's outputs, for the first backward to return G at."""
-        return [get_gradient_edge(t) for _, outputs in self.calls for t in outputs]
+    def edges(self, size: int) -> list[GradientEdge]:
+        """Where the first backward must return the gradient, per recorded call: at the output of each product that
+        scales the batch by a raw parameter (:func:`_products`), or, where a use lies elsewhere, at the outputs."""
+        edges = []
+        self._plans = []
+        for module, outputs in self.calls:
+            products = _products(outputs, self.params[module], size)
+            self._plans.append(products)
+            if products is None:
+                edges += [get_gradient_edge(t) for t in outputs]
+            else:
+                edges += [GradientEdge(product.node, 0) for product in products]
+        return edges
 
     def check(self, root: Node) -> None:
         """Refuse a raw parameter that the graph of ``root`` (the loss) reaches without passing through an output of
@@ -145,7 +161,13 @@ class RawGradients:
         grads = iter(self.output_grads)
         not_per_example = []
         done: set[nn.Module] = set()
-        for module, outputs in self.calls:
+        for (module, outputs), products in zip(self.calls, self._plans):
+            if products is not None:
+                found = [next(grads) for _ in products]
+                per_example = _through_products(products, found, self.params[module], size)
+                self._keep(module, per_example)
+                done.add(module)
+                continue
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
             if any(o.shape[0] != size for o, _ in pairs):
                 not_per_example.append(self.modules[module])
@@ -157,16 +179,19 @@ class RawGradients:
                     "backward spreads one example's non-finite values to the others; the batch is computed again "
                     "in parts (pl_dp.step.seal.isolate_failures)."
                 )
-            for p, g in zip(self.params[module], per_example):
-                p._norm_sample = g.flatten(1).norm(dim=1)
-                if self.keep:
-                    self.grads[p] = g
+            self._keep(module, per_example)
             done.add(module)
         for module in self.modules.keys() - done:
             for p in self.params[module]:
                 p._norm_sample = torch.zeros(size, device=p.device)
-        self.calls, self.output_grads = [], []
+        self.calls, self.output_grads, self._plans = [], [], []
         return not_per_example
+
+    def _keep(self, module: nn.Module, per_example: list[torch.Tensor]) -> None:
+        for p, g in zip(self.params[module], per_example):
+            p._norm_sample = g.flatten(1).norm(dim=1)
+            if self.keep:
+                self.grads[p] = g
 
 
 def _per_example(pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list[nn.Parameter], size: int) -> list:
@@ -191,4 +216,112 @@ def _per_example(pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list[nn
         for total, g in zip(result, found):
             if g is not None:
                 total[start : start + len(rows)] = g.float()
+    return result
+
+
+class Product(NamedTuple):
+    """A product ``q * h`` in the graph (its ``MulBackward0`` node): ``q`` reaches raw parameters and has no batch
+    dimension (it broadcasts over the rows of ``h``), ``h`` is batch first; ``side`` is q's operand (0 or 1)."""
+
+    node: Node
+    side: int
+    q: torch.Tensor
+    h: torch.Tensor
+
+
+def _products(outputs: list[torch.Tensor], params: list[nn.Parameter], size: int) -> list[Product] | None:
+    """The products through which every use of ``params`` below ``outputs`` passes (a LayerScale ``gamma * h``), or
+    None if a use does not (then the outputs' vector-Jacobian products are used). Found in the graph's structure; the
+    operands are the tensors autograd saved for the product's backward (``_saved_self``, ``_saved_other``)."""
+    targets = {id(p) for p in params}
+    found: list[Product] = []
+    seen: set[Node] = set()
+    stack = []
+    for t in outputs:
+        if t.grad_fn is None:
+            return None  # an output that is a parameter itself
+        stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor) and id(variable) in targets:
+            return None  # reached without passing through a product
+        product = _product(node, targets, size)
+        if product is not None:
+            found.append(product)
+        skipped = -1 if product is None else product.side
+        stack += [n for k, (n, _) in enumerate(node.next_functions) if n is not None and k != skipped]
+    return found
+
+
+def _product(node: Node, targets: set[int], size: int) -> Product | None:
+    """``node`` as a :class:`Product` whose q reaches one of ``targets``, or None."""
+    if node.name() != "MulBackward0":
+        return None
+    saved = (node._saved_self, node._saved_other)
+    for side in (0, 1):
+        source, h = node.next_functions[side][0], saved[1 - side]
+        if source is None or h is None or h.dim() == 0 or h.shape[0] != size:
+            continue
+        q = saved[side]
+        if q is None:  # not saved (h needs no gradient): the parameter itself, if it is the operand
+            variable = getattr(source, "variable", None)
+            q = variable if isinstance(variable, torch.Tensor) and id(variable) in targets else None
+        if q is None or q.dim() > h.dim():
+            continue
+        padded = (1,) * (h.dim() - q.dim()) + tuple(q.shape)
+        if padded[0] != 1 or torch.broadcast_shapes(padded, h.shape) != h.shape or not _reaches(source, targets):
+            continue
+        return Product(node, side, q, h)
+    return None
+
+
+def _reaches(node: Node, targets: set[int]) -> bool:
+    """Whether the graph below ``node`` reaches one of the parameters ``targets``."""
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        variable = getattr(current, "variable", None)
+        if isinstance(variable, torch.Tensor) and id(variable) in targets:
+            return True
+        stack += [n for n, _ in current.next_functions if n is not None]
+    return False
+
+
+def _through_products(
+    products: list[Product], grads: list[torch.Tensor | None], params: list[nn.Parameter], size: int
+) -> list[torch.Tensor]:
+    """Per-example gradients ``[size, *θ.shape]`` (fp32) of ``params`` through their products: with G the gradient at
+    a product's output, row i of G ⊙ h summed to q's shape is example i's gradient of q (q is the same for every row),
+    and a batched vector-Jacobian product from q — no batch dimension: B·|q| work — carries it to the parameters."""
+    result = [torch.zeros((size, *p.shape), dtype=torch.float32, device=p.device) for p in params]
+    for product, g in zip(products, grads):
+        if g is None:
+            continue
+        q = product.q
+        padded = (1,) * (product.h.dim() - q.dim()) + tuple(q.shape)
+        own = (g.float() * product.h.float()).sum_to_size((size, *padded[1:])).reshape(size, *q.shape)
+        source = product.node.next_functions[product.side]
+        variable = getattr(source[0], "variable", None)
+        if isinstance(variable, torch.Tensor) and any(variable is p for p in params):
+            found: tuple[torch.Tensor | None, ...] = tuple(own if variable is p else None for p in params)
+        else:
+            found = torch.autograd.grad(
+                [GradientEdge(*source)],
+                params,
+                [own.to(q.dtype)],
+                retain_graph=True,
+                is_grads_batched=True,
+                allow_unused=True,
+            )
+        for total, part in zip(result, found):
+            if part is not None:
+                total += part.float()
     return result

@@ -46,6 +46,13 @@ class _LayerScaleNet(nn.Module):
         return out if self.scale is None else out * self.scale
 
 
+class _AlsoAlone(_LayerScaleBlock):
+    """``gamma`` also used outside a product with the batch: its per-example gradients from the block's output."""
+
+    def forward(self, x, gate=None):
+        return super().forward(x) + 0.1 * self.gamma
+
+
 class _RootBias(nn.Module):
     """A raw bias on the net, added to the output, and a raw scale of the input that reaches it through the layers."""
 
@@ -118,6 +125,7 @@ def _case(name):
         "gated": _Gated,
         "gated-positional": lambda: _Gated(keyword=False),
         "shared-norm": _SharedNorm,
+        "also-alone": lambda: nn.Sequential(_AlsoAlone(), nn.Linear(5, 3)),
     }
     if name == "sequence":
         return _Sequence(), (torch.randn(6, 4, 6, generator=g), labels)
@@ -126,6 +134,7 @@ def _case(name):
 
 
 CASES = ["layer-scale", "root-scale", "root-bias", "conv", "sequence", "gated", "gated-positional", "shared-norm"]
+CASES += ["also-alone"]  # with root-bias: per-example gradients from the module's outputs, not through products
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=["ghost", "bk"])
@@ -278,19 +287,23 @@ def test_a_use_outside_its_layer_or_module_is_refused(net, loss, error, match, e
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=["ghost", "bk"])
-def test_a_non_finite_example_is_isolated_dropped_and_counted(engine):
-    """A batched backward spreads one row's non-finite values to every row: the pass raises, and the seal's halving
-    leaves the others' sum exactly that of the batch without the example."""
-    net, (x, y) = _case("gated")
+@pytest.mark.parametrize("name", ["gated", "also-alone"])
+def test_a_non_finite_example_is_dropped_and_counted(name, engine):
+    """Through a product (LayerScale) each row's gradient is its own: dropped and counted as any non-finite example.
+    From a module's outputs, a batched backward spreads one row's non-finite values to every row: the pass raises,
+    and the seal's halving leaves the others' sum exactly that of the batch without the example."""
+    net, (x, y) = _case(name)
     x = x.clone()
     x[2, 1] = float("inf")
     fn = ClipFunction("constant", 0.05)
     clipping = engine(copy.deepcopy(net), cross_entropy)
-    with pytest.raises(FloatingPointError, match="non-finite per-example gradient of the raw parameters"):
-        clipping.clipped_sum((x, y), fn)
-    clipping.reset()
+    if name == "also-alone":
+        with pytest.raises(FloatingPointError, match="non-finite per-example gradient of the raw parameters"):
+            clipping.clipped_sum((x, y), fn)
+        clipping.reset()
     done, failed = isolate_failures(lambda part: clipping.clipped_sum(part, fn), (x, y), reset=clipping.reset)
     assert not failed and sum(int(result[2]) for _, result in done) == 1
+    assert len(done) == (1 if name == "gated" else 4)
     keep = torch.tensor([0, 1, 3, 4, 5])
     expected, _, _ = engine(copy.deepcopy(net), cross_entropy).clipped_sum((x[keep], y[keep]), fn)
     for k, e in enumerate(expected):
