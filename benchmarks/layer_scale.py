@@ -6,9 +6,9 @@
 
 A tiny ViT-like stack of residual MLP blocks on ``[B, T, d]`` tokens, ``x + gamma * mlp(norm(x))``, with ``gamma`` a
 raw ``nn.Parameter`` of each block (LayerScale, Touvron et al. 2021) against the same stack with ``gamma`` a fixed
-buffer (no raw parameter): the difference is what :mod:`pl_dp.per_sample.raw` adds — the batched vector-Jacobian
-products from each block's output to its ``gamma`` (B·B·T·d element-wise work per block) and the graph walk that
-checks every use of ``gamma`` lies inside its block. For each batch size the engines (``ghost``, ``bk``) and a
+buffer (no raw parameter): the difference is what :mod:`pl_dp.per_sample.raw` adds — per block, the gradient at
+the product ``gamma * h`` times h, summed per example (B·T·d work), and the graph walks that find the products and
+check that every use of ``gamma`` passes through one. For each batch size the engines (``ghost``, ``bk``) and a
 non-private forward and backward of the summed loss run on the same batch, interleaved round by round after a
 warm-up round; medians are reported with the ratio of with to without LayerScale.
 """

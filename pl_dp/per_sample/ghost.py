@@ -474,8 +474,7 @@ class GhostClipping:
             torch.autograd.grad(total, self.params, allow_unused=True)
         root = total.grad_fn if total.grad_fn is not None else get_gradient_edge(total).node
         lowest, leaves = self._targets.plan(root)
-        self._raw.check(root)
-        raw = self._raw.edges(losses.shape[0])
+        raw = self._raw.plan(root, losses.shape[0])
         if lowest or raw:
             retain = self.second_backward or bool(raw)
             grads = torch.autograd.grad(total, lowest + raw, retain_graph=retain, allow_unused=True)

@@ -24,15 +24,18 @@ call (one per forward):
   gradient in a batch of more than one example raises, and the seal computes the batch again in halves, down to
   single examples (:func:`~pl_dp.step.seal.isolate_failures`), where it is dropped and counted as any other.
 
-Both are exact only if every use of θ the loss depends on lies below the call's outputs: :meth:`RawGradients.check`
-walks the graph from the loss and refuses a θ reachable without passing through them (read in the loss, in another
-module, or through an output that is not a returned tensor), and a second call of the module is refused — whatever
-the batch. Each example's contribution is then c_i times the gradient whose norm set c_i: at most C. The per-example
-gradients are B·|θ| (kept for BK's sum).
+Which applies is decided per step from the graph's structure, whatever the batch: the products of every recorded call
+are used if every path from the loss to the raw parameters passes through one of them; a module with a parameter
+reached otherwise takes the second way, which is exact only if every use the loss depends on lies below its call's
+outputs — :meth:`RawGradients.check` refuses a parameter reachable without passing through them (read in the loss,
+in another module, or through an output that is not a returned tensor), and a second call of the module is refused.
+Each example's contribution is then c_i times the gradient whose norm set c_i: at most C. The per-example gradients
+are B·|θ| (kept for BK's sum).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -69,16 +72,16 @@ class RawGradients:
         self.modules = modules
         self.mode = mode
         self.params = {m: [p for p in m.parameters(recurse=False) if p.requires_grad] for m in modules}
-        #: per call: the module and its output tensors that need a gradient
-        self.calls: list[tuple[nn.Module, list[torch.Tensor]]] = []
-        #: ∂(Σ_j ℓ_j)/∂o of each call's outputs, in order, set by the first backward
+        #: per call: the module, its output tensors that need a gradient, and the nodes its inputs come from
+        self.calls: list[tuple[nn.Module, list[torch.Tensor], set[Node]]] = []
+        #: the gradients at the edges :meth:`plan` returned, in order, set by the first backward
         self.output_grads: list[torch.Tensor | None] = []
         self.keep = False
         self.grads: dict[nn.Parameter, torch.Tensor] = {}
-        #: per call: its products (:func:`_products`), or None where its outputs' gradients are needed
-        self._plans: list[list[Product] | None] = []
+        self._products: list[Product] = []  # what :meth:`plan` found
+        self._from_outputs: list[tuple[nn.Module, list[torch.Tensor]]] = []
         self._active = False
-        self._handles = [m.register_forward_hook(self._record) for m in modules]
+        self._handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in modules]
 
     def __bool__(self) -> bool:
         return bool(self.modules)
@@ -89,57 +92,56 @@ class RawGradients:
         self._handles = []
 
     def start(self) -> None:
-        self.calls, self.output_grads, self.grads, self._plans, self._active = [], [], {}, [], True
+        self.clear()
+        self._active = True
 
     def clear(self) -> None:
-        self.calls, self.output_grads, self.grads, self._plans, self._active = [], [], {}, [], False
+        self.calls, self.output_grads, self.grads, self._products, self._from_outputs = [], [], {}, [], []
+        self._active = False
 
-    def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not (self._active and torch.is_grad_enabled()):
             return
-        if any(m is module for m, _ in self.calls):  # a second call's graph may contain the first's
+        if any(m is module for m, _, _ in self.calls):  # a second call's graph may contain the first's
             raise NotImplementedError(
                 f"per_sample={self.mode!r} cannot handle {self.modules[module]!r} ({type(module).__name__}): it holds "
                 "raw parameters and is called more than once in one forward. Use per_sample='functorch'."
             )
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.grad_fn is not None]
         tensors = [output] if isinstance(output, torch.Tensor) else output
         outputs = [t for t in tensors if isinstance(t, torch.Tensor)] if isinstance(tensors, (list, tuple)) else []
-        self.calls.append((module, [t for t in outputs if t.requires_grad]))
+        self.calls.append((module, [t for t in outputs if t.requires_grad], {a.grad_fn for a in inputs}))
 
-    def edges(self, size: int) -> list[GradientEdge]:
-        """Where the first backward must return the gradient, per recorded call: at the output of each product that
-        scales the batch by a raw parameter (:func:`_products`), or, where a use lies elsewhere, at the outputs."""
-        edges = []
-        self._plans = []
-        for module, outputs in self.calls:
-            products = _products(outputs, self.params[module], size)
-            self._plans.append(products)
-            if products is None:
-                edges += [get_gradient_edge(t) for t in outputs]
-            else:
-                edges += [GradientEdge(product.node, 0) for product in products]
-        return edges
+    def plan(self, root: Node, size: int) -> list[GradientEdge]:
+        """Where the first backward must return the gradient: at the output of each product that scales the batch by
+        a raw parameter inside a recorded call (:func:`_products`) — enough if every path from ``root`` (the loss) to
+        the raw parameters passes through one of them — and at the outputs of the calls of modules with a parameter
+        reached otherwise. Refuses such a parameter if ``root`` reaches it without passing through its module's
+        outputs (:meth:`check`)."""
+        targets = {id(p) for params in self.params.values() for p in params}
+        found: dict[Node, Product] = {}
+        for _, outputs, ends in self.calls:
+            for product in _products(outputs, ends, targets, size):
+                found.setdefault(product.node, product)
+        elsewhere = _reached(root, targets, {(product.node, product.side) for product in found.values()})
+        modules = [m for m, params in self.params.items() if any(id(p) in elsewhere for p in params)]
+        self.check(root, modules)
+        self._products = list(found.values())
+        self._from_outputs = [(m, outputs) for m, outputs, _ in self.calls if m in modules]
+        return [GradientEdge(product.node, 0) for product in self._products] + [
+            get_gradient_edge(t) for _, outputs in self._from_outputs for t in outputs
+        ]
 
-    def check(self, root: Node) -> None:
-        """Refuse a raw parameter that the graph of ``root`` (the loss) reaches without passing through an output of
-        its module's call: that use would be summed by the release but left out of the measured gradient."""
-        calls = dict(self.calls)
+    def check(self, root: Node, modules: list[nn.Module]) -> None:
+        """Refuse a raw parameter of ``modules`` that the graph of ``root`` (the loss) reaches without passing
+        through an output of its module's call: that use would be summed by the release but left out of the
+        per-example gradients taken from those outputs."""
+        calls = {m: outputs for m, outputs, _ in self.calls}
         outside = []
-        for module, params in self.params.items():
+        for module in modules:
             blocked = {(t.grad_fn, t.output_nr) for t in calls.get(module, []) if t.grad_fn is not None}
-            targets = {id(p) for p in params}
-            seen: set[Node] = set()
-            stack = [root]
-            while stack and targets:
-                node = stack.pop()
-                if node in seen:
-                    continue
-                seen.add(node)
-                variable = getattr(node, "variable", None)  # an AccumulateGrad node
-                if isinstance(variable, torch.Tensor) and id(variable) in targets:
-                    targets.discard(id(variable))
-                    outside.append(self._name(module, variable))
-                stack += [n for n, k in node.next_functions if n is not None and (n, k) not in blocked]
+            params = {id(p): p for p in self.params[module]}
+            outside += [self._name(module, params[key]) for key in _reached(root, set(params), blocked, outputs=True)]
         if outside:
             raise ValueError(
                 f"per_sample={self.mode!r} cannot clip {sorted(outside)}: the net or the loss uses them outside the "
@@ -154,44 +156,37 @@ class RawGradients:
         return name if prefix == "<the net itself>" else f"{prefix}.{name}"
 
     def finish(self, size: int) -> list[str]:
-        """Set ``_norm_sample`` ([size], fp32) on every raw parameter from its per-example gradients (zero for a
-        module the loss does not use); return the names of calls whose outputs are not batch first. Raises if a
-        per-example gradient is non-finite in a batch of more than one example (see the module docstring)."""
+        """Set ``_norm_sample`` ([size], fp32) on every raw parameter from its per-example gradients (zero where the
+        loss does not use it); return the names of calls whose outputs are not batch first. Raises if a per-example
+        gradient taken from a call's outputs is non-finite in a batch of more than one example (see the module
+        docstring)."""
         self._active = False
         grads = iter(self.output_grads)
+        by_outputs = {m for m, _ in self._from_outputs}
+        through = [p for m, params in self.params.items() if m not in by_outputs for p in params]
+        per_example = dict(zip(through, _through_products(self._products, grads, through, size)))
         not_per_example = []
-        done: set[nn.Module] = set()
-        for (module, outputs), products in zip(self.calls, self._plans):
-            if products is not None:
-                found = [next(grads) for _ in products]
-                per_example = _through_products(products, found, self.params[module], size)
-                self._keep(module, per_example)
-                done.add(module)
-                continue
+        for module, outputs in self._from_outputs:
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
             if any(o.shape[0] != size for o, _ in pairs):
                 not_per_example.append(self.modules[module])
                 continue
-            per_example = _per_example(pairs, self.params[module], size)
-            if size > 1 and not all(bool(g.isfinite().all()) for g in per_example):
+            found = _per_example(pairs, self.params[module], size)
+            if size > 1 and not all(bool(g.isfinite().all()) for g in found):
                 raise FloatingPointError(
                     f"a non-finite per-example gradient of the raw parameters of {self.modules[module]!r}: a batched "
                     "backward spreads one example's non-finite values to the others; the batch is computed again "
                     "in parts (pl_dp.step.seal.isolate_failures)."
                 )
-            self._keep(module, per_example)
-            done.add(module)
-        for module in self.modules.keys() - done:
-            for p in self.params[module]:
-                p._norm_sample = torch.zeros(size, device=p.device)
-        self.calls, self.output_grads, self._plans = [], [], []
+            per_example.update(zip(self.params[module], found))
+        for params in self.params.values():
+            for p in params:
+                g = per_example.get(p)
+                p._norm_sample = torch.zeros(size, device=p.device) if g is None else g.flatten(1).norm(dim=1)
+                if self.keep and g is not None:
+                    self.grads[p] = g
+        self.calls, self.output_grads, self._products, self._from_outputs = [], [], [], []
         return not_per_example
-
-    def _keep(self, module: nn.Module, per_example: list[torch.Tensor]) -> None:
-        for p, g in zip(self.params[module], per_example):
-            p._norm_sample = g.flatten(1).norm(dim=1)
-            if self.keep:
-                self.grads[p] = g
 
 
 def _per_example(pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list[nn.Parameter], size: int) -> list:
@@ -229,26 +224,19 @@ class Product(NamedTuple):
     h: torch.Tensor
 
 
-def _products(outputs: list[torch.Tensor], params: list[nn.Parameter], size: int) -> list[Product] | None:
-    """The products through which every use of ``params`` below ``outputs`` passes (a LayerScale ``gamma * h``), or
-    None if a use does not (then the outputs' vector-Jacobian products are used). Found in the graph's structure; the
-    operands are the tensors autograd saved for the product's backward (``_saved_self``, ``_saved_other``)."""
-    targets = {id(p) for p in params}
+def _products(outputs: list[torch.Tensor], ends: set[Node], targets: set[int], size: int) -> list[Product]:
+    """The products ``q * h`` between a call's ``outputs`` and the nodes its inputs come from (``ends``) whose factor
+    q reaches one of the parameters ``targets`` and has no batch dimension while h is batch first (a LayerScale
+    ``gamma * h``): the graph's structure, and the operands autograd saved for the product's backward
+    (``_saved_self``, ``_saved_other``)."""
     found: list[Product] = []
-    seen: set[Node] = set()
-    stack = []
-    for t in outputs:
-        if t.grad_fn is None:
-            return None  # an output that is a parameter itself
-        stack.append(t.grad_fn)
+    seen: set[Node] = set(ends)
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor) and id(variable) in targets:
-            return None  # reached without passing through a product
         product = _product(node, targets, size)
         if product is not None:
             found.append(product)
@@ -273,44 +261,52 @@ def _product(node: Node, targets: set[int], size: int) -> Product | None:
         if q is None or q.dim() > h.dim():
             continue
         padded = (1,) * (h.dim() - q.dim()) + tuple(q.shape)
-        if padded[0] != 1 or torch.broadcast_shapes(padded, h.shape) != h.shape or not _reaches(source, targets):
+        if padded[0] != 1 or torch.broadcast_shapes(padded, h.shape) != h.shape:
             continue
-        return Product(node, side, q, h)
+        if _reached(source, targets, set()):
+            return Product(node, side, q, h)
     return None
 
 
-def _reaches(node: Node, targets: set[int]) -> bool:
-    """Whether the graph below ``node`` reaches one of the parameters ``targets``."""
+def _reached(root: Node, targets: set[int], blocked: set[tuple[Node, int]], outputs: bool = False) -> set[int]:
+    """The ``targets`` (parameters, by ``id``) the graph of ``root`` reaches without taking an edge in ``blocked``:
+    ``(node, k)``, the k-th of a node's ``next_functions`` — or, with ``outputs``, an edge to ``(node, output_nr)``
+    (a tensor's gradient edge)."""
+    reached: set[int] = set()
     seen: set[Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
+    stack = [root]
+    while stack and len(reached) < len(targets):
+        node = stack.pop()
+        if node in seen:
             continue
-        seen.add(current)
-        variable = getattr(current, "variable", None)
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
         if isinstance(variable, torch.Tensor) and id(variable) in targets:
-            return True
-        stack += [n for n, _ in current.next_functions if n is not None]
-    return False
+            reached.add(id(variable))
+        for k, (child, nr) in enumerate(node.next_functions):
+            if child is not None and ((child, nr) if outputs else (node, k)) not in blocked:
+                stack.append(child)
+    return reached
 
 
 def _through_products(
-    products: list[Product], grads: list[torch.Tensor | None], params: list[nn.Parameter], size: int
+    products: list[Product], grads: Iterator[torch.Tensor | None], params: list[nn.Parameter], size: int
 ) -> list[torch.Tensor]:
-    """Per-example gradients ``[size, *θ.shape]`` (fp32) of ``params`` through their products: with G the gradient at
-    a product's output, row i of G ⊙ h summed to q's shape is example i's gradient of q (q is the same for every row),
-    and a batched vector-Jacobian product from q — no batch dimension: B·|q| work — carries it to the parameters."""
+    """Per-example gradients ``[size, *θ.shape]`` (fp32) of ``params`` through ``products`` (``grads``: the gradient
+    G at each product's output): row i of G ⊙ h summed to q's shape is example i's gradient of q (q is the same for
+    every row), and a batched vector-Jacobian product from q — no batch dimension: B·|q| work — carries it to the
+    parameters."""
     result = [torch.zeros((size, *p.shape), dtype=torch.float32, device=p.device) for p in params]
-    for product, g in zip(products, grads):
-        if g is None:
+    for product in products:
+        g = next(grads)
+        if g is None or not params:
             continue
         q = product.q
         padded = (1,) * (product.h.dim() - q.dim()) + tuple(q.shape)
         own = (g.float() * product.h.float()).sum_to_size((size, *padded[1:])).reshape(size, *q.shape)
         source = product.node.next_functions[product.side]
         variable = getattr(source[0], "variable", None)
-        if isinstance(variable, torch.Tensor) and any(variable is p for p in params):
+        if isinstance(variable, torch.Tensor):  # q is the parameter itself
             found: tuple[torch.Tensor | None, ...] = tuple(own if variable is p else None for p in params)
         else:
             found = torch.autograd.grad(

@@ -53,6 +53,13 @@ class _AlsoAlone(_LayerScaleBlock):
         return super().forward(x) + 0.1 * self.gamma
 
 
+class _TwoProducts(_LayerScaleBlock):
+    """``gamma`` in two products with the batch (a branch each): its gradient is the sum of both."""
+
+    def forward(self, x, gate=None):
+        return x + self.gamma * torch.tanh(self.fc(x)) + (x * self.gamma[None, :]).square()
+
+
 class _RootBias(nn.Module):
     """A raw bias on the net, added to the output, and a raw scale of the input that reaches it through the layers."""
 
@@ -126,6 +133,7 @@ def _case(name):
         "gated-positional": lambda: _Gated(keyword=False),
         "shared-norm": _SharedNorm,
         "also-alone": lambda: nn.Sequential(_AlsoAlone(), nn.Linear(5, 3)),
+        "two-products": lambda: nn.Sequential(nn.Linear(5, 5), _TwoProducts(), nn.Linear(5, 3)),
     }
     if name == "sequence":
         return _Sequence(), (torch.randn(6, 4, 6, generator=g), labels)
@@ -134,7 +142,10 @@ def _case(name):
 
 
 CASES = ["layer-scale", "root-scale", "root-bias", "conv", "sequence", "gated", "gated-positional", "shared-norm"]
-CASES += ["also-alone"]  # with root-bias: per-example gradients from the module's outputs, not through products
+CASES += [
+    "two-products",
+    "also-alone",
+]  # with root-bias: per-example gradients from the module's outputs, not through products
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=["ghost", "bk"])
@@ -148,10 +159,11 @@ def test_norms_and_clipped_sums_equal_those_of_torch_func(name, engine):
     if name.startswith("gated"):
         net.boost = reference.net.boost = 3.0
     assert clipping.names == reference.names
-    for kind in KINDS:
+    one = tuple(t[:1] for t in batch)  # a batch of one: every factor has a batch dimension of 1
+    for kind, examples in [(kind, batch) for kind in KINDS] + [("constant", one)]:
         fn = ClipFunction(kind, clip=0.05, r=0.1)  # every example clipped
-        expected, expected_norms, _ = reference.clipped_sum(batch, fn)
-        sums, norms, nonfinite = clipping.clipped_sum(batch, fn)
+        expected, expected_norms, _ = reference.clipped_sum(examples, fn)
+        sums, norms, nonfinite = clipping.clipped_sum(examples, fn)
         assert int(nonfinite) == 0
         torch.testing.assert_close(norms, expected_norms, rtol=1e-5, atol=1e-7)
         for n, s, e in zip(clipping.names, sums, expected):
