@@ -11,11 +11,11 @@ parameters θ are differentiated in the graph the first pass has just built — 
 gradient G of Σ_j ℓ_j at any batch-first tensor has row i = ∂ℓ_i/∂(row i), and a forward hook records the module's
 call (one per forward):
 
-* **Through products** (LayerScale): when every use of θ below the call's outputs passes through a product
-  ``q * h`` (``MulBackward0``) whose factor q reaches θ and has no batch dimension while h is batch first, the first
-  backward also returns G at each product's output; row i of G ⊙ h summed to q's shape is example i's gradient of q,
-  and one batched vector-Jacobian product from q (no batch dimension: B·|q| work) carries it to θ. Cost: one
-  element-wise product per use, O(B·|h|) — as for a layer's ghost norm — and no cross-row arithmetic.
+* **Through products** (LayerScale): when every path from the loss to θ passes through a product ``q * h``
+  (``MulBackward0``) inside a recorded call whose factor q reaches θ and has no batch dimension while h is batch
+  first, the first backward also returns G at each product's output; row i of G ⊙ h summed to q's shape is example
+  i's gradient of q, and one batched vector-Jacobian product from q (no batch dimension: B·|q| work) carries it to
+  θ. Cost: one element-wise product per use, O(B·|h|) — as for a layer's ghost norm — and no cross-row arithmetic.
 * **From the outputs** (any other use: a bias added, a division): the first backward returns G at the call's outputs
   o, and example i's gradient is (∂o/∂θ)ᵀ G⁽ⁱ⁾, G⁽ⁱ⁾ being G with every row but i zeroed: one vector-Jacobian product
   per example, batched (``torch.autograd.grad(..., is_grads_batched=True)``, vmap over the cotangents) in chunks of at
@@ -82,9 +82,6 @@ class RawGradients:
         self._from_outputs: list[tuple[nn.Module, list[torch.Tensor]]] = []
         self._active = False
         self._handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in modules]
-
-    def __bool__(self) -> bool:
-        return bool(self.modules)
 
     def close(self) -> None:
         for handle in self._handles:
