@@ -116,9 +116,10 @@ class RawGradients:
         reached otherwise. Refuses such a parameter if ``root`` reaches it without passing through its module's
         outputs (:meth:`check`)."""
         targets = {id(p) for params in self.params.values() for p in params}
+        reaching = _reaching(root, targets)
         found: dict[Node, Product] = {}
         for _, outputs, ends in self.calls:
-            for product in _products(outputs, ends, targets, size):
+            for product in _products(outputs, ends, reaching, size):
                 found.setdefault(product.node, product)
         elsewhere = _reached(root, targets, {(product.node, product.side) for product in found.values()})
         modules = [m for m, params in self.params.items() if any(id(p) in elsewhere for p in params)]
@@ -221,10 +222,10 @@ class Product(NamedTuple):
     h: torch.Tensor
 
 
-def _products(outputs: list[torch.Tensor], ends: set[Node], targets: set[int], size: int) -> list[Product]:
+def _products(outputs: list[torch.Tensor], ends: set[Node], reaching: set[Node], size: int) -> list[Product]:
     """The products ``q * h`` between a call's ``outputs`` and the nodes its inputs come from (``ends``) whose factor
-    q reaches one of the parameters ``targets`` and has no batch dimension while h is batch first (a LayerScale
-    ``gamma * h``): the graph's structure, and the operands autograd saved for the product's backward
+    q comes from a node in ``reaching`` (it reaches a raw parameter) and has no batch dimension while h is batch first
+    (a LayerScale ``gamma * h``): the graph's structure, and the operands autograd saved for the product's backward
     (``_saved_self``, ``_saved_other``)."""
     found: list[Product] = []
     seen: set[Node] = set(ends)
@@ -234,7 +235,7 @@ def _products(outputs: list[torch.Tensor], ends: set[Node], targets: set[int], s
         if node in seen:
             continue
         seen.add(node)
-        product = _product(node, targets, size)
+        product = _product(node, reaching, size)
         if product is not None:
             found.append(product)
         skipped = -1 if product is None else product.side
@@ -242,8 +243,8 @@ def _products(outputs: list[torch.Tensor], ends: set[Node], targets: set[int], s
     return found
 
 
-def _product(node: Node, targets: set[int], size: int) -> Product | None:
-    """``node`` as a :class:`Product` whose q reaches one of ``targets``, or None."""
+def _product(node: Node, reaching: set[Node], size: int) -> Product | None:
+    """``node`` as a :class:`Product` whose q comes from a node in ``reaching``, or None."""
     if node.name() != "MulBackward0":
         return None
     saved = (node._saved_self, node._saved_other)
@@ -252,17 +253,37 @@ def _product(node: Node, targets: set[int], size: int) -> Product | None:
         if source is None or h is None or h.dim() == 0 or h.shape[0] != size:
             continue
         q = saved[side]
-        if q is None:  # not saved (h needs no gradient): the parameter itself, if it is the operand
+        if q is None and source in reaching:  # not saved (h needs no gradient): the parameter, if it is the operand
             variable = getattr(source, "variable", None)
-            q = variable if isinstance(variable, torch.Tensor) and id(variable) in targets else None
+            q = variable if isinstance(variable, torch.Tensor) else None
         if q is None or q.dim() > h.dim():
             continue
         padded = (1,) * (h.dim() - q.dim()) + tuple(q.shape)
-        if padded[0] != 1 or torch.broadcast_shapes(padded, h.shape) != h.shape:
-            continue
-        if _reached(source, targets, set()):
+        if padded[0] == 1 and torch.broadcast_shapes(padded, h.shape) == h.shape and source in reaching:
             return Product(node, side, q, h)
     return None
+
+
+def _reaching(root: Node, targets: set[int]) -> set[Node]:
+    """The nodes of the graph of ``root`` below which one of the parameters ``targets`` (by ``id``) lies, found in
+    one walk (children before parents)."""
+    reaches: dict[Node, bool] = {}
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if node in reaches:
+            stack.pop()
+            continue
+        children = [n for n, _ in node.next_functions if n is not None]
+        pending = [n for n in children if n not in reaches]
+        if pending:
+            stack += pending
+            continue
+        stack.pop()
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        own = isinstance(variable, torch.Tensor) and id(variable) in targets
+        reaches[node] = own or any(reaches[n] for n in children)
+    return {node for node, found in reaches.items() if found}
 
 
 def _reached(root: Node, targets: set[int], blocked: set[tuple[Node, int]], outputs: bool = False) -> set[int]:

@@ -60,6 +60,17 @@ class _TwoProducts(_LayerScaleBlock):
         return x + self.gamma * torch.tanh(self.fc(x)) + (x * self.gamma[None, :]).square()
 
 
+class _WithBuffer(_LayerScaleBlock):
+    """A block with a buffer (a fixed offset): Opacus' refusal of a module it would copy does not apply here."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, 5))
+
+    def forward(self, x, gate=None):
+        return super().forward(x + self.offset)
+
+
 class _RootBias(nn.Module):
     """A raw bias on the net, added to the output, and a raw scale of the input that reaches it through the layers."""
 
@@ -133,6 +144,7 @@ def _case(name):
         "gated-positional": lambda: _Gated(keyword=False),
         "shared-norm": _SharedNorm,
         "also-alone": lambda: nn.Sequential(_AlsoAlone(), nn.Linear(5, 3)),
+        "buffer": lambda: nn.Sequential(_WithBuffer(), nn.Linear(5, 3)),
         "two-products": lambda: nn.Sequential(nn.Linear(5, 5), _TwoProducts(), nn.Linear(5, 3)),
     }
     if name == "sequence":
@@ -142,10 +154,8 @@ def _case(name):
 
 
 CASES = ["layer-scale", "root-scale", "root-bias", "conv", "sequence", "gated", "gated-positional", "shared-norm"]
-CASES += [
-    "two-products",
-    "also-alone",
-]  # with root-bias: per-example gradients from the module's outputs, not through products
+CASES += ["buffer", "two-products"]
+CASES += ["also-alone"]  # with root-bias: per-example gradients from the module's outputs, not through products
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=["ghost", "bk"])
