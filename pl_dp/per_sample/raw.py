@@ -115,6 +115,8 @@ class RawGradients:
         the raw parameters passes through one of them — and at the outputs of the calls of modules with a parameter
         reached otherwise. Refuses such a parameter if ``root`` reaches it without passing through its module's
         outputs (:meth:`check`)."""
+        if not self.modules:  # nothing to walk the graph for
+            return []
         targets = {id(p) for params in self.params.values() for p in params}
         reaching = _reaching(root, targets)
         found: dict[Node, Product] = {}
