@@ -32,7 +32,9 @@ Time: one forward, the input-gradient half of a backward and the weight-gradient
 non-private step plus the norms (``benchmarks/ghost_first_pass.py``). Memory: the book holds every hooked layer's
 input and output gradient until the clip weights are known — the inputs are those autograd saves for the backward
 anyway, the output gradients are extra (one activation-sized tensor per layer: for a language model's head,
-batch × tokens × vocabulary). The first pass's backward frees the graph as it goes, as a non-private one does.
+batch × tokens × vocabulary). The first pass's backward frees the graph as it goes, as a non-private one does
+(unless a raw parameter beside layers is used other than directly in a LayerScale product: its per-example gradients
+are then taken through the graph after the backward, :mod:`pl_dp.per_sample.raw`).
 
 Privacy: the sum and the norm come from the same per-layer quantities, so each example's contribution is c_i
 times the very gradient whose norm set c_i — at most C — whatever the net. The fit-start check

@@ -466,9 +466,10 @@ class GhostClipping:
 
     def _first_backward(self, losses: torch.Tensor) -> list[torch.Tensor]:
         """The first pass's backward, of Σ_i ℓ_i with the graph kept, for the norm hooks only: no parameter gradient
-        is computed (:class:`_NormsOnly`). It also returns the gradients at the outputs of the calls of modules holding
-        raw parameters beside layers, keeping the graph for their per-example gradients (:mod:`pl_dp.per_sample.raw`).
-        Returns the leaf tensors the loss depends on."""
+        is computed (:class:`_NormsOnly`). It also returns the gradients that the per-example gradients of raw
+        parameters beside layers are computed from (:meth:`~pl_dp.per_sample.raw.RawGradients.plan`: at LayerScale
+        products, or at a module's outputs), keeping the graph if they need it. Returns the leaf tensors the loss
+        depends on."""
         total = losses.sum()
         if total.grad_fn is None:  # no graph: what the backward with respect to the parameters raised
             torch.autograd.grad(total, self.params, allow_unused=True)
@@ -476,7 +477,7 @@ class GhostClipping:
         lowest, leaves = self._targets.plan(root)
         raw = self._raw.plan(root, losses.shape[0])
         if lowest or raw:
-            retain = self.second_backward or bool(raw)
+            retain = self.second_backward or self._raw.needs_graph
             grads = torch.autograd.grad(total, lowest + raw, retain_graph=retain, allow_unused=True)
             self._raw.output_grads = list(grads[len(lowest) :])
         return leaves

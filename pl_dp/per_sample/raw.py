@@ -80,6 +80,8 @@ class RawGradients:
         self.grads: dict[nn.Parameter, torch.Tensor] = {}
         self._products: list[Product] = []  # what :meth:`plan` found
         self._from_outputs: list[tuple[nn.Module, list[torch.Tensor]]] = []
+        #: whether :meth:`finish` differentiates through the graph again (the first backward must keep it)
+        self.needs_graph = False
         self._active = False
         self._handles = [m.register_forward_hook(self._record, with_kwargs=True) for m in modules]
 
@@ -94,7 +96,7 @@ class RawGradients:
 
     def clear(self) -> None:
         self.calls, self.output_grads, self.grads, self._products, self._from_outputs = [], [], {}, [], []
-        self._active = False
+        self.needs_graph = self._active = False
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not (self._active and torch.is_grad_enabled()):
@@ -128,6 +130,7 @@ class RawGradients:
         self.check(root, modules)
         self._products = list(found.values())
         self._from_outputs = [(m, outputs) for m, outputs, _ in self.calls if m in modules]
+        self.needs_graph = bool(self._from_outputs) or any(not _is_parameter(p) for p in self._products)
         return [GradientEdge(product.node, 0) for product in self._products] + [
             get_gradient_edge(t) for _, outputs in self._from_outputs for t in outputs
         ]
@@ -326,7 +329,7 @@ def _through_products(
         own = (g.float() * product.h.float()).sum_to_size((size, *padded[1:])).reshape(size, *q.shape)
         source = product.node.next_functions[product.side]
         variable = getattr(source[0], "variable", None)
-        if isinstance(variable, torch.Tensor):  # q is the parameter itself
+        if _is_parameter(product):
             found: tuple[torch.Tensor | None, ...] = tuple(own if variable is p else None for p in params)
         else:
             found = torch.autograd.grad(
@@ -341,3 +344,8 @@ def _through_products(
             if part is not None:
                 total += part.float()
     return result
+
+
+def _is_parameter(product: Product) -> bool:
+    """Whether a product's factor q is a parameter itself (its edge leads to an ``AccumulateGrad`` node)."""
+    return isinstance(getattr(product.node.next_functions[product.side][0], "variable", None), torch.Tensor)
