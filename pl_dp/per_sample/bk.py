@@ -25,13 +25,16 @@ one matrix product of the output gradients, each example's rows scaled by its cl
    matrix product, ``nn.Embedding`` the rows of the scaled output gradients added at the looked-up indices (the
    ``padding_idx`` row gets none, as in autograd), and every other layer (LayerNorm, RMSNorm, GroupNorm, Conv,
    Opacus' recurrent cells, a leaf module of raw parameters) the weighted sum of its per-example gradients from
-   Opacus' sampler of that layer, the one its norm came from.
+   Opacus' sampler of that layer, the one its norm came from; raw parameters beside layers (LayerScale) the weighted
+   sum of the per-example gradients their norms came from (:mod:`pl_dp.per_sample.raw`).
 
 Time: one forward, the input-gradient half of a backward and the weight-gradient contractions, i.e. about a
 non-private step plus the norms (``benchmarks/ghost_first_pass.py``). Memory: the book holds every hooked layer's
 input and output gradient until the clip weights are known — the inputs are those autograd saves for the backward
 anyway, the output gradients are extra (one activation-sized tensor per layer: for a language model's head,
-batch × tokens × vocabulary). The first pass's backward frees the graph as it goes, as a non-private one does.
+batch × tokens × vocabulary). The first pass's backward frees the graph as it goes, as a non-private one does
+(unless a raw parameter beside layers is used other than directly in a LayerScale product: its per-example gradients
+are then taken through the graph after the backward, :mod:`pl_dp.per_sample.raw`).
 
 Privacy: the sum and the norm come from the same per-layer quantities, so each example's contribution is c_i
 times the very gradient whose norm set c_i — at most C — whatever the net. The fit-start check
@@ -196,10 +199,13 @@ class BookKeeping(GhostClipping):
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
         super().__init__(net, loss_fn)
         self._tied.keep = True
+        self._raw.keep = True
         self._book: list[Entry] = []
+        #: the per-example gradients of the raw parameters beside layers, from the first pass (:mod:`.raw`)
+        self._raw_grads: dict[nn.Parameter, torch.Tensor] = {}
 
     def _norm_module(self, options: dict[str, Any]) -> BookKeepingNormModule:
-        return BookKeepingNormModule(self.net, skipped=frozenset(self._tied.modules), **options)
+        return BookKeepingNormModule(self.net, skipped=frozenset([*self._tied.modules, *self._raw.modules]), **options)
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Ghost clipping's first pass, whose hooks fill the book; its backward frees the graph as it goes (nothing
@@ -207,17 +213,22 @@ class BookKeeping(GhostClipping):
         self._forget()
         norms, losses = super()._norms(batch, size)
         self._book = [*self._gsm.book, *self._tied.uses]
-        self._gsm.book, self._tied.uses = [], []
+        self._raw_grads = self._raw.grads
+        self._gsm.book, self._tied.uses, self._raw.grads = [], [], {}
         return norms, losses.detach()
 
     def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
-        """Each kept call's Σ_i c_i·g_i, added up per parameter (fp32, autocast off)."""
+        """Each kept call's Σ_i c_i·g_i, and the raw parameters' from their per-example gradients, added up per
+        parameter (fp32, autocast off)."""
         book, self._book = self._book, []
+        raw, self._raw_grads = self._raw_grads, {}
         sums: dict[nn.Parameter, torch.Tensor] = {}
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
             for entry in book:
                 for p, s in weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights.detach().float()).items():
                     sums[p] = s if p not in sums else sums[p].add_(s)
+            for p, g in raw.items():
+                sums[p] = torch.einsum("b,b...->...", weights.detach().float(), g)
         return [sums[p] if p in sums else torch.zeros_like(p, dtype=torch.float32) for p in self.params]
 
     def __call__(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -226,11 +237,14 @@ class BookKeeping(GhostClipping):
         size = batch_size_of(batch)
         _, losses = self._norms(batch, size)
         book, self._book = self._book, []
+        raw, self._raw_grads = self._raw_grads, {}
         grads = {p: torch.zeros((size, *p.shape), dtype=torch.float32, device=p.device) for p in self.params}
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
             for entry in book:
                 for p, g in per_example_gradients(self._gsm.GRAD_SAMPLERS, entry).items():
                     grads[p] += g.float()
+            for p, g in raw.items():
+                grads[p] += g
         return list(grads.values()), losses
 
     def per_example_norms(self, batch: Any) -> torch.Tensor:
@@ -245,4 +259,4 @@ class BookKeeping(GhostClipping):
 
     def _forget(self) -> None:
         """Drop the book (a pass that raised, or norms asked for alone)."""
-        self._book, self._gsm.book, self._tied.uses = [], [], []
+        self._book, self._gsm.book, self._tied.uses, self._raw_grads = [], [], [], {}

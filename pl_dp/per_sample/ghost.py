@@ -36,6 +36,9 @@ batch shape like any half-precision run).
 A parameter tied across modules (a language model's output projection reusing its input embedding: GPT-2, OPT,
 Llama-style models) gets the norm of the *sum* of its uses' gradients, cross term included
 (:mod:`pl_dp.per_sample.tied`); Opacus' hooks, which cover one use only, are kept off the modules that hold it.
+Raw parameters held beside layers (a LayerScale ``gamma``, a scale or bias on the net) get exact per-example
+gradients from the first pass's own graph (:mod:`pl_dp.per_sample.raw`); Opacus' hooks are kept off the modules that
+hold them, and on the layers under those.
 
 Sharded by FSDP2 (DTensor parameters), Opacus' FSDP module records the norms on each layer (FSDP swaps a layer's
 parameters between shards and gathered copies); the first pass computes no parameter gradient, so FSDP2 has
@@ -49,7 +52,7 @@ forward that raised between two layers first issues the other layers' all-gather
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -70,6 +73,7 @@ from pl_dp.per_sample.gradients import (
     refuse_rows_not_examples,
     unsupported_layers,
 )
+from pl_dp.per_sample.raw import RawGradients, raw_parameter_modules
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
@@ -88,12 +92,40 @@ class GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
     layer_names: dict[nn.Module, str]
 
     def __init__(self, module: nn.Module, *, skipped: frozenset[nn.Module], **kwargs: Any) -> None:
-        # modules holding a tied parameter get no Opacus hook: their norms come from TiedNorms
+        # modules holding a tied parameter or raw parameters beside layers get no Opacus hook (their norms come from
+        # TiedNorms and RawGradients); the layers under them do
         object.__setattr__(self, "skipped", skipped)  # read by iterate_submodules, inside Opacus' __init__
         super().__init__(module, **kwargs)
 
     def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
-        yield from (m for m in super().iterate_submodules(module) if m not in self.skipped)
+        """The modules to hook, each once: a layer registered under two parents (a norm shared by a block and the
+        net) would otherwise get Opacus' hooks twice and its norm recorded twice per call."""
+        seen: set[nn.Module] = set()
+        for found in self._submodules(module):
+            if found not in seen:
+                seen.add(found)
+                yield found
+
+    def _submodules(self, module: nn.Module) -> Iterator[nn.Module]:
+        if module in self.skipped:
+            for child in module.children():
+                yield from self.iterate_submodules(child)
+            return
+        yield from super().iterate_submodules(module)  # which recurses through iterate_submodules
+
+    def validate(self, module: nn.Module, *, strict: bool = False) -> list[NotImplementedError]:
+        """Opacus' refusal of a trainable module holding buffers (it would measure the module on a copy), for the
+        modules it measures: not the skipped ones, whose norms come from the live graph or :mod:`.tied`."""
+        errors = [
+            NotImplementedError(f"Model contains a trainable layer with buffers that Opacus doesn't support ({name}).")
+            for name, m in module.named_modules()
+            if m not in self.skipped
+            and any(p.requires_grad for p in m.parameters(recurse=False))
+            and any(True for _ in m.buffers())
+        ]
+        if strict and errors:
+            raise NotImplementedError(errors)
+        return errors
 
     def capture_activations_hook(self, module: nn.Module, forward_input: Any, forward_output: Any) -> None:
         if (
@@ -140,7 +172,9 @@ class _NormsOnly:
     that only some examples switch on (a mask times the extra term) is found whatever the batch.
     """
 
-    def __init__(self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str]):
+    def __init__(
+        self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str], raw: Iterable[nn.Module]
+    ):
         self.active = False
         self.edges: list[GradientEdge] = []
         #: per hooked call: the module, the nodes of its output and the nodes of its inputs (where the call ends)
@@ -150,6 +184,8 @@ class _NormsOnly:
         self._handles = [m.register_forward_hook(self._below_hook) for m in hooked]
         self._handles += [m.register_forward_hook(self._below_module) for m in tied]
         self._names = names
+        #: modules whose raw parameters :class:`~pl_dp.per_sample.raw.RawGradients` checks and measures
+        self._raw = frozenset(raw)
 
     def watch_gathered(self) -> None:
         """Record the parameters each layer's forward sees (sharded by FSDP2: its gathered ones, not the shards)."""
@@ -240,7 +276,7 @@ class _NormsOnly:
     def _refuse_uses_outside_their_layers(self, graph: dict[Node, bool]) -> None:
         """Raise naming the trainable parameters that a node of ``graph`` outside every call of their holders uses."""
         holders: dict[int, set[nn.Module]] = {}
-        for module in self._names:
+        for module in self._names.keys() - self._raw:
             for p in module.parameters(recurse=False):
                 if p.requires_grad:
                     holders.setdefault(id(p), set()).add(module)
@@ -280,23 +316,6 @@ class _NormsOnly:
         prefix = self._names.get(module, "")
         name = next(n for n, p in module.named_parameters(recurse=False) if p is variable)
         return f"{prefix}.{name}" if prefix else name
-
-
-def raw_parameters_beside_layers(net: nn.Module) -> list[str]:
-    """The trainable raw parameters of ``net`` held by a module that also holds trainable layers (or the net itself
-    around them), by name: Opacus would measure such a module whole, on a copy (see :class:`GhostClipping`). From
-    the net's structure alone."""
-    found = []
-    for prefix, module in net.named_modules():
-        children = any(p.requires_grad for child in module.children() for p in child.parameters())
-        measured = type(module) in GradSampleModuleFastGradientClipping.GRAD_SAMPLERS or type(module) in OPACUS_RNNS
-        if children and not measured:  # Opacus' recurrent layers hold their cells' parameters, measured by them
-            found += [
-                f"{prefix}.{name}" if prefix else name
-                for name, p in module.named_parameters(recurse=False)
-                if p.requires_grad
-            ]
-    return found
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
@@ -358,17 +377,6 @@ class GhostClipping:
                 "per_sample='functorch' (torch.func differentiates them as they are; not on a net sharded by FSDP2), "
                 "or freeze them (requires_grad=False)."
             )
-        beside = raw_parameters_beside_layers(net)
-        if beside:
-            raise ConfigError(
-                f"per_sample={self.mode!r} cannot clip raw parameters held beside layers (a LayerScale gamma, a scale "
-                f"on the net): {beside}. Opacus would measure their module's per-example gradients — its layers' "
-                "included — on a copy of the module taken when the engine is built, which sees neither what its "
-                "forward reads at each step (state set by the caller, its training mode) nor any argument but its "
-                "first, while the second pass sums the true gradient: examples under-clipped (up to 3.4·C, found by "
-                "an independent review). Use per_sample='hooks' or 'functorch' (each sums the gradients it clips), "
-                "hold the raw parameter in a module of its own, or freeze it."
-            )
         shared = unsupported_ties(net)
         if shared:
             raise ConfigError(
@@ -378,13 +386,14 @@ class GhostClipping:
             )
         self._check_layout()
         self._tied = TiedNorms(net)  # no tie when sharded (refused): nothing to do
+        self._raw = RawGradients(raw_parameter_modules(net), self.mode)  # none when sharded (refused)
         options = dict(batch_first=True, loss_reduction="sum", strict=True, use_ghost_clipping=True)
         self._gsm = self._norm_module(options)
         self._gsm.layer_names = {m: name or "<the net itself>" for name, m in net.named_modules()}
         self._gsm.disable_hooks()
         hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
         modules = {m: name for name, m in net.named_modules()}
-        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules)
+        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, self._raw.modules)
         self._lookups = BroadcastLookups(net)
 
     def _check_layout(self) -> None:
@@ -397,8 +406,8 @@ class GhostClipping:
             )
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
-        """Opacus' module whose hooks record the per-example norms (the tied parameters' modules skipped)."""
-        return GhostNormModule(self.net, skipped=frozenset(self._tied.modules), **options)
+        """Opacus' module whose hooks record the per-example norms (the modules of tied and raw parameters skipped)."""
+        return GhostNormModule(self.net, skipped=frozenset([*self._tied.modules, *self._raw.modules]), **options)
 
     def clipped_sum(
         self, batch: Any, clip_fn: ClipFunction, rows: torch.Tensor | None = None
@@ -445,24 +454,32 @@ class GhostClipping:
         """Remove Opacus' hooks from the net (before another fit builds its own on the trainable set it has then)."""
         self._gsm.remove_hooks()
         self._tied.close()
+        self._raw.close()
         self._targets.close()
 
     def reset(self) -> None:
         """Clear what a pass that raised left in the hooks (:func:`~pl_dp.per_sample.gradients.clear_hook_state`)."""
         clear_hook_state(self.net, self.params)
         self._tied.clear()
+        self._raw.clear()
         self._targets.stop()
 
     def _first_backward(self, losses: torch.Tensor) -> list[torch.Tensor]:
         """The first pass's backward, of Σ_i ℓ_i with the graph kept, for the norm hooks only: no parameter gradient
-        is computed (:class:`_NormsOnly`). Returns the leaf tensors the loss depends on."""
+        is computed (:class:`_NormsOnly`). It also returns the gradients that the per-example gradients of raw
+        parameters beside layers are computed from (:meth:`~pl_dp.per_sample.raw.RawGradients.plan`: at LayerScale
+        products, or at a module's outputs), keeping the graph if they need it. Returns the leaf tensors the loss
+        depends on."""
         total = losses.sum()
         if total.grad_fn is None:  # no graph: what the backward with respect to the parameters raised
             torch.autograd.grad(total, self.params, allow_unused=True)
         root = total.grad_fn if total.grad_fn is not None else get_gradient_edge(total).node
         lowest, leaves = self._targets.plan(root)
-        if lowest:
-            torch.autograd.grad(total, lowest, retain_graph=self.second_backward, allow_unused=True)
+        raw = self._raw.plan(root, losses.shape[0])
+        if lowest or raw:
+            retain = self.second_backward or self._raw.needs_graph
+            grads = torch.autograd.grad(total, lowest + raw, retain_graph=retain, allow_unused=True)
+            self._raw.output_grads = list(grads[len(lowest) :])
         return leaves
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,6 +489,7 @@ class GhostClipping:
         gsm = self._gsm
         gsm.enable_hooks()
         self._tied.start()
+        self._raw.start()
         self._targets.start()
         try:
             with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
@@ -479,12 +497,19 @@ class GhostClipping:
                 reached = {id(t) for t in self._first_backward(losses)}
         except BaseException:
             self._tied.clear()
+            self._raw.clear()
             raise
         finally:
             self._targets.stop()
             gsm.disable_hooks()
             clear_hook_state(self.net, self.params)
         not_per_example = self._tied.finish(size)  # the tied parameters' norms, cross terms included
+        try:  # hooks off: the raw parameters' batched backward may pass through hooked layers
+            with _full_precision(self.params[0].device):
+                not_per_example += self._raw.finish(size)
+        except BaseException:
+            self._raw.clear()
+            raise
         missed = []
         for name, p in zip(self.names, self.params):
             norm = p._norm_sample
@@ -541,8 +566,9 @@ class ShardedGhostClipping(GhostClipping):
         if whole:  # Opacus' per-example gradients of a module (functorch) copy it, which FSDP2 refuses
             raise ConfigError(
                 f"per_sample='ghost' on a net sharded by FSDP2 measures only layers with a norm sampler; {whole[:3]} "
-                "hold raw parameters that would need per-example gradients of the whole module, which FSDP2 does "
-                "not allow. Freeze them, move them into a layer, or train in one process."
+                "hold raw parameters, whose per-example gradients are computed in one process only (a leaf module's "
+                "by Opacus on a copy of it, which FSDP2 does not allow; those beside layers from the live graph, not "
+                "on shards). Freeze them, move them into a layer, or train in one process."
             )
         self.passes = passes
         self._reached: list[torch.Tensor] = []  # the leaves the last first pass's graph reaches
