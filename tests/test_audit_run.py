@@ -40,6 +40,7 @@ def _audit(**kwargs):
     )
 
 
+@pytest.mark.slow  # a whole audited run (~10 s)
 def test_the_honest_pipeline_with_a_kill_and_resume_stays_below_its_claim():
     """Main as shipped: both secrets from OS entropy, the run killed at step 550 and resumed from its checkpoint.
 
@@ -53,6 +54,7 @@ def test_the_honest_pipeline_with_a_kill_and_resume_stays_below_its_claim():
     assert "consistent" in str(result)
 
 
+@pytest.mark.slow  # a whole audited run (~10 s)
 def test_a_sampling_seed_in_the_config_is_flagged():
     """Bug 1 of the earlier build: a fixed, public sampler seed (here the real API, ``sampling_seed=``).
 
@@ -65,6 +67,7 @@ def test_a_sampling_seed_in_the_config_is_flagged():
     assert "VIOLATION" in str(result)
 
 
+@pytest.mark.slow  # a whole audited run (~10 s)
 def test_a_noise_seed_in_the_config_is_flagged():
     """A noise seed in the config (``noise_seed=`` of the method): the replay draws the same noise at every step,
     the adversary subtracts it exactly, and each canary's presence is read off without noise (measured 5.3–5.8)."""
@@ -87,6 +90,7 @@ class _NoiseStateInCheckpoint(DPSGD):
         self.noise._key = checkpoint["noise_key"]
 
 
+@pytest.mark.slow  # a whole audited run (~10 s)
 def test_noise_state_restored_from_a_checkpoint_is_flagged():
     """Bugs 2 and 3: the target resumes from its checkpoint with the noise it had (bug 3), and so does the
     adversary's replay resuming from that checkpoint (bug 2: the noise after any checkpoint is known to whoever

@@ -12,6 +12,10 @@ import torch
 from tests import background
 from tests.distributed import worker
 
+# two sharded fits of every method in 2 processes (~90 s): `make test-slow` runs them (CI runs both suites)
+pytestmark = pytest.mark.slow
+
+
 SEEDED = [name for name in worker.SHARDED_METHODS if name != "dpzero_rank_seeded"]
 
 #: the sharded fits, started in the background when the session starts (tests/background.py)

@@ -15,6 +15,10 @@ import torch
 from tests import background
 from tests.distributed import worker
 
+# 2 processes started as a cluster starts them (~25 s): `make test-slow` runs it (CI runs both suites)
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,6 +18,9 @@ from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.losses import resolve_loss
 from pl_dp.step.passes import ShardedPasses
 from tests.distributed import two_ranks
+
+# 2 plain torch processes over gloo per test (~15–30 s each): `make test-slow` runs them (CI runs both suites)
+pytestmark = pytest.mark.slow
 
 
 def _most_over_ranks(count: int) -> int:
