@@ -175,3 +175,41 @@ def test_step_size_grid_widens_while_the_best_sits_at_an_end():
             break
     tuned = {r["knobs"][protocol.LR] for r in ever_better.values() if r["seed"] == 0}
     assert len(tuned) == len(protocol.LR_FACTORS) + protocol.LR_EXTENSIONS
+
+
+def test_the_correlated_noise_study_tunes_eta_alone_and_judges_banded_against_independent_by_seed():
+    """Each cell tunes η only (the clip bound is the config's for both noises), the 4× rows train 4× the epochs, and
+    the page's verdict follows the paired interval: banded below independent on every seed is "worse"."""
+    protocol, report, study = _load("reproduce_protocol"), _load("reproduce_report"), _load("correlated_noise")
+    cells = study.plan(["digits"], [1.0])
+    assert [c[2] for c in cells] == [m.name for m in protocol.CORRELATED_NOISE]
+    runs: dict = {}
+    for cell in cells:
+        while True:
+            jobs, complete = protocol.schedule(cell, runs, protocol.SEEDS, {})
+            if complete:
+                break
+            for job in jobs:
+                assert set(job["knobs"]) == {protocol.LR}
+                lr, seed = job["knobs"][protocol.LR], job["seed"]
+                banded = "banded" in job["method"]
+                test = 0.8 - (0.05 if banded and "×" not in job["method"] else 0.0) + 0.01 * (seed % 2)
+                runs[protocol.run_key(job)] = _record(job, val=0.9 - abs(lr - 0.5), test=test)
+    long = protocol.BY_NAME[protocol.CORRELATED_NOISE[2].name]
+    assert (
+        protocol.budget_epochs(long, protocol.SETTINGS["digits"]) == 4 * protocol.SETTINGS["digits"].first_order_epochs
+    )
+    config = protocol.build_config(
+        dict(
+            dataset="digits",
+            shift="mild",
+            method=cells[1][2],
+            epsilon=1.0,
+            knobs={protocol.LR: 0.5},
+            seed=1,
+        )
+    )
+    assert config["model"]["init_args"]["noise"] == "banded" and config["model"]["init_args"]["bands"] == protocol.BANDS
+    page = study.page(report.summarize(runs, {"seeds": list(protocol.SEEDS)}, cells), ["digits"], [1.0])
+    assert "the family's epochs: banded better in 0, worse in 1" in page
+    assert "4× epochs: banded better in 0, worse in 0, no difference detected in 1 of 1" in page
