@@ -76,7 +76,8 @@ def test_a_noise_seed_in_the_config_is_flagged():
 class _NoiseStateInCheckpoint(DPSGD):
     """Bugs 2 and 3 of the earlier build, put back on purpose: the noise state is written to every checkpoint
     and restored on resume. Main's fix cannot be reverted in a test, so this subclass restores the leak with the
-    same two Lightning hooks the old build used; the noise key itself still comes from OS entropy."""
+    same Lightning hooks the old build used (and the fit start, which now draws a fresh key, keeps the restored one);
+    the noise key itself still comes from OS entropy."""
 
     def on_save_checkpoint(self, checkpoint):
         super().on_save_checkpoint(checkpoint)
@@ -84,7 +85,12 @@ class _NoiseStateInCheckpoint(DPSGD):
 
     def on_load_checkpoint(self, checkpoint):
         super().on_load_checkpoint(checkpoint)
-        self.noise._key = checkpoint["noise_key"]
+        self._restored_key = checkpoint["noise_key"]
+
+    def on_fit_start(self):
+        super().on_fit_start()
+        if getattr(self, "_restored_key", None) is not None:
+            self.noise._key = self._restored_key
 
 
 def test_noise_state_restored_from_a_checkpoint_is_flagged():

@@ -46,7 +46,7 @@ from pl_dp.privacy.mechanisms import Mechanism, SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
-from pl_dp.privacy.seeding import SeedDomain, derive_seed
+from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.units import PrivacyUnit
 from pl_dp.step.batches import batch_size_of
@@ -119,7 +119,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         lr: step size η.
         privacy: the privacy request; ``None`` runs the same method without noise or accounting.
         noise_seed: seed of the DP noise. Default ``None`` draws a secret key from OS entropy at
-            construction, held in memory only (never checkpointed: a resumed run draws a new one).
+            construction and again at the start of every fit, held in memory only (never checkpointed: a resumed
+            run, or a retry of this module in the same process, draws a new one).
             Set it only for tests and reproduction: whoever knows it can remove the noise, and the
             privacy report says the run's ε is no guarantee against them.
         log_private_metrics: also log statistics computed on the *private* batch without noise —
@@ -655,6 +656,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
 
     # ---- Lightning hooks -----------------------------------------------------------------------
     def on_fit_start(self) -> None:
+        # every fit draws its own noise key (unless seeded), before the ranks share rank 0's (setup_distribution): a
+        # retry in this process from an older checkpoint never draws again the noise of steps an earlier fit released
+        self.noise.redraw_secret()
         self.prepare_strategy()
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
@@ -664,6 +668,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             self.ledger.check_resume(self._restored, self.allow_privacy_change)
 
     def on_train_start(self) -> None:
+        # a loader the user built and passes to several fits keeps its sampler: it draws a fresh sampling seed (unless
+        # seeded), so a retry from an older checkpoint does not sample again the batches an earlier fit released
+        sampler = getattr(self.trainer.train_dataloader, "batch_sampler", None)
+        if self.privacy is not None and isinstance(sampler, CopiesDrawTheirOwnSecret):
+            sampler.redraw_secret()
         self.setup_privacy()
 
     def on_train_epoch_end(self) -> None:
