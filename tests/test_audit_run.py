@@ -147,6 +147,7 @@ def test_delta_weakens_the_bound_and_chance_gives_nothing():
         (dict(method_kwargs=dict(momentum=0.9)), "momentum"),
         (dict(method_kwargs=dict(optimizer="adam")), "optimizer"),
         (dict(method_kwargs=dict(noise_seed=3)), "noise_seed"),
+        (dict(method_kwargs=dict(noise="banded", bands=2)), "cannot audit banded noise"),
         (dict(confidence=1.0), "confidence"),
         (dict(steps=10, checkpoint_at=10), "checkpoint_at"),
         (dict(canaries=0), "canaries"),

@@ -283,4 +283,8 @@ def test_the_one_step_audit_sees_a_bands_first_step():
     )
     result = audit(model, PrivatePublicDataModule(blobs(40), batch_size=8), trials=300)
     assert not result.violated and result.epsilon_lower_bound <= result.claimed_epsilon
+    # the claim is the trial's own Gaussian, σζ: a build that forgot ζ adds less noise than it claims
+    zeta = BandedSquareRoot(bands).sensitivity
+    claimed = create_accountant("rdp").epsilon_after(result.delta, 1, noise_multiplier=sigma * zeta, sample_rate=1.0)
+    assert result.claimed_epsilon == pytest.approx(claimed, rel=1e-12)
     assert result.separation * sigma * BandedSquareRoot(bands).sensitivity == pytest.approx(1.0, abs=0.45), result
