@@ -18,7 +18,8 @@ lower bound on ε that holds with the stated confidence:
     ε_lb = max( ln((1 − δ − FNR⁺)/FPR⁺),  ln((1 − δ − FPR⁺)/FNR⁺) )
 
 The claimed ε is the accountant's ε for the same experiment: one step of the method's Gaussian
-mechanism with multiplier σ, the canary present with certainty (sample rate 1). A lower bound
+mechanism with multiplier σ (σ·ζ for banded noise, whose trial is a band's first step with noise σ·ζ·C), the canary
+present with certainty (sample rate 1). A lower bound
 above the claim means the implementation adds less noise than it accounts for.
 
 Audit on small models: the canary construction scales float inputs, and each trial is one step. Both
@@ -288,9 +289,13 @@ class _StepTrials:
         threshold = _choose_threshold(null[:half], alternative[:half], delta)
         alpha = 1 - self.confidence
         lower, fpr, fnr = epsilon_lower_bound(null[half:], alternative[half:], threshold, delta, alpha)
+        # a trial of banded noise is a band's first step, whose noise is σ·ζ·C·z (ζ the strategy's sensitivity): the
+        # claim is that Gaussian's ε, so that a build which forgot ζ (noise σ·C) is measured against what it claims
+        correlation = getattr(module, "noise_correlation", None)
+        zeta = 1.0 if correlation is None else float(correlation.strategy.sensitivity)
         with np.errstate(divide="ignore"):  # Opacus' PRV takes log(1 − q) = −inf at q = 1 harmlessly
             accountant = create_accountant(module.accountant_name)
-            claimed = accountant.epsilon_after(delta, 1, noise_multiplier=sigma, sample_rate=1.0)
+            claimed = accountant.epsilon_after(delta, 1, noise_multiplier=sigma * zeta, sample_rate=1.0)
         spread = float(torch.cat([null, alternative - alternative.mean() + null.mean()]).std())
         return AuditResult(
             method=type(module).__name__,

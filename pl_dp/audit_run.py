@@ -316,9 +316,15 @@ class _RunConfig:
     def module(self, canaries: int) -> FirstOrderModule:
         L.seed_everything(self.seed, verbose=False)  # what a restarted job does first
         net = nn.Linear(FEATURES + canaries, CLASSES, bias=False)
-        return self.method(
+        module = self.method(
             net, loss=_linear_loss, privacy=self.privacy, noise_seed=self.noise_seed, **self.method_kwargs
         )
+        if module.bands > 1:  # a method whose own default is banded noise (the request's is refused up front)
+            raise ConfigError(
+                f"the run audit scores independent noise and cannot audit {type(module).__name__}'s banded noise "
+                f"(bands={module.bands}): pass noise='independent' in method_kwargs."
+            )
+        return module
 
     def datamodule(self, private: TensorDataset) -> PrivatePublicDataModule:
         return PrivatePublicDataModule(
@@ -616,6 +622,17 @@ def _check_request(
                 f"the run audit reads each step's release off the parameter change, which needs plain SGD with a "
                 f"fixed clip: {name}={kwargs[name]!r} is not supported (leave it at {plain!r})."
             )
+    bands = kwargs.get("bands", 1)
+    if kwargs.get("noise", "independent") != "independent" and bands != 1:
+        raise ConfigError(
+            f"the run audit scores each step's release against independent Gaussian noise, and cannot audit banded "
+            f"noise (noise={kwargs['noise']!r}, bands={bands!r}): there the noise of step t is "
+            "σζC·(z_t − Σ_j c_j·w_(t−j)), correlated across steps, and each canary takes part once in b steps (cyclic "
+            "groups). Auditing it needs the replay's noise run through the same recursion (and the canaries' groups) "
+            "before scoring, which this audit does not do; a banded run it passed would say nothing. Audit "
+            "noise='independent' (bands=1), or use the one-step audit (pl-dp audit), which draws each trial as a "
+            "band's first step."
+        )
     for name in ("net", "loss", "privacy", "noise_seed"):
         if name in kwargs:
             raise ConfigError(f"{name} is set by the run audit (pass privacy= and noise_seed= to audit_run itself).")

@@ -79,7 +79,8 @@ def test_a_noise_seed_in_the_config_is_flagged():
 class _NoiseStateInCheckpoint(DPSGD):
     """Bugs 2 and 3 of the earlier build, put back on purpose: the noise state is written to every checkpoint
     and restored on resume. Main's fix cannot be reverted in a test, so this subclass restores the leak with the
-    same two Lightning hooks the old build used; the noise key itself still comes from OS entropy."""
+    same Lightning hooks the old build used (and the fit start, which now draws a fresh key, keeps the restored one);
+    the noise key itself still comes from OS entropy."""
 
     def on_save_checkpoint(self, checkpoint):
         super().on_save_checkpoint(checkpoint)
@@ -87,7 +88,12 @@ class _NoiseStateInCheckpoint(DPSGD):
 
     def on_load_checkpoint(self, checkpoint):
         super().on_load_checkpoint(checkpoint)
-        self.noise._key = checkpoint["noise_key"]
+        self._restored_key = checkpoint["noise_key"]
+
+    def on_fit_start(self):
+        super().on_fit_start()
+        if getattr(self, "_restored_key", None) is not None:
+            self.noise._key = self._restored_key
 
 
 @pytest.mark.slow  # a whole audited run (~10 s)
@@ -145,6 +151,7 @@ def test_delta_weakens_the_bound_and_chance_gives_nothing():
         (dict(method_kwargs=dict(momentum=0.9)), "momentum"),
         (dict(method_kwargs=dict(optimizer="adam")), "optimizer"),
         (dict(method_kwargs=dict(noise_seed=3)), "noise_seed"),
+        (dict(method_kwargs=dict(noise="banded", bands=2)), "cannot audit banded noise"),
         (dict(confidence=1.0), "confidence"),
         (dict(steps=10, checkpoint_at=10), "checkpoint_at"),
         (dict(canaries=0), "canaries"),

@@ -46,7 +46,7 @@ from pl_dp.privacy.mechanisms import Mechanism, SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
 from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
-from pl_dp.privacy.seeding import SeedDomain, derive_seed
+from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.units import PrivacyUnit
 from pl_dp.step.batches import batch_size_of
@@ -119,7 +119,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         lr: step size η.
         privacy: the privacy request; ``None`` runs the same method without noise or accounting.
         noise_seed: seed of the DP noise. Default ``None`` draws a secret key from OS entropy at
-            construction, held in memory only (never checkpointed: a resumed run draws a new one).
+            construction and again at the start of every fit, held in memory only (never checkpointed: a resumed
+            run, or a retry of this module in the same process, draws a new one).
             Set it only for tests and reproduction: whoever knows it can remove the noise, and the
             privacy report says the run's ε is no guarantee against them.
         log_private_metrics: also log statistics computed on the *private* batch without noise —
@@ -655,15 +656,45 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
 
     # ---- Lightning hooks -----------------------------------------------------------------------
     def on_fit_start(self) -> None:
+        # every fit draws its own noise key (unless seeded), before the ranks share rank 0's (setup_distribution): a
+        # retry in this process from an older checkpoint never draws again the noise of steps an earlier fit released
+        self.noise.redraw_secret()
         self.prepare_strategy()
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
         if self.privacy is not None and self._restored is not None:
+            self._refuse_seeded_banded_resume()
             # the resumed checkpoint's spec, checked now: a checkpoint with no step left to train never reaches the
             # plan (Lightning skips the training loop), and would otherwise be resumed under another spec silently
             self.ledger.check_resume(self._restored, self.allow_privacy_change)
 
+    def _refuse_seeded_banded_resume(self) -> None:
+        """Refuse to resume a checkpoint with banded noise from a noise seed.
+
+        A resumed fit restarts the banded recursion (w_{<start} = 0), and a seeded key draws the same z_t for step t
+        as the run that wrote the checkpoint. If that run released step t (logged it or checkpointed it before it
+        stopped), its release carried z_t − Σ_j c_j·w_{t−j} and the resume's carries z_t alone: their difference is
+        the earlier run's past noise, which the release of step t − 1 then loses — the checkpoints of the two runs
+        alone, with no knowledge of the seed, give that step's clipped gradient without noise. Whether the earlier
+        run released steps after this checkpoint cannot be told from the journal (steps inside a band add no
+        composition to it), so every such resume is refused. Independent noise (b = 1) resumes bit-identically with
+        both seeds set and is not refused.
+        """
+        if self.bands > 1 and self.noise.seeded:
+            raise PrivacyConfigError(
+                f"{type(self).__name__} with banded noise (bands={self.bands}) and a noise_seed cannot resume a "
+                "checkpoint: the resume restarts the noise recursion and the seed redraws the same noise for the steps "
+                "after the checkpoint, so if the interrupted run released any of them, the two runs' checkpoints "
+                "together reveal a step's gradient without noise. Resume with noise_seed=None (a fresh secret key; "
+                "a banded resume is not bit-identical anyway, its recursion restarts), or rerun from the start."
+            )
+
     def on_train_start(self) -> None:
+        # a loader the user built and passes to several fits keeps its sampler: it draws a fresh sampling seed (unless
+        # seeded), so a retry from an older checkpoint does not sample again the batches an earlier fit released
+        sampler = getattr(self.trainer.train_dataloader, "batch_sampler", None)
+        if self.privacy is not None and isinstance(sampler, CopiesDrawTheirOwnSecret):
+            sampler.redraw_secret()
         self.setup_privacy()
 
     def on_train_epoch_end(self) -> None:

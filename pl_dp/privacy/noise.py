@@ -5,9 +5,12 @@ threat model: docs/privacy-model.md). A :class:`NoiseSource` owns a 256-bit key 
 system's CSPRNG (``secrets``) and derives every draw from (key, private step, draw index) — so the
 noise of step t never depends on how many draws earlier steps made, and nothing but the key is
 state. It has no ``state_dict`` on purpose: the key is never written to a checkpoint, hparams, a
-log or an artifact, and a resumed run, being a new process, draws a new key (privacy state survives a
-checkpoint, secrets do not). Pickles and deep copies (``torch.save(model)``, ``copy.deepcopy``) leave the
-key out, and the copy draws a key of its own.
+log or an artifact, and a resumed run draws a new key (privacy state survives a checkpoint, secrets do not):
+:meth:`~pl_dp.privacy.seeding.CopiesDrawTheirOwnSecret.redraw_secret` at every fit start, so a resume in the same
+process (a retry from an older checkpoint) draws fresh noise too. Pickles and deep copies (``torch.save(model)``,
+``copy.deepcopy``) leave the key out, and the copy draws a key of its own. As a guard behind that, an unseeded source
+refuses to draw a second time for a (step, draw) it has drawn under its key: the draws of a training step (step ≥ 0)
+must come in increasing order of (step, draw) per key.
 
 Two generators:
 
@@ -74,11 +77,24 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
             self._key = hashlib.sha256(b"pl_dp noise seed " + str(int(seed)).encode()).digest()
         self._step = 0
         self._draws = 0
+        # the (step, draw) of this key's latest draw for a training step: an unseeded key never draws one twice
+        self._last_draw: tuple[int, int] | None = None
 
     secret = "_key"  # left out of pickles and deep copies, which draw their own (CopiesDrawTheirOwnSecret)
 
     def _draw_secret(self) -> bytes:
         return secrets.token_bytes(_KEY_BYTES)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self.secret not in state:  # a key of its own: none of its draws is made yet
+            self._last_draw = None
+
+    def redraw_secret(self) -> None:
+        """A fresh key from OS entropy for a new fit (unless seeded): no draw of an earlier fit is ever made again."""
+        if not self.seeded:
+            super().redraw_secret()
+            self._last_draw = None
 
     def start_step(self, step: int) -> None:
         """Draws from now on belong to private step ``step`` (a pure function of key, step, draw index)."""
@@ -103,6 +119,7 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         """
         draw = self._draws
         self._draws += 1
+        self._refuse_replay(draw)
         numel = math.prod(shape)
         start, count = (0, numel) if block is None else (int(block[0]), int(block[1]))
         if not 0 <= start <= start + count <= numel:
@@ -129,6 +146,27 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
             first, end = max(start, low), min(start + count, low + values.numel())
             out[first - start : end - start] = values[first - low : end - low]
         return out.view(out_shape)
+
+    def _refuse_replay(self, draw: int) -> None:
+        """Refuse a draw of an unseeded key for a training step (≥ 0) at or before its latest one.
+
+        Each draw is a function of (key, step, draw): made twice, it is the same noise, and the two releases that
+        carry it differ by a noiseless difference (of two batches' sums, or of a banded recursion's past outputs).
+        pl_dp redraws the key at every fit start, so this never fires in a fit; it guards against a path that
+        forgets to. Negative steps are the one-step audit's trials (:mod:`pl_dp.audit`), which release nothing.
+        A seeded key (reproduction mode) replays by design: a bit-identical resume draws the same noise again.
+        """
+        if self.seeded or self._step < 0:
+            return
+        if self._last_draw is not None and (self._step, draw) <= self._last_draw:
+            raise RuntimeError(
+                f"the noise source was asked for draw {draw} of private step {self._step} after it drew "
+                f"{self._last_draw[1]} of step {self._last_draw[0]} under the same secret key: that noise may be out "
+                "already, and a release carrying it again would let the difference of the two cancel it. A fit draws "
+                "a fresh key at its start (PrivateModule.on_fit_start); code that reuses a NoiseSource for steps it "
+                "drew before must call redraw_secret() first."
+            )
+        self._last_draw = (self._step, draw)
 
     def _generator(self, device: torch.device, tag: bytes, *counters: int) -> torch.Generator:
         """A torch generator for (key, ``tag``, ``counters``): on the CPU in a full 19,937-bit state drawn from the key
@@ -162,7 +200,9 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         ``broadcast`` sends rank 0's object to all ranks (e.g. a Lightning strategy's ``broadcast``).
         The key crosses only the process group of the run, never storage.
         """
-        self._key, self.seeded = broadcast((self._key, self.seeded))
+        key, self.seeded = broadcast((self._key, self.seeded))
+        if key != self._key:  # rank 0's key, none of whose draws this rank made
+            self._key, self._last_draw = key, None
 
     def describe(self) -> str:
         """What protects the noise, for the privacy report (never the key itself)."""

@@ -82,6 +82,16 @@ class CopiesDrawTheirOwnSecret:
         if self.secret not in state:
             setattr(self, self.secret, self._draw_secret())
 
+    def redraw_secret(self) -> None:
+        """Draw a fresh secret from OS entropy, unless ``seeded`` (a user's seed is kept: reproduction mode).
+
+        Called at every fit start: a fit never draws with an earlier fit's secret, so a retry in the same process from
+        an older checkpoint (a notebook, a retry loop after a crash) does not replay randomness that an earlier fit
+        already released — noise whose second use would cancel in the difference of two releases, or batches whose
+        second use is not the fresh Poisson sample the accountant composes."""
+        if not self.seeded:
+            setattr(self, self.secret, self._draw_secret())
+
 
 #: where the 624 words of the Mersenne Twister sit in a torch CPU generator's state (after the initial seed, the
 #: position ``left``, ``seeded`` and ``next``: 8 + 4 + 4 + 8 bytes), each stored in 8 bytes

@@ -18,6 +18,7 @@ from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import PrivacyConfigError
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.privacy.accountants import create_accountant
+from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
 from tests import catalog
 from tests.conftest import blobs, make_trainer
@@ -518,3 +519,79 @@ def test_a_resume_without_its_journal_says_what_it_cannot_count(tmp_path):
     with pytest.warns(UserWarning, match="no privacy journal of this run was found"):
         resumed = _journal_run(tmp_path, ckpt_path=str(tmp_path / "ckpt" / "step=8.ckpt"))
     assert resumed.accountant.steps == 16
+
+
+_LOOSE = PrivacySpec(epsilon=50.0, accountant="rdp", noise_multiplier=1.0)  # no budget stop in the retries
+
+
+def _flat(path) -> torch.Tensor:
+    state = torch.load(path, weights_only=False)["state_dict"]
+    return torch.cat([state["net.weight"].flatten(), state["net.bias"].flatten()]).double()
+
+
+@pytest.mark.parametrize("noise", [{}, {"noise": "banded", "bands": 2}], ids=["independent", "banded"])
+def test_a_retry_in_the_same_process_from_an_older_checkpoint_draws_fresh_noise(tmp_path, noise):
+    """Finding 3 of an independent review: the noise key was drawn once, when the module was built, so fitting the
+    same module again from an older checkpoint (a notebook, a retry loop after a crash) drew the same noise for the
+    steps the crashed fit had released. Each update here is the noise alone (zero gradients): with the key reused,
+    the retry's release of step 3 equalled the crashed fit's, and with banded noise (b = 2) their difference was
+    c₁ times step 2's whole noise. Every fit now draws its own key."""
+    model = DPSGD(nn.Linear(4, 3), loss=_zero_gradient_loss, lr=1.0, clip=1.0, privacy=_LOOSE, **noise)
+    data = PrivatePublicDataModule(blobs(200), batch_size=10)
+
+    def saving(name):
+        return ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_steps=10, callbacks=[saving("crashed"), Crash(5)], enable_checkpointing=True).fit(model, data)
+    make_trainer(max_steps=10, callbacks=[saving("retry")], enable_checkpointing=True).fit(
+        model, data, ckpt_path=str(tmp_path / "crashed" / "step=2.ckpt")
+    )
+    crashed = {t: _flat(tmp_path / "crashed" / f"step={t}.ckpt") for t in (1, 2, 3)}
+    retried = _flat(tmp_path / "retry" / "step=3.ckpt")
+    release, again = crashed[2] - crashed[3], crashed[2] - retried  # step 2's release (SGD, lr 1), twice
+    assert release.abs().min() > 0 and again.abs().min() > 0
+    assert not torch.allclose(release, again, atol=1e-6)
+    if noise:  # the difference is not step 1's noise (c₁ = 1/2): that release keeps it
+        assert not torch.allclose((again - release) / 0.5, crashed[1] - crashed[2], atol=1e-5)
+    # both fits' releases are accounted: the crashed fit's 4 checkpointed steps (its 5th never left the process)
+    assert model.accountant.steps == (4 + 8 if not noise else 2 + 4)
+
+
+def test_a_loader_reused_by_a_retry_samples_fresh_batches(tmp_path):
+    """The same for a private loader the user built and passes to both fits: its sampler lived across them with
+    the same seed, so the retry from an older checkpoint sampled again exactly the batches of the steps the crashed
+    fit had released. Every fit now draws its own sampling seed (unless the user seeded it)."""
+    from pl_dp.privacy import poisson_loader
+
+    class Batches(L.Callback):
+        def __init__(self):
+            self.seen = {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen[pl_module.private_steps] = batch[0].clone()
+
+    model = DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=_LOOSE)
+    loader = poisson_loader(blobs(200), sample_rate=0.25, steps_per_epoch=10)
+    crashed, retried = Batches(), Batches()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_steps=8, callbacks=[ckpt, crashed, Crash(6)], enable_checkpointing=True).fit(model, loader)
+    make_trainer(max_steps=8, callbacks=[retried]).fit(model, loader, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    assert sorted(retried.seen) == [2, 3, 4, 5, 6, 7]
+    for step in (2, 3, 4, 5):  # released by both fits: never the same sample twice
+        a, b = crashed.seen[step], retried.seen[step]
+        assert a.shape != b.shape or not torch.equal(a, b), step
+
+
+def test_a_user_seeded_sampler_keeps_its_seed_across_fits():
+    """Reproduction mode: a seeded sampler is not redrawn (its batches are the seed's, by the user's choice)."""
+    from pl_dp.privacy import poisson_loader
+
+    loader = poisson_loader(blobs(200), sample_rate=0.25, seed=5, steps_per_epoch=10)
+    model = DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, noise_seed=3, privacy=_LOOSE)
+    keys = []
+    for _ in range(2):
+        make_trainer(max_steps=2).fit(model, loader)
+        keys.append((model.noise._key, loader.batch_sampler.seed))
+    assert keys[0] == keys[1] == (NoiseSource(3)._key, 5)

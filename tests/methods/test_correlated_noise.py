@@ -242,6 +242,31 @@ def test_kill_and_resume_restarts_the_recursion_and_composes_the_segments(tmp_pa
     assert whole.updates()[5].std().item() == pytest.approx(scale * sixth, rel=0.03)
 
 
+def test_a_seeded_banded_run_refuses_to_resume_and_an_entropy_key_resumes_it(tmp_path):
+    """Finding 2 of an independent review: with noise_seed set, a resume drew the same z_t for step t as the run that
+    wrote the checkpoint, but restarted the recursion. The interrupted run's release of step 5 carried z₅ − c₁·w₄, the
+    resume's z₅: from the two runs' checkpoints alone (no seed), r₄ − (r₅′ − r₅)/c₁ is step 4's clipped mean gradient
+    without noise. Which steps the interrupted run released past the checkpoint cannot be told (steps inside a band
+    add nothing to the journal), so such a resume is refused; without the noise seed it resumes with a fresh key."""
+
+    def model(seed):
+        L.seed_everything(0)
+        return DPSGD(nn.Linear(4, 3), lr=1.0, clip=0.5, privacy=SPEC, noise_seed=seed, noise="banded", bands=2)
+
+    def dm():
+        return PrivatePublicDataModule(blobs(200), batch_size=10, sampling_seed=12)
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_steps=10, callbacks=[ckpt, Crash(7)], enable_checkpointing=True).fit(model(11), dm())
+    path = str(tmp_path / "step=5.ckpt")
+    with pytest.raises(PrivacyConfigError, match="banded noise .* noise_seed cannot resume"):
+        make_trainer(max_steps=10).fit(model(11), dm(), ckpt_path=path)
+    resumed = model(None)
+    make_trainer(max_steps=10).fit(resumed, dm(), ckpt_path=path)
+    assert resumed.private_steps == 10
+
+
 def test_the_one_step_audit_sees_a_bands_first_step():
     """``pl_dp.audit`` runs the method's own step many times: with banded noise each trial is a band's first step
     (the recursion restarts), a Gaussian of std σζC for a sensitivity of C — within the claim, and the canary moves
@@ -258,4 +283,8 @@ def test_the_one_step_audit_sees_a_bands_first_step():
     )
     result = audit(model, PrivatePublicDataModule(blobs(40), batch_size=8), trials=300)
     assert not result.violated and result.epsilon_lower_bound <= result.claimed_epsilon
+    # the claim is the trial's own Gaussian, σζ: a build that forgot ζ adds less noise than it claims
+    zeta = BandedSquareRoot(bands).sensitivity
+    claimed = create_accountant("rdp").epsilon_after(result.delta, 1, noise_multiplier=sigma * zeta, sample_rate=1.0)
+    assert result.claimed_epsilon == pytest.approx(claimed, rel=1e-12)
     assert result.separation * sigma * BandedSquareRoot(bands).sensitivity == pytest.approx(1.0, abs=0.45), result

@@ -1,6 +1,7 @@
 """Poisson sampling, the noise source, the mechanism declaration, clipping and the loss contract."""
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -296,3 +297,40 @@ def test_releases_privatized_together_are_those_privatized_one_by_one():
     for (release, count), (expected, expected_count) in zip(together, one_by_one):
         assert torch.equal(release, expected) and float(count) == float(expected_count)
     assert [float(count) for _, count in together] == [0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_an_entropy_key_never_draws_a_training_steps_noise_twice(secure):
+    """A guard behind the fresh key of every fit: an unseeded source refuses a (step, draw) at or before the latest
+    one it drew under its key — the same noise in two releases cancels in their difference."""
+    source = NoiseSource(secure=secure)
+    source.start_step(3)
+    first = source.normal((4,), 1.0)
+    source.normal((4,), 1.0)  # the step's next draw
+    for step in (3, 2):
+        source.start_step(step)
+        with pytest.raises(RuntimeError, match="same secret key"):
+            source.normal((4,), 1.0)
+    source.start_step(4)
+    source.normal((4,), 1.0)
+    source.start_step(-1)  # the one-step audit's trials (negative counters) release nothing: not guarded
+    source.normal((4,), 1.0)
+    source.redraw_secret()  # a new fit's key: its steps are drawn afresh
+    source.start_step(3)
+    assert not torch.equal(source.normal((4,), 1.0), first)
+    copy = pickle.loads(pickle.dumps(source))  # a copy draws its own key, none of whose draws is made
+    copy.start_step(3)
+    copy.normal((4,), 1.0)
+
+
+def test_a_seeded_key_replays_its_draws_and_keeps_its_key():
+    """Reproduction mode: a user's seed redraws the same noise (a bit-identical resume) and is never redrawn."""
+    source = NoiseSource(seed=5)
+    key = source._key
+    source.redraw_secret()
+    assert source._key == key
+    draws = []
+    for _ in range(2):
+        source.start_step(3)
+        draws.append(source.normal((4,), 1.0))
+    assert torch.equal(*draws)
