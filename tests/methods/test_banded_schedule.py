@@ -1,0 +1,160 @@
+"""The participation schema banded noise is accounted for, measured on the batches a fit actually trains: step t of a
+fit trains a batch of cyclic group t mod b, so an example's participations are at least b steps apart and number at
+most the ⌈T/b⌉ compositions the ledger counts — also when batches are drawn and never trained (a loader's workers
+drawing ahead of an epoch cut short by ``limit_train_batches``, a module skipping the rest of an epoch) and across a
+resume with workers. And the mechanism (σ, clip, q) is fixed for a whole banded fit. Found by an independent privacy
+review (F1, F4)."""
+
+import math
+from collections import defaultdict
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pl_dp import PrivacySpec
+from pl_dp.data import PrivatePublicDataModule
+from pl_dp.errors import PrivacyConfigError
+from pl_dp.methods import DPSGD
+from pl_dp.privacy import poisson_loader
+from pl_dp.privacy.sampling import CountingBatchSampler
+from tests.conftest import make_trainer
+from tests.methods.test_checkpoint import Crash
+
+BANDS, N, BATCH = 4, 400, 10
+
+
+def indexed(n: int = N) -> TensorDataset:
+    """Examples whose first feature is their index: the trained batches say which examples took part."""
+    x = torch.randn(n, 5, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = torch.arange(n).float()
+    return TensorDataset(x, torch.zeros(n, dtype=torch.long))
+
+
+class Trained(L.Callback):
+    """The examples of every batch a private step trained, with the step's index in its fit."""
+
+    def __init__(self):
+        self.steps: list[tuple[int, list[int]]] = []
+        self._first = None
+
+    def on_train_start(self, trainer, pl_module):
+        self._first = pl_module.private_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append((pl_module.private_steps - 1 - self._first, batch[0][:, 0].long().tolist()))
+
+    def participations(self) -> dict[int, list[int]]:
+        seen = defaultdict(list)
+        for step, examples in self.steps:
+            for example in examples:
+                seen[example].append(step)
+        return seen
+
+
+def banded(**kwargs) -> DPSGD:
+    return DPSGD(
+        nn.Linear(5, 3),
+        lr=0.1,
+        clip=1.0,
+        privacy=PrivacySpec(epsilon=8.0, accountant="rdp", noise_multiplier=2.0),
+        noise="banded",
+        bands=BANDS,
+        **kwargs,
+    )
+
+
+def assert_schema(model: DPSGD, trained: Trained, start: int = 0, earlier: int = 0) -> None:
+    """Each trained step sampled group (start + t) mod b only; participations ≥ b apart and no more than the
+    compositions this fit added to the ``earlier`` ones."""
+    sampler = model._sampler
+    for step, examples in trained.steps:
+        groups = set(sampler.group_of(examples).tolist()) if examples else set()
+        assert groups <= {(start + step) % BANDS}, (step, groups)
+    participations = trained.participations()
+    assert participations, "no example was trained"
+    gaps = [b - a for steps in participations.values() for a, b in zip(steps, steps[1:])]
+    assert min(gaps, default=BANDS) >= BANDS
+    most = max(len(steps) for steps in participations.values())
+    compositions = model.accountant.steps - earlier
+    assert compositions >= most  # ε is reported for at least as many compositions as participations
+    assert compositions == math.ceil(len(trained.steps) / BANDS)
+
+
+def test_limit_train_batches_with_workers_keeps_the_cyclic_schedule():
+    """The loader's worker draws prefetch_factor·num_workers batches ahead; each epoch cut at 2 batches drops the rest.
+    Before the fix the next epoch began after the dropped ones: groups 0,1,0,1,… (separation 2), 8 participations for
+    4 compositions — ε reported 7.98 for a run whose participations are worth ≥ 10.5."""
+    model, trained = banded(), Trained()
+    make_trainer(max_epochs=8, limit_train_batches=2, callbacks=[trained]).fit(
+        model, PrivatePublicDataModule(indexed(), batch_size=BATCH, num_workers=1)
+    )
+    assert model.private_steps == 16
+    assert_schema(model, trained)
+
+
+class SkipsTheRestOfEachEpoch(DPSGD):
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx >= 3:  # e.g. a wall-clock budget per epoch: the batch handed over is drawn, never trained
+            return -1
+        return None
+
+
+def test_skipping_the_rest_of_an_epoch_keeps_the_cyclic_schedule():
+    model, trained = (
+        SkipsTheRestOfEachEpoch(
+            nn.Linear(5, 3),
+            lr=0.1,
+            clip=1.0,
+            privacy=PrivacySpec(epsilon=8.0, accountant="rdp", noise_multiplier=2.0),
+            noise="banded",
+            bands=BANDS,
+        ),
+        Trained(),
+    )
+    make_trainer(max_epochs=6, callbacks=[trained]).fit(model, PrivatePublicDataModule(indexed(), batch_size=BATCH))
+    assert model.private_steps == 18
+    assert_schema(model, trained)
+
+
+def test_a_resume_with_workers_continues_at_the_checkpoints_position(tmp_path):
+    """Lightning builds the first epoch's iterator — and the workers draw ahead — before the module restores the
+    sampler's position: the data module places its loader there first, so the resumed fit trains P, P + 1, …"""
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_steps=12, callbacks=[ckpt, Crash(7)], enable_checkpointing=True).fit(
+            banded(), PrivatePublicDataModule(indexed(), batch_size=BATCH, num_workers=1)
+        )
+    saved = torch.load(tmp_path / "step=6.ckpt", weights_only=False)["pl_dp"]["sampler"]["position"]
+    assert saved == 6
+    resumed, trained = banded(), Trained()
+    make_trainer(max_steps=12, callbacks=[trained]).fit(
+        resumed,
+        PrivatePublicDataModule(indexed(), batch_size=BATCH, num_workers=1),
+        ckpt_path=str(tmp_path / "step=6.ckpt"),
+    )
+    assert resumed.private_steps == 12 and resumed._sampler_start == saved
+    assert_schema(resumed, trained, start=saved, earlier=math.ceil(saved / BANDS))
+
+
+def test_a_batch_off_the_schedule_is_refused_before_its_release(monkeypatch):
+    """The guard behind the realignment: were an epoch to begin elsewhere than at the first untrained position, the
+    step is refused before anything is released or recorded."""
+    monkeypatch.setattr(CountingBatchSampler, "restart_at", lambda self, position: None)  # the old behaviour
+    model = banded()
+    with pytest.raises(PrivacyConfigError, match="needs position 2"):
+        make_trainer(max_epochs=4, limit_train_batches=2).fit(
+            model, PrivatePublicDataModule(indexed(), batch_size=BATCH, num_workers=1)
+        )
+    assert model.private_steps == 2 and model.accountant.steps == 1  # the refused step released nothing
+
+
+def test_a_loader_that_reorders_batches_is_refused():
+    model = banded()
+    loader = poisson_loader(indexed(), BANDS * BATCH / N, bands=BANDS, num_workers=2, in_order=False)
+    with pytest.raises(PrivacyConfigError, match="in_order"):
+        make_trainer(max_steps=4).fit(model, loader)
+    assert model.private_steps == 0
