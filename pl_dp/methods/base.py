@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -228,6 +229,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self._sampler: CountingBatchSampler | None = None
         self._sampler_start = 0
         self._batches_consumed = 0
+        self._fit_release: dict[str, Any] | None = None
         self._restored: dict[str, Any] | None = None
         self._plan_ready = False
         self._metrics: nn.ModuleDict = nn.ModuleDict()
@@ -511,6 +513,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self.ledger.planned_steps = int(planned)
         self.ledger.observe_sampler(sampler, self.noise.seeded)
         self._sampler = sampler if isinstance(sampler, CountingBatchSampler) else None
+        self._fit_release = None  # banded noise: this fit's mechanism, fixed at its first step
         if self._sampler is not None:  # its position is checkpointed, so a resume continues the epoch
             saved = restored.get("sampler") if restored is not None else None
             if not self._sampler.drawing:
@@ -716,6 +719,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             self._take_position()
         batch_size = batch_size_of(batch)
         mechanism = self.mechanism(batch_size)
+        if self.privacy is not None and self.bands > 1 and self.touches_private_data:
+            self._check_fit_release(mechanism)
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
         self.noise.start_step(self.private_steps)
@@ -758,6 +763,32 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
                 "group t mod b): two participations of an example could come closer than b steps, which the banded "
                 "accounting excludes. The private loader must hand batches on in the order its batch sampler draws "
                 "them (no in_order=False, no loader wrapping or reordering batches) and be iterated by this fit only."
+            )
+
+    def _check_fit_release(self, mechanism: Any) -> None:
+        """Banded noise: refuse — before the release — a step whose mechanism (σ, q, sensitivity, expected batch size)
+        differs from the fit's first step's. A participation's noise spans b rows of the strategy, and the ledger
+        records a band at its first step: a σ lowered (or a clip bound raised) within the fit, even at a band's
+        start, is not what the accountant composes."""
+        if not dataclasses.is_dataclass(mechanism):
+            return
+        fields = ((f.name, getattr(mechanism, f.name)) for f in dataclasses.fields(mechanism))
+        release = {name: value for name, value in fields if value is None or isinstance(value, int | float)}
+        if self._fit_release is None:
+            self._fit_release = release
+            return
+        changed = {
+            name: (self._fit_release[name], value)
+            for name, value in release.items()
+            if self._fit_release[name] != value
+        }
+        if changed:
+            said = ", ".join(f"{name} {before!r} -> {now!r}" for name, (before, now) in changed.items())
+            raise PrivacyConfigError(
+                f"banded noise (bands={self.bands}) releases under one mechanism for a whole fit, but its {said} "
+                "changed since the fit's first step (set on the module mid-fit?): one participation's noise spans "
+                "b steps and the ledger accounts each band at its first step. Change noise_multiplier, the clip "
+                "or the sampling between fits, not within one."
             )
 
     @contextlib.contextmanager

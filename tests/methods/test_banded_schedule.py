@@ -20,6 +20,7 @@ from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import PrivacyConfigError
 from pl_dp.methods import DPSGD
 from pl_dp.privacy import poisson_loader
+from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.sampling import CountingBatchSampler
 from tests.conftest import make_trainer
 from tests.methods.test_checkpoint import Crash
@@ -158,3 +159,43 @@ def test_a_loader_that_reorders_batches_is_refused():
     with pytest.raises(PrivacyConfigError, match="in_order"):
         make_trainer(max_steps=4).fit(model, loader)
     assert model.private_steps == 0
+
+
+class ChangesTheMechanism(L.Callback):
+    def __init__(self, change):
+        self.change = change
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.private_steps == 1:
+            self.change(pl_module)
+
+
+def lower_sigma(module):
+    module.noise_multiplier = module.noise_multiplier / 4
+
+
+def raise_the_clip(module):
+    module.clip_function = ClipFunction("constant", 4.0, 0.1)
+
+
+@pytest.mark.parametrize("change", [lower_sigma, raise_the_clip])
+def test_the_mechanism_of_a_banded_fit_cannot_change_within_it(change):
+    """The ledger records a band at its first step: a σ lowered (a clip raised) inside it was never accounted; and
+    even at a band's start one participation's noise spans b rows. Before the fix the history stayed [(2.0, q, 1)]
+    while noise at σ/4 was added."""
+    model = banded()
+    with pytest.raises(PrivacyConfigError, match="within one"):
+        make_trainer(max_steps=4, callbacks=[ChangesTheMechanism(change)]).fit(
+            model, PrivatePublicDataModule(indexed(), batch_size=BATCH)
+        )
+    assert model.private_steps == 1  # refused before the second step's release
+
+
+def test_one_band_still_accounts_a_sigma_change_step_by_step():
+    model = DPSGD(
+        nn.Linear(5, 3), lr=0.1, clip=1.0, privacy=PrivacySpec(epsilon=50.0, accountant="rdp", noise_multiplier=2.0)
+    )
+    make_trainer(max_steps=4, callbacks=[ChangesTheMechanism(lower_sigma)]).fit(
+        model, PrivatePublicDataModule(indexed(), batch_size=BATCH)
+    )
+    assert [entry[0] for entry in model.accountant.history] == [2.0, 0.5]
