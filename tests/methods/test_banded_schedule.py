@@ -2,8 +2,8 @@
 fit trains a batch of cyclic group t mod b, so an example's participations are at least b steps apart and number at
 most the ⌈T/b⌉ compositions the ledger counts — also when batches are drawn and never trained (a loader's workers
 drawing ahead of an epoch cut short by ``limit_train_batches``, a module skipping the rest of an epoch) and across a
-resume with workers. And the mechanism (σ, clip, q) is fixed for a whole banded fit. Found by an independent privacy
-review (F1, F4)."""
+resume with workers. And the mechanism (σ, clip, q) is fixed for a whole banded fit, and Coupling's α = 1 is refused
+at fit start. Found by an independent privacy review (F1, F4, I1)."""
 
 import math
 from collections import defaultdict
@@ -16,9 +16,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pl_dp import PrivacySpec
+from pl_dp.callbacks import AlphaSchedule
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import PrivacyConfigError
-from pl_dp.methods import DPSGD
+from pl_dp.methods import DPSGD, Coupling
 from pl_dp.privacy import poisson_loader
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.sampling import CountingBatchSampler
@@ -141,6 +142,30 @@ def test_a_resume_with_workers_continues_at_the_checkpoints_position(tmp_path):
     assert_schema(resumed, trained, start=saved, earlier=math.ceil(saved / BANDS))
 
 
+class OwnLoader(L.LightningDataModule):
+    """A data module of one's own over pl_dp's cyclic loader, with a worker: it cannot be placed at a checkpoint's
+    position before Lightning iterates it."""
+
+    def train_dataloader(self):
+        return poisson_loader(indexed(), BANDS * BATCH / N, bands=BANDS, steps_per_epoch=N // BATCH, num_workers=1)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(indexed(20), batch_size=10)
+
+
+def test_a_resume_whose_workers_drew_first_continues_where_they_began(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer(max_steps=12, callbacks=[ckpt, Crash(7)], enable_checkpointing=True).fit(banded(), OwnLoader())
+    resumed, trained = banded(), Trained()
+    with pytest.warns(UserWarning, match="drew batches from sampler position 0 before the checkpoint's position 6"):
+        make_trainer(max_steps=12, callbacks=[trained]).fit(
+            resumed, OwnLoader(), ckpt_path=str(tmp_path / "step=6.ckpt")
+        )
+    assert resumed.private_steps == 12 and resumed._sampler_start == 0
+    assert_schema(resumed, trained, start=0, earlier=2)
+
+
 def test_a_batch_off_the_schedule_is_refused_before_its_release(monkeypatch):
     """The guard behind the realignment: were an epoch to begin elsewhere than at the first untrained position, the
     step is refused before anything is released or recorded."""
@@ -199,3 +224,25 @@ def test_one_band_still_accounts_a_sigma_change_step_by_step():
         model, PrivatePublicDataModule(indexed(), batch_size=BATCH)
     )
     assert [entry[0] for entry in model.accountant.history] == [2.0, 0.5]
+
+
+@pytest.mark.parametrize("anneal_steps, refused", [(3, True), (100, False)])
+def test_an_alpha_schedule_reaching_one_is_refused_at_fit_start(anneal_steps, refused):
+    """Coupling with banded noise cannot skip the private batch (α = 1) within a fit; a schedule that would get there
+    within the plan is refused before the first step, not at that step after ε was spent."""
+    model = Coupling(
+        nn.Linear(5, 3),
+        clip=1.0,
+        noise="banded",
+        bands=2,
+        privacy=PrivacySpec(epsilon=8.0, accountant="rdp", noise_multiplier=2.0),
+    )
+    trainer = make_trainer(max_steps=8, callbacks=[AlphaSchedule(anneal_steps=anneal_steps)])
+    data = PrivatePublicDataModule(indexed(), public=indexed(50), batch_size=BATCH)
+    if refused:
+        with pytest.raises(PrivacyConfigError, match="reaches alpha=1 at step 4"):
+            trainer.fit(model, data)
+        assert model.private_steps == 0 and model.epsilon == 0.0
+    else:
+        trainer.fit(model, data)
+        assert model.private_steps == 8
