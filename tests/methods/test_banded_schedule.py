@@ -20,7 +20,7 @@ from pl_dp.callbacks import AlphaSchedule
 from pl_dp.data import PrivatePublicDataModule
 from pl_dp.errors import PrivacyConfigError
 from pl_dp.methods import DPSGD, Coupling
-from pl_dp.privacy import poisson_loader
+from pl_dp.privacy import CyclicPoissonBatchSampler, poisson_loader
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.privacy.sampling import CountingBatchSampler
 from tests.conftest import make_trainer
@@ -246,3 +246,16 @@ def test_an_alpha_schedule_reaching_one_is_refused_at_fit_start(anneal_steps, re
     else:
         trainer.fit(model, data)
         assert model.private_steps == 8
+
+
+def test_the_sampler_draws_again_from_the_first_position_no_step_took():
+    """The sampler alone: an iteration abandoned after drawing ahead, restarted at the first untaken position, yields
+    that position's batch again (the same batch: batch i is a function of (seed, i)) and then the next ones."""
+    sampler = CyclicPoissonBatchSampler(N, 0.4, bands=BANDS, steps_per_epoch=10, seed=1)
+    first = iter(sampler)
+    drawn = [next(first) for _ in range(3)]  # a loader's workers drawing ahead
+    assert sampler.take() == 0 and sampler.first_untaken() == 1 and sampler.position == 3
+    sampler.restart_at(1)
+    again = list(sampler)  # the next epoch's iteration
+    assert again[0] == drawn[1] and len(again) == 9 and sampler.take() == 1
+    assert sampler.first_untaken() == 2
