@@ -16,7 +16,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.errors import ConfigError, PrivacyConfigError
-from pl_dp.privacy.sampling import poisson_loader
+from pl_dp.privacy.sampling import CountingBatchSampler, poisson_loader
 from pl_dp.privacy.units import PrivacyUnit, UserIndex, UserOf
 
 _SCALARS = (str, Path, int, float, bool, type(None))
@@ -239,6 +239,15 @@ class PrivatePublicDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         module = self.trainer.lightning_module if self.trainer is not None else None
+        loader = self._private_loader(module)
+        # a resumed fit's loader starts at the checkpoint's position now: Lightning builds the first epoch's iterator
+        # (and a loader's workers draw ahead) before the module restores it
+        saved = module.resumed_sampler_state() if hasattr(module, "resumed_sampler_state") else None
+        if saved is not None and isinstance(loader.batch_sampler, CountingBatchSampler):
+            loader.batch_sampler.load_state_dict(saved)
+        return loader
+
+    def _private_loader(self, module: Any) -> DataLoader:
         own = module.private_loader(self.private, self.seed) if hasattr(module, "private_loader") else None
         if own is not None:  # a method whose accounting needs other sampling (O2NC's partition)
             if self.users is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -229,6 +230,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self._sampler: CountingBatchSampler | None = None
         self._sampler_start = 0
         self._batches_consumed = 0
+        self._fit_release: dict[str, Any] | None = None
         self._restored: dict[str, Any] | None = None
         self._plan_ready = False
         self._metrics: nn.ModuleDict = nn.ModuleDict()
@@ -458,6 +460,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         """
         return None
 
+    def resumed_sampler_state(self) -> dict[str, Any] | None:
+        """The sampler state of the checkpoint this fit resumes (None: none): the data module places a new private
+        loader there, before Lightning builds its first iterator (and a loader's workers draw ahead)."""
+        return None if self._restored is None else self._restored.get("sampler")
+
     def private_sampler_of(self, loader: Any) -> Any:
         """The sampler behind the private loader, checked against this method's accounting (it must match): Poisson
         sampling, over :attr:`bands` cyclic groups (one, plain Poisson sampling, unless the noise is banded)."""
@@ -473,6 +480,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
                 + (f"{found} cyclic groups" if found > 1 else "every example at every step (plain Poisson)")
                 + ": the accountant would not describe the run. Let pl_dp.data.PrivatePublicDataModule build the "
                 f"loader, or build it with pl_dp.privacy.poisson_loader(..., bands={self.bands})."
+            )
+        if found > 1 and getattr(loader, "num_workers", 0) > 0 and not getattr(loader, "in_order", True):
+            raise PrivacyConfigError(
+                "the private loader hands batches on out of order (DataLoader in_order=False): cyclic Poisson sampling "
+                "needs step t to train the batch of group t mod b. Leave in_order=True with banded noise."
             )
         return sampler
 
@@ -502,11 +514,26 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         self.ledger.planned_steps = int(planned)
         self.ledger.observe_sampler(sampler, self.noise.seeded)
         self._sampler = sampler if isinstance(sampler, CountingBatchSampler) else None
+        self._fit_release = None  # banded noise: this fit's mechanism, fixed at its first step
         if self._sampler is not None:  # its position is checkpointed, so a resume continues the epoch
-            if restored is not None and "sampler" in restored:
-                sampler.load_state_dict(restored["sampler"])
-            self._sampler_start = sampler.position
+            saved = restored.get("sampler") if restored is not None else None
+            if not self._sampler.drawing:
+                if saved is not None:
+                    self._sampler.load_state_dict(saved)
+            elif saved is not None and int(saved["position"]) != self._sampler.first_untaken():
+                # Lightning builds the first epoch's iterator before this hook, and a loader's workers draw ahead
+                # then: that iteration cannot be moved. The fit trains on from where it began (its positions still
+                # follow each other), but the epoch does not continue at the checkpoint's place
+                rank_zero_warn(
+                    f"the private loader's workers drew batches from sampler position "
+                    f"{self._sampler.first_untaken()} before the checkpoint's position {saved['position']} could be "
+                    "restored: this fit continues from the former (its privacy accounting is unaffected), not "
+                    "mid-epoch where the checkpoint stopped. pl_dp.data.PrivatePublicDataModule places its loader "
+                    "at the checkpoint's position; or use num_workers=0."
+                )
+            self._sampler_start = self._sampler.first_untaken()
             self._batches_consumed = 0
+            self._sampler.restart_at(self._sampler_start)  # every epoch of this fit begins at the first untrained
         if self.privacy is None:
             self.set_padding_example()
             return
@@ -659,6 +686,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         # every fit draws its own noise key (unless seeded), before the ranks share rank 0's (setup_distribution): a
         # retry in this process from an older checkpoint never draws again the noise of steps an earlier fit released
         self.noise.redraw_secret()
+        if self._sampler is not None:  # an earlier fit's loader, if this fit uses it again: it draws anew
+            self._sampler.forget_draws()
         self.prepare_strategy()
         self._plan_ready = False  # every fit re-reads its loader and re-plans (ε composes across fits)
         self.privacy_exhausted = False  # the budget guard decides again for this fit's plan
@@ -717,8 +746,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             self.trainer.should_stop = True
             self._log_epsilon(final=True)  # the fit ends here: the loggers write its exact ε (should_stop)
             return None
+        if self._sampler is not None:
+            self._take_position()
         batch_size = batch_size_of(batch)
         mechanism = self.mechanism(batch_size)
+        if self.privacy is not None and self.bands > 1 and self.touches_private_data:
+            self._check_fit_release(mechanism)
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
         self.noise.start_step(self.private_steps)
@@ -730,12 +763,64 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         if self.touches_private_data:
             self.ledger.record(mechanism)
         self._batches_consumed += 1
+        if self._sampler is not None:  # an epoch cut short begins the next at the first batch not trained
+            self._sampler.restart_at(self._sampler_start + self._batches_consumed)
         opt.step()  # applies .grad where a first-order method set it; otherwise only advances global_step
         opt.zero_grad(set_to_none=True)
         self._step_lr_schedulers("step")
         self._log_step(result)
         if self.log_private_metrics:
             self._log_private_metrics(batch)
+
+    def _take_position(self) -> None:
+        """Take the sampler position of the batch this step trains — the oldest one the current iteration drew and no
+        step took (a DataLoader hands batches on in the order its batch sampler yields them; ``in_order=False`` is
+        refused at fit start) — and under cyclic sampling (bands > 1) refuse, before anything is released, one that
+        is not where the fit's schedule is.
+
+        The k-th step of a fit must train position start + k: cyclic sampling's step t samples group t mod b, and
+        the banded accounting (⌈T/b⌉ compositions, b-min-separation) holds for the groups of the steps trained, not
+        of the batches drawn. Each epoch begins at the first position no step trained (:meth:`~pl_dp.privacy.
+        sampling.CountingBatchSampler.restart_at`); this check stands behind that. It reads positions only (never
+        data): whether it raises says nothing about the records."""
+        sampler = self._sampler
+        if sampler is None:
+            return
+        drawn, expected = sampler.take(), self._sampler_start + self._batches_consumed
+        if self.privacy is not None and self.bands > 1 and drawn != expected:
+            raise PrivacyConfigError(
+                f"private step {self._batches_consumed} of this fit trains the batch at sampler position {drawn}, but "
+                f"cyclic Poisson sampling over {self.bands} groups needs position {expected} there (step t samples "
+                "group t mod b): two participations of an example could come closer than b steps, which the banded "
+                "accounting excludes. The private loader must hand batches on in the order its batch sampler draws "
+                "them (no in_order=False, no loader wrapping or reordering batches) and be iterated by this fit only."
+            )
+
+    def _check_fit_release(self, mechanism: Any) -> None:
+        """Banded noise: refuse — before the release — a step whose mechanism (σ, q, sensitivity, expected batch size)
+        differs from the fit's first step's. A participation's noise spans b rows of the strategy, and the ledger
+        records a band at its first step: a σ lowered (or a clip bound raised) within the fit, even at a band's
+        start, is not what the accountant composes."""
+        if not dataclasses.is_dataclass(mechanism):
+            return
+        fields = ((f.name, getattr(mechanism, f.name)) for f in dataclasses.fields(mechanism))
+        release = {name: value for name, value in fields if value is None or isinstance(value, int | float)}
+        if self._fit_release is None:
+            self._fit_release = release
+            return
+        changed = {
+            name: (self._fit_release[name], value)
+            for name, value in release.items()
+            if self._fit_release[name] != value
+        }
+        if changed:
+            said = ", ".join(f"{name} {before!r} -> {now!r}" for name, (before, now) in changed.items())
+            raise PrivacyConfigError(
+                f"banded noise (bands={self.bands}) releases under one mechanism for a whole fit, but its {said} "
+                "changed since the fit's first step (set on the module mid-fit?): one participation's noise spans "
+                "b steps and the ledger accounts each band at its first step. Change noise_multiplier, the clip "
+                "or the sampling between fits, not within one."
+            )
 
     @contextlib.contextmanager
     def _private_randomness(self) -> Iterator[None]:

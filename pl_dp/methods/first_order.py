@@ -514,6 +514,31 @@ class Coupling(PublicDataMixin, FirstOrderModule, shardable=True):
         if self.alpha_policy == "auto":
             dim = sum(p.numel() for p in self.trainable_parameters())
             self._alpha = self.alpha_from_kappa(self.kappa, self.expected_batch_size, self.noise_multiplier, dim)
+        if self.privacy is not None and self.bands > 1:
+            self._refuse_alpha_one()
+
+    def _refuse_alpha_one(self) -> None:
+        """With bands > 1, refuse at fit start — before any ε is spent — an α of 1 this fit would step with: the
+        module's own, or an :class:`~pl_dp.callbacks.AlphaSchedule`'s at a planned step (its values are a function of
+        the step and its configuration). The step itself refuses it too (:meth:`private_step`)."""
+        from pl_dp.callbacks.alpha import AlphaSchedule  # the callbacks import the methods' protocol, not the reverse
+
+        trainer = self.trainer
+        first, last = trainer.global_step, max(int(trainer.estimated_stepping_batches), trainer.global_step)
+        found = ["the module's alpha is 1"] if self._alpha == 1.0 else []
+        for callback in trainer.callbacks:
+            if isinstance(callback, AlphaSchedule):
+                period = callback.period(self)
+                step = next((t for t in range(first, last) if callback.value(t, period) >= 1.0), None)
+                if step is not None:
+                    found.append(f"{type(callback).__name__} reaches alpha=1 at step {step}")
+        if found:
+            raise PrivacyConfigError(
+                f"{'; '.join(found)}: alpha=1 skips the private batch, but banded noise with bands={self.bands} must "
+                "read it at every step (a step that skipped it would break the schedule its accounting rests on): "
+                "keep alpha < 1 (an AlphaSchedule's period, anneal_steps or anneal_factor x planned steps / 2, "
+                "beyond the plan), or use noise='independent'."
+            )
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:
         params, alpha = self.trainable_parameters(), self.alpha

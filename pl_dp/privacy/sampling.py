@@ -24,6 +24,7 @@ user independently at rate q and takes one example of each sampled user, so one 
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,12 +60,53 @@ class CountingBatchSampler(Sampler[list[int]]):
         """Whom the guarantee protects and how many there are: one example of ``num_samples``."""
         return PrivacyUnit("example", self.num_samples)
 
+    #: where the next iteration begins, when a module trains this sampler's batches (:meth:`restart_at`): the first
+    #: position no step trained; None: where the last iteration stopped drawing
+    _restart: int | None = None
+    #: the positions the current iteration drew that no step took yet (:meth:`take`), oldest first
+    _drawn: deque[int] | None = None
+
     def __iter__(self) -> Iterator[list[int]]:
+        if self._restart is not None:
+            # batches drawn but never trained (a loader's prefetch cut off at an epoch's end, a skipped rest of epoch)
+            # are drawn again: batch i is a function of (seed, i), so it is the same batch, never trained twice
+            self.position = self._restart
         end = (self.position // self.steps_per_epoch + 1) * self.steps_per_epoch
+        drawn = self._drawn = deque()  # this iteration's own: an abandoned one's draws are not taken
         while self.position < end:
             index = self.position
             self.position += 1
+            drawn.append(index)
             yield self.batch(index)
+
+    def restart_at(self, position: int) -> None:
+        """Begin every later iteration at ``position`` (the first one no step trained), not where the last stopped
+        drawing: a DataLoader draws ahead of training (its workers' prefetch) and drops what an epoch cut short did
+        not train, and the positions a fit trains must follow each other (cyclic sampling's group of step t is
+        t mod b; a partition's blocks)."""
+        self._restart = int(position)
+
+    def take(self) -> int | None:
+        """The position of the oldest batch the current iteration drew that no step took yet (None: none): a
+        DataLoader hands batches on in the order its batch sampler yields them."""
+        drawn = self._drawn
+        return drawn.popleft() if drawn else None
+
+    def first_untaken(self) -> int:
+        """Where training continues: the oldest position drawn and not taken, else where the next iteration begins."""
+        drawn = self._drawn
+        if drawn:
+            return drawn[0]
+        return self._restart if self._restart is not None else self.position
+
+    def forget_draws(self) -> None:
+        """Drop what the current iteration drew and no step took (a fit ends; the next one draws anew)."""
+        self._drawn = None
+
+    @property
+    def drawing(self) -> bool:
+        """Whether the current iteration drew batches no step took yet (a loader's workers draw ahead)."""
+        return bool(self._drawn)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -74,6 +116,7 @@ class CountingBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
+        self._restart, self._drawn = None, None
 
 
 class PoissonBatchSampler(CopiesDrawTheirOwnSecret, CountingBatchSampler):
