@@ -46,8 +46,14 @@ from pl_dp.privacy.ledger import PrivacyLedger
 from pl_dp.privacy.mechanisms import Mechanism, SubsampledGaussian
 from pl_dp.privacy.noise import NoiseSource
 from pl_dp.privacy.report import PrivacyReport
-from pl_dp.privacy.sampling import CountingBatchSampler, EmptySafeCollate, poisson_sampler_of, private_data_of
-from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, SeedDomain, derive_seed
+from pl_dp.privacy.sampling import (
+    CountingBatchSampler,
+    EmptySafeCollate,
+    PoissonBatchSampler,
+    poisson_sampler_of,
+    private_data_of,
+)
+from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.units import PrivacyUnit
 from pl_dp.step.batches import batch_size_of
@@ -719,11 +725,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             )
 
     def on_train_start(self) -> None:
-        # a loader the user built and passes to several fits keeps its sampler: it draws a fresh sampling seed (unless
-        # seeded), so a retry from an older checkpoint does not sample again the batches an earlier fit released
+        # a loader the user built and passes to several fits keeps its sampler: a later fit draws a fresh sampling seed
+        # (unless seeded), so a retry from an older checkpoint does not sample again the batches an earlier fit released
         sampler = getattr(self.trainer.train_dataloader, "batch_sampler", None)
-        if self.privacy is not None and isinstance(sampler, CopiesDrawTheirOwnSecret):
-            sampler.redraw_secret()
+        if self.privacy is not None and isinstance(sampler, PoissonBatchSampler):
+            sampler.begin_fit()
         self.setup_privacy()
 
     def on_train_epoch_end(self) -> None:

@@ -149,6 +149,7 @@ class PoissonBatchSampler(CopiesDrawTheirOwnSecret, CountingBatchSampler):
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
         self.position = 0  # index of the next batch to draw
+        self._fits = 0  # fits that sampled from it (begin_fit)
 
     secret = "seed"  # left out of pickles and deep copies, which draw their own (CopiesDrawTheirOwnSecret)
     #: the participation schema: 1, every example may join every step (:class:`CyclicPoissonBatchSampler`: b groups)
@@ -156,6 +157,23 @@ class PoissonBatchSampler(CopiesDrawTheirOwnSecret, CountingBatchSampler):
 
     def _draw_secret(self) -> int:
         return entropy_seed()
+
+    def begin_fit(self) -> None:
+        """A fit starts sampling from this sampler. The first fit keeps the seed drawn at construction; a later one (a
+        loader the user built and passes to several fits: a retry from an older checkpoint) draws a fresh seed
+        (:meth:`~pl_dp.privacy.seeding.CopiesDrawTheirOwnSecret.redraw_secret`), so it never samples again the batches
+        an earlier fit released — unless the loader's workers already drew batches under the old seed (they draw
+        ahead before a module hears of the fit): a seed changed then would mix two group assignments of cyclic
+        sampling, and the batches drawn are an earlier fit's, so that is refused."""
+        if self._fits and not self.seeded:
+            if self.drawing:
+                raise PrivacyConfigError(
+                    "this private loader was used by an earlier fit, and its workers already drew batches for this "
+                    "one with that fit's secret sampling seed (a retry would sample the batches it released again): "
+                    "build a new loader for each fit (pl_dp.data.PrivatePublicDataModule does), or use num_workers=0."
+                )
+            self.redraw_secret()
+        self._fits += 1
 
     @property
     def expected_batch_size(self) -> float:

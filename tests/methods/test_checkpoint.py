@@ -584,6 +584,21 @@ def test_a_loader_reused_by_a_retry_samples_fresh_batches(tmp_path):
         assert a.shape != b.shape or not torch.equal(a, b), step
 
 
+def test_a_reused_loader_whose_workers_drew_ahead_is_refused_and_a_first_fit_keeps_its_seed():
+    """A loader's workers draw batches before a module hears of the fit: a reused loader's were drawn with the earlier
+    fit's seed (the batches it released), so the retry is refused; a loader's first fit keeps its construction seed
+    (redrawing it after the workers drew would mix two group assignments of cyclic sampling)."""
+    from pl_dp.privacy import poisson_loader
+
+    loader = poisson_loader(blobs(200), sample_rate=0.25, steps_per_epoch=10, num_workers=1)
+    seed = loader.batch_sampler.seed
+    model = DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=_LOOSE)
+    make_trainer(max_steps=2).fit(model, loader)
+    assert loader.batch_sampler.seed == seed
+    with pytest.raises(PrivacyConfigError, match="used by an earlier fit, and its workers already drew"):
+        make_trainer(max_steps=4).fit(model, loader)
+
+
 def test_a_user_seeded_sampler_keeps_its_seed_across_fits():
     """Reproduction mode: a seeded sampler is not redrawn (its batches are the seed's, by the user's choice)."""
     from pl_dp.privacy import poisson_loader
