@@ -645,7 +645,7 @@ def report(store: Store, out: Path, results_md: Path, plan: list[tuple]) -> str:
         "start over), or `--report` to rebuild this page from the JSON. The first edition (η tuned alone, 3 seeds, "
         "ZO at 2× the first-order steps, one public shift) is in git history.",
         "Correlated (banded matrix-factorization) noise against DP-SGD's independent noise is a study of its own under "
-        "this protocol: [CORRELATED_NOISE.md](CORRELATED_NOISE.md) (`python benchmarks/correlated_noise.py`).",
+        "this protocol: `benchmarks/CORRELATED_NOISE.md` (`python benchmarks/correlated_noise.py`).",
         "",
         f"Every private run stayed within its target: ε spent / target ≤ {max(spent, default=0):.4f} over "
         f"{len(spent)} private runs (the accountant's ε after the last step). ε is add/remove-one for every method "

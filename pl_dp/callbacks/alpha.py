@@ -49,6 +49,12 @@ class AlphaSchedule(PrivacyCallback):
     def value(self, step: int, period: float) -> float:
         return min(1.0, max(0.0, 1.0 - math.cos(math.pi * step / (2.0 * period))))
 
+    def first_step_at_alpha_one(self, pl_module: WeightedModule, first: int, last: int) -> int | None:
+        """The first step in [``first``, ``last``) at which α_t reaches 1 (``None``: none), for a banded
+        :class:`~pl_dp.methods.Coupling`'s fit-start check (:class:`~pl_dp.methods.first_order.AlphaPlan`)."""
+        period = self.period(pl_module)
+        return next((t for t in range(first, last) if self.value(t, period) >= 1.0), None)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: WeightedModule) -> None:
         pl_module.setup_privacy()
 

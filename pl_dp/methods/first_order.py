@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -425,6 +425,15 @@ class DPSGD(FirstOrderModule, shardable=True):
         return result
 
 
+@runtime_checkable
+class AlphaPlan(Protocol):
+    """A callback that sets :class:`Coupling`'s α by the step (:class:`~pl_dp.callbacks.AlphaSchedule`): the first
+    step in [``first``, ``last``) at which it would set α = 1, or ``None`` — what a banded Coupling checks at fit
+    start (the callbacks import the methods' protocols, never the reverse)."""
+
+    def first_step_at_alpha_one(self, pl_module: Any, first: int, last: int) -> int | None: ...
+
+
 class Coupling(PublicDataMixin, FirstOrderModule, shardable=True):
     """Coupling of public and private gradients (Liu, Bu, Wang, Zha & Karypis 2023, §3).
 
@@ -519,19 +528,16 @@ class Coupling(PublicDataMixin, FirstOrderModule, shardable=True):
 
     def _refuse_alpha_one(self) -> None:
         """With bands > 1, refuse at fit start — before any ε is spent — an α of 1 this fit would step with: the
-        module's own, or an :class:`~pl_dp.callbacks.AlphaSchedule`'s at a planned step (its values are a function of
-        the step and its configuration). The step itself refuses it too (:meth:`private_step`)."""
-        from pl_dp.callbacks.alpha import AlphaSchedule  # the callbacks import the methods' protocol, not the reverse
-
+        module's own, or a callback's that sets α by the step (:class:`AlphaPlan`, e.g.
+        :class:`~pl_dp.callbacks.AlphaSchedule`: its values are a function of the step and its configuration). The
+        step itself refuses it too (:meth:`private_step`)."""
         trainer = self.trainer
         first, last = trainer.global_step, max(int(trainer.estimated_stepping_batches), trainer.global_step)
         found = ["the module's alpha is 1"] if self._alpha == 1.0 else []
         for callback in trainer.callbacks:
-            if isinstance(callback, AlphaSchedule):
-                period = callback.period(self)
-                step = next((t for t in range(first, last) if callback.value(t, period) >= 1.0), None)
-                if step is not None:
-                    found.append(f"{type(callback).__name__} reaches alpha=1 at step {step}")
+            step = callback.first_step_at_alpha_one(self, first, last) if isinstance(callback, AlphaPlan) else None
+            if step is not None:
+                found.append(f"{type(callback).__name__} reaches alpha=1 at step {step}")
         if found:
             raise PrivacyConfigError(
                 f"{'; '.join(found)}: alpha=1 skips the private batch, but banded noise with bands={self.bands} must "
