@@ -735,6 +735,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
     def on_train_epoch_end(self) -> None:
         self._step_lr_schedulers("epoch")
 
+    def teardown(self, stage: str) -> None:
+        """After a fit — ended, stopped or crashed — its loader's draws no step took are forgotten: a later fit that
+        uses the loader again (another module's) begins from its position, not from this fit's leftovers."""
+        if stage == "fit" and self._sampler is not None:
+            self._sampler.forget_draws()
+
     def on_fit_end(self) -> None:
         """Record the fit's releases in the journal; log the privacy report to every logger."""
         if self.ledger.journal is not None:

@@ -280,6 +280,14 @@ class DataParallelMixin(Host):
                 f"(PoissonBatchSampler(num_replicas={world}, rank={rank}), as PrivatePublicDataModule builds it); "
                 f"got {type(sampler).__name__} with num_replicas={getattr(sampler, 'num_replicas', 1)}."
             )
+        if getattr(sampler, "bands", 1) > 1 and getattr(sampler, "drawing", False) and not sampler.seeded:
+            # every rank runs the same loader configuration, so every rank refuses (no rank waits at the broadcast)
+            raise PrivacyConfigError(
+                f"banded noise on {world} processes needs num_workers=0 for now: the loader's workers drew batches "
+                "with each rank's own sampling seed, so their own cyclic groups, before the ranks share rank 0's "
+                "seed here — the first steps would mix two group assignments and break the separation of an "
+                "example's participations that the accounting rests on."
+            )
         self.noise.share(self._broadcast)
         self.direction_seed = int(self._broadcast(self.direction_seed))  # type: ignore[has-type]  # mypy: cycle
         if isinstance(sampler, PoissonBatchSampler):  # one global Poisson batch: the same secret mask on every rank

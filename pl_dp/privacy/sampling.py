@@ -569,14 +569,18 @@ def partition_loader(
     return DataLoader(SealedReads(dataset), batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
 
 
+#: the attribute that marks an Opacus sampler's generator as pl_dp's own (drawn from OS entropy, redrawn every fit)
+_INSTALLED = "_pl_dp_secret_generator"
+
+
 class OpacusPoissonSampling:
     """Opacus' ``UniformWithReplacementSampler`` (behind its ``DPDataLoader``) read as Poisson sampling.
 
     It includes each example independently with probability ``sample_rate``, as the accountants
     assume. Its randomness must be secret too: a sampler without a generator draws from torch's
     global RNG, which ``seed_everything`` makes public, so it gets a generator seeded from OS
-    entropy here. A user-supplied generator is kept and counted as user-seeded (secret only if its
-    seed is). It has no position to checkpoint: Poisson batches are independent, so a resumed epoch
+    entropy here, drawn again at every fit. A user-supplied generator is kept and counted as user-seeded (secret only
+    if its seed is). It has no position to checkpoint: Poisson batches are independent, so a resumed epoch
     that draws new ones leaves the distribution unchanged.
     """
 
@@ -584,9 +588,12 @@ class OpacusPoissonSampling:
         self.sampler = sampler
         self.sample_rate = float(sampler.sample_rate)
         self.num_samples = int(sampler.num_samples)
-        self.seeded = sampler.generator is not None
-        if sampler.generator is None:
+        # a generator pl_dp installed (an earlier fit's) is not the user's: it is replaced, and the run is not seeded
+        installed = getattr(sampler, _INSTALLED, False)
+        self.seeded = sampler.generator is not None and not installed
+        if not self.seeded:
             sampler.generator = secret_cpu_generator(secrets.token_bytes(32))  # a CPU seed keeps 32 bits only
+            setattr(sampler, _INSTALLED, True)
 
     @property
     def expected_batch_size(self) -> float:

@@ -88,3 +88,13 @@ def test_sharded_poisson_sampling_is_poisson_sampling_of_the_whole_set():
     assert counts.mean().item() / steps == pytest.approx(q, rel=0.03)  # inclusion rate of every example ≈ q
     assert (per_rank / steps).tolist() == pytest.approx([q * n / world] * world, rel=0.05)
     assert all(s.expected_batch_size == q * n for s in shards)  # every rank normalizes by the global q·n
+
+
+def test_banded_noise_whose_workers_drew_with_each_ranks_own_seed_is_refused_on_every_rank(runs):
+    """The workers of each rank draw batches (with the rank's own unseeded sampling seed: its own cyclic groups)
+    before the ranks share rank 0's seed; the steps would mix two group assignments. Every rank refuses at fit start
+    (none waits at a broadcast the other never reaches); one process has no seed to share and runs."""
+    (rank0, rank1), single = runs
+    for rank in (rank0, rank1):
+        assert "banded noise on 2 processes needs num_workers=0" in rank["dpsgd_banded_workers"]
+    assert single["dpsgd_banded_workers"] is None

@@ -610,3 +610,38 @@ def test_a_user_seeded_sampler_keeps_its_seed_across_fits():
         make_trainer(max_steps=2).fit(model, loader)
         keys.append((model.noise._key, loader.batch_sampler.seed))
     assert keys[0] == keys[1] == (NoiseSource(3)._key, 5)
+
+
+def test_a_loader_a_fit_left_mid_epoch_serves_another_modules_fit():
+    """A fit that skipped the rest of its epoch left drawn, untaken positions in the loader's sampler; the next fit
+    (another module, num_workers=0) starts from its position — those leftovers are forgotten at teardown, not read as
+    a worker's draws under an earlier seed."""
+    from pl_dp.privacy import poisson_loader
+
+    class SkipRestOfEpoch(DPSGD):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 2 else None
+
+    loader = poisson_loader(blobs(200), sample_rate=0.05, steps_per_epoch=20)
+    first = SkipRestOfEpoch(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=_LOOSE)
+    make_trainer(max_epochs=1).fit(first, loader)
+    assert not loader.batch_sampler.drawing
+    second = DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=_LOOSE)
+    make_trainer(max_steps=2).fit(second, loader)
+    assert second.private_steps == 2
+
+
+def test_an_opacus_loader_reused_gets_a_fresh_generator_and_is_not_called_user_seeded():
+    """pl_dp gives an Opacus DPDataLoader without a generator a secret one; a later fit draws another and does not
+    mistake pl_dp's for the user's (which would mark the run USER-SEEDED)."""
+    from opacus.data_loader import DPDataLoader
+
+    loader = DPDataLoader.from_data_loader(DataLoader(blobs(200), batch_size=10))
+    generators, reports = [], []
+    for _ in range(2):
+        model = DPSGD(nn.Linear(4, 3), lr=0.1, clip=1.0, privacy=_LOOSE)
+        make_trainer(max_steps=2).fit(model, loader)
+        generators.append(loader.batch_sampler.generator)
+        reports.append(str(model.privacy_report()))
+    assert generators[0] is not generators[1]
+    assert not any("USER-SEEDED" in report for report in reports)
