@@ -73,7 +73,7 @@ from pl_dp.per_sample.gradients import (
     refuse_rows_not_examples,
     unsupported_layers,
 )
-from pl_dp.per_sample.raw import RawGradients, raw_parameter_modules
+from pl_dp.per_sample.raw import RawGradients, children_first, raw_parameter_modules
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
@@ -251,18 +251,7 @@ class _NormsOnly:
         reaches: dict[Node, bool] = {}  # whether a target lies at the node or below it
         lowest: list[GradientEdge] = []
         leaves: list[torch.Tensor] = []
-        stack = [root]
-        while stack:
-            node = stack[-1]
-            if node in reaches:
-                stack.pop()
-                continue
-            children = [n for n, _ in node.next_functions if n is not None]
-            pending = [n for n in children if n not in reaches]
-            if pending:
-                stack += pending
-                continue
-            stack.pop()
+        for node, children in children_first(root):
             below = any(reaches[n] for n in children)
             if node in targets and not below:
                 lowest += targets[node]

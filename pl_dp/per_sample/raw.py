@@ -269,22 +269,31 @@ def _product(node: Node, reaching: set[Node], size: int) -> Product | None:
     return None
 
 
-def _reaching(root: Node, targets: set[int]) -> set[Node]:
-    """The nodes of the graph of ``root`` below which one of the parameters ``targets`` (by ``id``) lies, found in
-    one walk (children before parents)."""
-    reaches: dict[Node, bool] = {}
+def children_first(root: Node) -> Iterator[tuple[Node, list[Node]]]:
+    """Every node of the autograd graph of ``root`` once, after all of its children, with its children (an iterative
+    post-order walk: a graph can be deeper than Python's recursion limit)."""
+    done: set[Node] = set()
     stack = [root]
     while stack:
         node = stack[-1]
-        if node in reaches:
+        if node in done:
             stack.pop()
             continue
         children = [n for n, _ in node.next_functions if n is not None]
-        pending = [n for n in children if n not in reaches]
+        pending = [n for n in children if n not in done]
         if pending:
             stack += pending
             continue
         stack.pop()
+        done.add(node)
+        yield node, children
+
+
+def _reaching(root: Node, targets: set[int]) -> set[Node]:
+    """The nodes of the graph of ``root`` below which one of the parameters ``targets`` (by ``id``) lies, found in
+    one walk (children before parents)."""
+    reaches: dict[Node, bool] = {}
+    for node, children in children_first(root):
         variable = getattr(node, "variable", None)  # an AccumulateGrad node
         own = isinstance(variable, torch.Tensor) and id(variable) in targets
         reaches[node] = own or any(reaches[n] for n in children)

@@ -57,8 +57,8 @@ class Trained(L.Callback):
         return seen
 
 
-def banded(**kwargs) -> DPSGD:
-    return DPSGD(
+def banded(cls: type[DPSGD] = DPSGD, **kwargs) -> DPSGD:
+    return cls(
         nn.Linear(5, 3),
         lr=0.1,
         clip=1.0,
@@ -106,17 +106,7 @@ class SkipsTheRestOfEachEpoch(DPSGD):
 
 
 def test_skipping_the_rest_of_an_epoch_keeps_the_cyclic_schedule():
-    model, trained = (
-        SkipsTheRestOfEachEpoch(
-            nn.Linear(5, 3),
-            lr=0.1,
-            clip=1.0,
-            privacy=PrivacySpec(epsilon=8.0, accountant="rdp", noise_multiplier=2.0),
-            noise="banded",
-            bands=BANDS,
-        ),
-        Trained(),
-    )
+    model, trained = banded(SkipsTheRestOfEachEpoch), Trained()
     make_trainer(max_epochs=6, callbacks=[trained]).fit(model, PrivatePublicDataModule(indexed(), batch_size=BATCH))
     assert model.private_steps == 18
     assert_schema(model, trained)
