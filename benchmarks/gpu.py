@@ -523,6 +523,11 @@ def cases(task: Task, device: torch.device) -> dict[str, tuple[str, Callable[[],
         "opacus_ghost": ("Opacus 1.6 make_private, ghost", loop(lambda: opacus(task, device, "ghost"))),
         "pl_dp_ghost": ("pl_dp DPSGD ghost, fp32", lambda: pl_dp_case(task, device, dpsgd(task, "ghost"))),
         "pl_dp_hooks": ("pl_dp DPSGD hooks, fp32", lambda: pl_dp_case(task, device, dpsgd(task, "hooks"))),
+        "pl_dp_bk": ("pl_dp DPSGD book-keeping, fp32", lambda: pl_dp_case(task, device, dpsgd(task, "bk"))),
+        "pl_dp_bk_bf16mixed": (
+            "pl_dp DPSGD book-keeping, bf16-mixed (passes in fp32)",
+            lambda: pl_dp_case(task, device, dpsgd(task, "bk"), precision="bf16-mixed"),
+        ),
         "pl_dp_ghost_bf16mixed": (
             "pl_dp DPSGD ghost, bf16-mixed (passes in fp32)",
             lambda: pl_dp_case(task, device, dpsgd(task, "ghost"), precision="bf16-mixed"),
@@ -556,7 +561,11 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def measure(task: Task, device: torch.device, rounds: int, only: list[str] | None) -> dict:
+def measure(
+    task: Task, device: torch.device, rounds: int, only: list[str] | None, save: Callable[[dict], None]
+) -> dict:
+    """Every case ``rounds`` times round-robin; ``save`` gets the model's summary so far after each case (a run cut
+    off keeps what it measured)."""
     table = cases(task, device)
     names = [n for n in table if not only or n in only]
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -578,6 +587,12 @@ def measure(task: Task, device: torch.device, rounds: int, only: list[str] | Non
                 release()
             print(f"{task.name}/{name}: {time.perf_counter() - started:.1f} s", flush=True)
             runs[name].append(result)
+            save(summarize(task, table, [n for n in names if runs[n] or n in errors], runs, errors))
+    return summarize(task, table, names, runs, errors)
+
+
+def summarize(task: Task, table: dict, names: list[str], runs: dict[str, list[dict]], errors: dict[str, str]) -> dict:
+    """The model's rows (medians over rounds, ratios to ``torch_sgd`` and ``opacus_ghost``) and targets."""
     rows = {}
     for name in names:
         label = table[name][0]
@@ -621,6 +636,9 @@ def measure(task: Task, device: torch.device, rounds: int, only: list[str] | Non
 TARGETS = [
     ("pl_dp_ghost", "opacus_ghost", "step_s", 1.0),
     ("pl_dp_ghost", "torch_sgd", "step_s", 1.3),
+    ("pl_dp_bk", "torch_sgd", "step_s", 1.15),
+    ("pl_dp_bk", "opacus_ghost", "step_s", 0.8),
+    ("pl_dp_bk", "torch_sgd", "peak_mb", 1.1),
     ("pl_dp_dpzero_gaussian", "torch_dpzero", "step_s", 1.1),
     ("pl_dp_dpzero_gaussian", "torch_dpzero", "peak_mb", 1.1),
     ("pl_dp_dpzero_gaussian_bf16", "pl_dp_dpzero_gaussian", "step_s", 0.6),
@@ -693,7 +711,31 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     started = time.perf_counter()
     load_before = os.getloadavg()
-    results = []
+    results: list[dict] = []
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+    def summary(models: list[dict]) -> dict:
+        return {
+            "command": "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": args.device,
+            "device_name": device_name,
+            "tiny": args.tiny,
+            "sizes": sizes.__dict__,
+            "rounds": args.rounds,
+            "memory_kind": memory_kind(device),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "threads": torch.get_num_threads(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "seconds": time.perf_counter() - started,
+            "models": models,
+        }
+
+    def save(model: dict) -> None:  # the JSON so far, rewritten after every case
+        if args.json:
+            args.json.write_text(json.dumps(summary([*results, model]), indent=1) + "\n")
+
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             try:
@@ -702,25 +744,10 @@ def main(argv: list[str] | None = None) -> dict:
                 results.append({"model": name, "error": f"{type(error).__name__}: {error}"})
                 print(f"{name}: FAILED to build: {results[-1]['error']}", flush=True)
                 continue
-            results.append(measure(task, device, args.rounds, args.cases))
+            results.append(measure(task, device, args.rounds, args.cases, save))
             del task
             release()
-    out = {
-        "command": "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "device": args.device,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "tiny": args.tiny,
-        "sizes": sizes.__dict__,
-        "rounds": args.rounds,
-        "memory_kind": memory_kind(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "threads": torch.get_num_threads(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "seconds": time.perf_counter() - started,
-        "models": results,
-    }
+    out = summary(results)
     print(
         f"\n{out['device_name']} ({args.device}), torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"step: median of {sizes.steps} steps after {sizes.warmup} warm-up, median over {args.rounds} round(s); "
