@@ -202,9 +202,7 @@ class O2NC(OwnUpdateModule[TreeAggregatedGaussian]):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._engine = PerturbationEngine(
-            self.trainable_parameters(), self.direction_seed, Direction("sphere", 1.0), masters=self.masters
-        )
+        self._engine = None  # rebuilt on the parameters as they are now
         if self.privacy is not None:
             self.log_noise_scale()
 
@@ -221,8 +219,17 @@ class O2NC(OwnUpdateModule[TreeAggregatedGaussian]):
                 stacklevel=2,
             )
 
+    @property
+    def engine(self) -> PerturbationEngine:
+        """The engine of the sphere directions, on the parameters as they are now (rebuilt after a move)."""
+        if self._engine is None or self._engine.moved():
+            self._engine = PerturbationEngine(
+                self.trainable_parameters(), self.direction_seed, Direction("sphere", 1.0), masters=self.masters
+            )
+        return self._engine
+
     def master_parameters(self) -> list[torch.Tensor]:
-        return self.trainable_parameters() if self._engine is None else self._engine.weights
+        return self.trainable_parameters() if self._engine is None else self.engine.weights
 
     # ---- oracles ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -232,7 +239,7 @@ class O2NC(OwnUpdateModule[TreeAggregatedGaussian]):
         Written into the engine's weights (fp32 masters of half-precision parameters), then rounded into
         the parameters: the iterates x, w, Δ and the averages are kept at the weights' precision.
         """
-        engine = self._engine
+        engine = self.engine
         scale = 0.0 if key is None else alpha * engine.scale(key)
         for i, (w, b) in enumerate(zip(engine.weights, base)):
             w.copy_(b)
@@ -253,7 +260,7 @@ class O2NC(OwnUpdateModule[TreeAggregatedGaussian]):
 
         Each per-example difference is clamped to ±``bound``; non-finite ones count as 0.
         """
-        engine, delta, m = self._engine, self.smoothing, self.directions
+        engine, delta, m = self.engine, self.smoothing, self.directions
         factor = self.dim / (2 * delta if second is None else delta)
         out = [torch.zeros_like(w) for w in engine.weights]
         nonfinite = torch.zeros(())
@@ -289,7 +296,7 @@ class O2NC(OwnUpdateModule[TreeAggregatedGaussian]):
     def private_step(self, batch: Any, batch_size: int, mechanism: TreeAggregatedGaussian) -> StepResult:
         passes, block, t = self._round()
         st = self._state
-        params = self._engine.weights
+        params = self.engine.weights
         x = [p.detach().clone() for p in params]
         if t == 0 or "displacement" not in st:  # Δ_t, the learner's move of the iterate (not the δ of (ε, δ)-DP)
             zeros = [torch.zeros_like(p) for p in params]

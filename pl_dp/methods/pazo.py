@@ -222,7 +222,7 @@ class PAZOS(PublicDataMixin, OwnUpdateModule[SubsampledGaussian], shardable=True
 
     def _exploration(self) -> PerturbationEngine:
         """The engine every move goes through: z′ ~ N(0, I_d) per unit of step size, and the dense moves."""
-        if self._explorer is None:
+        if self._explorer is None or self._explorer.moved():
             params = self.trainable_parameters()
             dim = sum(p.numel() for p in params)
             self._explorer = PerturbationEngine(

@@ -117,7 +117,7 @@ class ZerothOrderModule(OwnUpdateModule[SubsampledGaussian]):
 
     @property
     def estimator(self) -> PrivateTwoPointEstimator:
-        if self._estimator is None:
+        if self._estimator is None or self._estimator.engine.moved():
             engine = self.build_engine(self.trainable_parameters())
             self._estimator = PrivateTwoPointEstimator(
                 engine, self._smoothing, self.queries, self.joint_clip, self.one_sided

@@ -8,6 +8,7 @@ dtype raises, because clipping a batch mean silently breaks the sensitivity boun
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
@@ -92,12 +93,32 @@ _CLASS_INDICES = (
 )
 
 
+#: the target value Hugging Face ignores in token-level labels (and :class:`~pl_dp.data.collate.PaddingCollate` pads
+#: labels with)
+IGNORE_INDEX = -100
+
+
 def cross_entropy(net: nn.Module, batch: Any) -> torch.Tensor:
     """Per-example cross-entropy, computed in fp32 whatever the model's dtype."""
     inputs, targets = split_inputs_targets(batch)
     logits = forward(net, inputs).float()
     needed = "integer class indices (a torch.long tensor of shape (batch,))"
-    return F.cross_entropy(logits, _target_tensor(targets, "cross_entropy", needed, _CLASS_INDICES), reduction="none")
+    return class_losses(logits, _target_tensor(targets, "cross_entropy", needed, _CLASS_INDICES))
+
+
+def class_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(logits, targets, reduction="none")`` (classes along dimension 1, :data:`IGNORE_INDEX`
+    ignored), except that a class index outside ``[0, K)`` gives a NaN loss instead of an error.
+
+    Privacy: an out-of-range label raises an IndexError on a CPU and, on CUDA, trips a device-side assert that ends
+    the process (it cannot be caught) — either says whether the record was sampled. A NaN loss is what a private
+    step already handles without a word (the example contributes 0, counted privately) and the pre-flight pass names
+    before training. The check runs on the device: no host synchronization."""
+    if targets.is_floating_point():  # class probabilities: nothing to index
+        return F.cross_entropy(logits, targets, reduction="none")
+    valid = ((targets >= 0) & (targets < logits.shape[1])) | (targets == IGNORE_INDEX)
+    losses = F.cross_entropy(logits, targets.masked_fill(~valid, 0), ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.masked_fill(~valid, math.nan)
 
 
 def mse(net: nn.Module, batch: Any) -> torch.Tensor:
@@ -107,11 +128,6 @@ def mse(net: nn.Module, batch: Any) -> torch.Tensor:
     example = "Return each target as a number or a float tensor from your Dataset."
     err = (forward(net, inputs).float() - _target_tensor(targets, "mse", needed, example).float()) ** 2
     return err.reshape(err.shape[0], -1).mean(dim=1)
-
-
-#: the target value Hugging Face ignores in token-level labels (and :class:`~pl_dp.data.collate.PaddingCollate` pads
-#: labels with)
-IGNORE_INDEX = -100
 
 
 def next_token_targets(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -144,7 +160,7 @@ def causal_lm_token_losses(net: nn.Module, batch: Any) -> tuple[torch.Tensor, to
     if logits.shape[:2] != targets.shape:
         shape = tuple(batch["input_ids"].shape)
         raise ValueError(f"the net returned logits of shape {tuple(logits.shape)} for input ids of shape {shape}.")
-    nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    nll = class_losses(logits.transpose(1, 2), targets)
     return nll.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)
 
 

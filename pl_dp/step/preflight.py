@@ -41,7 +41,7 @@ from torch import nn
 from pl_dp.errors import DataError
 from pl_dp.step.batches import batch_size_of, example_structure
 from pl_dp.step.independence import NetState, refuse_varying_batch_shapes
-from pl_dp.step.losses import PerSampleLoss, check_per_sample
+from pl_dp.step.losses import PerSampleLoss, causal_lm, check_per_sample, cross_entropy
 from pl_dp.step.seal import isolate_failures, sealed
 
 #: bad examples listed one by one in the error (the rest are counted)
@@ -270,9 +270,12 @@ def _score(
         done, failed = isolate_failures(losses_of, batch)
     for position, error in failed:
         problems[rows[position][0]] = f"the loss raised {describe(error)}"
+    nonfinite = "its loss is NaN or infinite"
+    if loss_fn in (cross_entropy, causal_lm):  # class_losses: an out-of-range label is a NaN loss
+        nonfinite += f" (loss={loss_fn.__name__!r} gives NaN for a label outside the net's classes)"
     for positions, losses in done:
         for position in positions[~torch.isfinite(losses.cpu())].tolist():
-            problems[rows[int(position)][0]] = "its loss is NaN or infinite"
+            problems[rows[int(position)][0]] = nonfinite
     return failed
 
 

@@ -184,6 +184,7 @@ class PerturbationEngine:
         weights = self.masters.weights(trained)
         self._mastered = [w is not p for w, p in zip(weights, trained)]
         self.params, self.weights = [local(p) for p in trained], [local(w) for w in weights]
+        self._trained, self._placement = trained, [(p.device, p.dtype) for p in trained]
         self._any_mastered, self._all_mastered = any(self._mastered), all(self._mastered)
         self._pending: dict[Key, float] = {}  # perturbation of the mastered parameters, not in their masters
         if isinstance(cache_size, bool) or int(cache_size) != cache_size or cache_size < 1:
@@ -222,6 +223,12 @@ class PerturbationEngine:
     def cache_directions(self) -> bool:
         """Whether swept directions are kept (``cache_size`` of them) instead of redrawn."""
         return self.cache_size > 0
+
+    def moved(self) -> bool:
+        """Whether a parameter it was built on has since moved to another device or dtype (Lightning moves a module
+        back to the CPU after a fit): its masters, buffers and generators then belong to the old placement, and the
+        owner builds a new engine."""
+        return any((p.device, p.dtype) != placement for p, placement in zip(self._trained, self._placement))
 
     def _check_mask(self, mask: DirectionMask) -> DirectionMask:
         numels = [a.numel for a in self.layouts]

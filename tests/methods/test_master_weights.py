@@ -115,6 +115,25 @@ def test_a_dtype_change_between_fits_rebuilds_the_engine_on_the_new_weights():
     _assert_weights_are_the_rounding_of_the_masters(model)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda net: DPZero(net, lr=2e-2, clip=1.0, privacy=PrivacySpec(8.0, accountant="rdp"), noise_seed=1),
+        lambda net: PAZOS(net, lr=0.05, k=2, privacy=PrivacySpec(8.0, accountant="rdp"), noise_seed=1),
+        lambda net: O2NC(net, inner_steps=4, privacy=PrivacySpec(8.0), noise_seed=1),
+    ],
+    ids=["dpzero", "pazo-s", "o2nc"],
+)
+def test_a_move_after_the_fit_rebuilds_the_engine_on_the_moved_weights(make):
+    """Lightning moves a module back to the CPU after a fit on a GPU; what uses the module next (an audit, a user's
+    own step) must not draw into the old placement's buffers or read its masters (on CUDA the audit raised
+    "Expected a 'cuda' device type for generator"). A dtype move is the same event on a CPU."""
+    model = make(MLP())
+    make_trainer(max_steps=2, limit_val_batches=0).fit(model, DigitsDataModule(sampling_seed=3))
+    model.net.float()
+    assert all(m is p for m, p in zip(model.master_parameters(), model.trainable_parameters()))
+
+
 def _resume_case(tmp_path, make_model):
     """An uninterrupted run against a crash at step 5 resumed from the checkpoint of step 4 (both secrets seeded)."""
     dm = lambda: DigitsDataModule(sampling_seed=3)  # noqa: E731

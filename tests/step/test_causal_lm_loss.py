@@ -5,7 +5,7 @@ import torch
 
 from pl_dp.nets import CausalLM
 from pl_dp.step.batches import select_examples
-from pl_dp.step.losses import causal_lm, resolve_loss
+from pl_dp.step.losses import causal_lm, class_losses, resolve_loss
 from tests.tiny_hf import tiny_model
 
 
@@ -73,3 +73,24 @@ def test_perplexity_weights_every_token_alike_and_leaves_the_mode(gpt2):
     torch.testing.assert_close(torch.tensor(perplexity(gpt2, [batch])), torch.exp(nll / 9), rtol=1e-5, atol=0)
     assert gpt2.training
     gpt2.eval()
+
+
+def test_a_label_outside_the_classes_is_a_nan_loss_of_its_own_row_on_every_device(device):
+    """On CUDA an out-of-range class index is a device-side assert that ends the process (on a CPU an IndexError):
+    either says whether the record was sampled. The built-in losses give that row NaN — which a step handles
+    silently and the pre-flight pass names — and every other row the loss it had; −100 still means "no target"."""
+    logits = torch.randn(4, 3, device=device, requires_grad=True)
+    targets = torch.tensor([0, 3, -100, 2], device=device)
+    losses = class_losses(logits, targets)
+    assert losses.isnan().tolist() == [False, True, False, False] and losses[2].item() == 0.0
+    kept = torch.tensor([0, 3])
+    expected = torch.nn.functional.cross_entropy(logits[kept], targets[kept], reduction="none")
+    torch.testing.assert_close(losses[kept], expected)
+    losses[kept].sum().backward()
+    assert logits.grad[1].abs().sum().item() == 0.0  # nothing flows from the bad row
+
+    ids = torch.tensor([[5, 6, 7], [5, 6, 7]], device=device)
+    vocabulary = torch.nn.Embedding(10, 10).to(device)  # logits over 10 tokens: labels 0…9
+    labels = torch.tensor([[5, 6, 7], [5, 6, 12]], device=device)
+    sequence_losses = causal_lm(lambda input_ids, **_: vocabulary(input_ids), {"input_ids": ids, "labels": labels})
+    assert sequence_losses.isfinite().tolist() == [True, False]
