@@ -118,7 +118,7 @@ def test_a_resume_draws_fresh_noise_so_a_checkpoint_cannot_replay_or_remove_it(t
     original = model()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     make_trainer(max_steps=4, callbacks=[ckpt], enable_checkpointing=True).fit(original, dm())
-    start = torch.load(tmp_path / "step=2.ckpt", weights_only=False)["state_dict"]["net.weight"]
+    start = torch.load(tmp_path / "step=2.ckpt", map_location="cpu", weights_only=False)["state_dict"]["net.weight"]
     updates = [original.net.weight.detach() - start]
     for resume in (1, 2):
         resumed = model()
@@ -157,7 +157,7 @@ def test_no_secret_is_written_to_checkpoints_hparams_or_logs(tmp_path):
         content = f.read_bytes()
         for pattern in patterns:
             assert pattern not in content, f"a secret of the run is written to {f.relative_to(tmp_path)}"
-    state = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)["pl_dp"]
+    state = torch.load(next(tmp_path.rglob("*.ckpt")), map_location="cpu", weights_only=False)["pl_dp"]
     assert "noise" not in state and "seed" not in state["sampler"]
 
 
@@ -525,7 +525,7 @@ _LOOSE = PrivacySpec(epsilon=50.0, accountant="rdp", noise_multiplier=1.0)  # no
 
 
 def _flat(path) -> torch.Tensor:
-    state = torch.load(path, weights_only=False)["state_dict"]
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
     return torch.cat([state["net.weight"].flatten(), state["net.bias"].flatten()]).double()
 
 

@@ -17,7 +17,7 @@ from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPZero
 from pl_dp.privacy import PRV, NoiseSource, create_accountant, poisson_loader
 from pl_dp.zo import PerturbationEngine
-from tests.conftest import blobs, make_trainer
+from tests.conftest import DEVICE, blobs, make_trainer
 
 
 def _linear_data(n=12):
@@ -52,11 +52,12 @@ def test_one_step_equals_the_spec_formula_by_hand():
     batch = dm.train_dataloader().batch_sampler.batch(0)
     x = data.tensors[0][batch].double()
     y = data.tensors[1][batch].double()
-    probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed)
-    noise = NoiseSource(seed=11, secure=True)  # zeroth-order noise: the cryptographic generator by default
+    # the directions are drawn on the parameters' device: the probe's parameter is on the device the fit ran on
+    probe = PerturbationEngine([nn.Parameter(theta0.float().to(DEVICE))], seed=model.direction_seed)
+    noise = NoiseSource(seed=11, secure=True)  # zeroth-order noise: the cryptographic generator, on any device
     update = torch.zeros_like(theta0)
     for j in range(queries):
-        u = probe.direction_tensors((0, j))[0].double()
+        u = probe.direction_tensors((0, j))[0].cpu().double()
         f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
         delta = (f(theta0 + lam * u) - f(theta0 - lam * u)) / (2 * lam)
         z = noise.normal((1,), math.sqrt(queries) * sigma * clip).double()
@@ -74,12 +75,14 @@ def test_one_sided_step_equals_the_formula_by_hand(direction):
     b = dm.sample_rate * len(data)
     batch = dm.train_dataloader().batch_sampler.batch(0)
     x, y = data.tensors[0][batch].double(), data.tensors[1][batch].double()
-    probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed, direction=direction)
+    probe = PerturbationEngine(
+        [nn.Parameter(theta0.float().to(DEVICE))], seed=model.direction_seed, direction=direction
+    )
     noise = NoiseSource(seed=11, secure=True)
     f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
     update = torch.zeros_like(theta0)
     for j in range(queries):  # Δ_i = [f(θ + λu_j) − f(θ)] / λ against the one shared f(θ)
-        u = probe.direction_tensors((0, j))[0].double()
+        u = probe.direction_tensors((0, j))[0].cpu().double()
         delta = (f(theta0 + lam * u) - f(theta0)) / lam
         z = noise.normal((1,), math.sqrt(queries) * model.noise_multiplier * clip).double()
         update += (delta.clamp(-clip, clip).sum() + z) / b * u
@@ -329,8 +332,8 @@ def test_joint_clip_step_equals_the_vector_mechanism_by_hand():
     b = dm.sample_rate * len(data)
     batch = dm.train_dataloader().batch_sampler.batch(0)
     x, y = data.tensors[0][batch].double(), data.tensors[1][batch].double()
-    probe = PerturbationEngine([nn.Parameter(theta0.float().clone())], seed=model.direction_seed)
-    us = [probe.direction_tensors((0, j))[0].double() for j in range(queries)]
+    probe = PerturbationEngine([nn.Parameter(theta0.float().to(DEVICE))], seed=model.direction_seed)
+    us = [probe.direction_tensors((0, j))[0].cpu().double() for j in range(queries)]
     f = lambda w: ((x @ w.T - y) ** 2).squeeze(1)  # noqa: E731
     deltas = torch.stack([(f(theta0 + lam * u) - f(theta0 - lam * u)) / (2 * lam) for u in us], dim=1)
     norms = deltas.norm(dim=1, keepdim=True)

@@ -16,7 +16,7 @@ from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods import DPSGD, Coupling
 from pl_dp.per_sample import per_sample_mode_names
 from pl_dp.privacy import ClipFunction, NoiseSource
-from tests.conftest import blobs, make_trainer
+from tests.conftest import DEVICE, blobs, make_trainer
 
 SPEC = PrivacySpec(epsilon=5.0, accountant="rdp")
 
@@ -56,10 +56,11 @@ def test_dpsgd_step_equals_the_formula_by_hand(clip_fn, per_sample):
         norm = torch.sqrt(sum(t.square().sum() for t in g))
         w = fn.weights(norm.reshape(1))[0]
         total = [a + w * t for a, t in zip(total, g)]
-    noise = NoiseSource(seed=9)  # first-order noise: torch's generator by default; one draw per parameter
+    # first-order noise: torch's generator by default, one draw per parameter, drawn on the device the fit ran on
+    noise = NoiseSource(seed=9)
     b = dm.sample_rate * len(dm.private)
     for p, t0, s in zip(net.parameters(), theta0, total):
-        expected = t0 - lr * (s + noise.normal(s.shape, model.noise_multiplier * clip)) / b
+        expected = t0 - lr * (s + noise.normal(s.shape, model.noise_multiplier * clip, device=DEVICE).cpu()) / b
         torch.testing.assert_close(p.detach(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -15,7 +15,7 @@ from pl_dp.errors import ConfigError
 from pl_dp.methods import PAZOM, PAZOP, PAZOS, DPZero
 from pl_dp.privacy import NoiseSource
 from pl_dp.zo import Direction, PerturbationEngine, SubspaceEngine, flat_basis, privatize_sum
-from tests.conftest import blobs, make_trainer
+from tests.conftest import DEVICE, blobs, make_trainer
 
 SPEC = PrivacySpec(epsilon=5.0, accountant="rdp")
 
@@ -73,13 +73,14 @@ def test_pazo_m_step_equals_algorithm_1_by_hand():
     model, net, theta0, x, y, public, b = _setup(PAZOM, lr=lr, clip=clip, smoothing=lam, queries=queries, alpha=alpha)
     d = theta0.numel()
     g_pub = _public_grad(theta0, public[0])
+    # the directions are drawn on the parameters' device: the probe's parameter is on the device the fit ran on
     probe = PerturbationEngine(
-        [nn.Parameter(theta0.float().clone())], model.direction_seed, Direction("gaussian", d**0.25)
+        [nn.Parameter(theta0.float().to(DEVICE))], model.direction_seed, Direction("gaussian", d**0.25)
     )
     noise = NoiseSource(seed=11, secure=True)
     zo = torch.zeros_like(theta0)
     for j in range(queries):
-        u = probe.direction_tensors((0, j))[0].double()
+        u = probe.direction_tensors((0, j))[0].cpu().double()
         delta = (_mse(theta0 + lam * u, x, y) - _mse(theta0 - lam * u, x, y)) / (2 * lam)
         z = noise.normal((1,), math.sqrt(queries) * model.noise_multiplier * clip).double()
         zo += (delta.clamp(-clip, clip).sum() + z) / b * u

@@ -39,7 +39,7 @@ class TimeMajor(nn.Module):
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(1, self.steps + 1, dtype=x.dtype).view(-1, 1, 1)
+        positions = torch.arange(1, self.steps + 1, dtype=x.dtype, device=x.device).view(-1, 1, 1)
         sequence = x.unsqueeze(0) * positions  # [T, B, 4]
         return self.fc(sequence).mean(0)  # per-example logits [B, 3]: each example's loss is its own
 
