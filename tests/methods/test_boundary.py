@@ -546,9 +546,9 @@ class _GrowingTable(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > len(self.table):
-            self.table = torch.zeros(tokens.shape[1], 8)
+            self.table = torch.zeros(tokens.shape[1], 8, device=tokens.device)
         mask = (tokens != 0).unsqueeze(-1).float()
-        hidden = (self.embed(tokens) + self.table[: tokens.shape[1]]) * mask
+        hidden = (self.embed(tokens) + self.table[: tokens.shape[1]].to(tokens.device)) * mask
         return self.head(hidden.sum(dim=1) / mask.sum(dim=1).clamp_min(1))
 
 
