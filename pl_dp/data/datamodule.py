@@ -79,8 +79,9 @@ class PrivatePublicDataModule(L.LightningDataModule):
             sit in page-locked host memory, which Lightning's ``non_blocking`` copy to the device can overlap; on a
             CPU run pinning would only cost a copy.
         fixed_length: pad every private batch to one length, whatever was sampled: ``True`` always, ``False``
-            never, ``None`` (default) when the method computes in half precision (its ``fixed_shapes``), where the
-            rounding of every example's result depends on the batch's padded length. The length is the collate's
+            never, ``None`` (default) when the method asks for it (its ``pads_to_one_length``): a run computing in
+            half precision, where the rounding of every example's result depends on the batch's padded length, and
+            every private zeroth-order step, which divides that rounding by 2λ. The length is the collate's
             own (``PaddingCollate(length=...)``), else the data module's ``max_length`` (the text data modules'),
             and the collate must be a :class:`~pl_dp.data.collate.PaddingCollate`. Only the private loader pads so;
             the others pad to their longest example.
@@ -275,19 +276,19 @@ class PrivatePublicDataModule(L.LightningDataModule):
             steps_per_epoch=steps,
             num_replicas=world,
             rank=rank,
-            collate_fn=self.private_collate(bool(getattr(module, "fixed_shapes", False))),
+            collate_fn=self.private_collate(bool(getattr(module, "pads_to_one_length", False))),
             users=self.users,
             bands=bands,
             **self.loader_kwargs,
         )
 
-    def private_collate(self, fixed_shapes: bool = False) -> Callable[[list], Any]:
+    def private_collate(self, one_length: bool = False) -> Callable[[list], Any]:
         """The private loader's ``collate_fn``: ``collate_fn``, padding to one length under ``fixed_length`` (or, with
-        ``fixed_length=None``, when the method needs ``fixed_shapes``). A collate that pads to one length already is
+        ``fixed_length=None``, when the method asks for ``one_length``). A collate that pads to one length already is
         used as it is; one that cannot (not a PaddingCollate, or no length known) is refused under
         ``fixed_length=True`` and left to the fit-start checks otherwise, which refuse it where it matters."""
         collate = self.collate_fn
-        wanted = fixed_shapes if self.fixed_length is None else self.fixed_length
+        wanted = one_length if self.fixed_length is None else self.fixed_length
         fixed = self.fixed_length_collate()
         if not wanted or (isinstance(collate, PaddingCollate) and collate.length is not None):
             return collate

@@ -85,6 +85,14 @@ class OwnUpdateModule(PrivateModule[MechanismT]):
     #: whether a step releases clipped per-example losses (PAZO-S) rather than two-point differences
     releases_losses: bool = False
 
+    @property
+    def pads_to_one_length(self) -> bool:
+        """In fp32 too, for a private two-point step (it divides a loss difference by 2λ): its view of a loss is
+        quantized to one ulp, so a dependence on the padded length below that resolution along the fit-start probe's
+        directions can exceed it along a step's — the probe cannot bound it, one length removes it (see
+        :mod:`pl_dp.methods.precision`)."""
+        return super().pads_to_one_length or (self.privacy is not None and not self.releases_losses)
+
     def __init__(self, net: nn.Module, *, master_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(net, **kwargs)
         # fp32 masters of half-precision parameters, written by the method's engine

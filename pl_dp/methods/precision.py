@@ -18,9 +18,13 @@ of rows: docs/privacy-model.md). So a private run that computes in half precisio
 * the fit-start checks run in the trainer's precision context (:meth:`PrecisionMixin.precision_context`), and the
   probe compares what a step releases in it (:func:`~pl_dp.step.independence.probe_independence`).
 
-fp32 runs keep dynamic padding: their rounding moves an example by about one fp32 ulp, ~2e-4·C after the division by
-2λ = 2e-3; the probe refuses an fp32 run whose moves pass the tolerance (a small ``smoothing`` at a large batch), and
-``fixed_length=True`` on the data module gives it one shape too.
+fp32 first-order runs keep dynamic padding: their rounding moves an example's gradient by about one fp32 ulp. An fp32
+zeroth-order step pads to one length too wherever the data module can (:attr:`PrecisionMixin.pads_to_one_length`,
+overridden by the two-point methods), though its rows stay dynamic: a two-point difference sees a loss only to one
+ulp, divided by 2λ, so a dependence on the padded length smaller than an ulp along the probe's few directions can
+still be an ulp along a step's (on an H200, a net whose loss reads the padded length passed the probe's directions
+and moved the release of b = 4096 by 0.019·C along the step's). ``fixed_length=False`` keeps dynamic padding, with
+the probe as the only guard.
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ class PrecisionMixin:
     def fixed_shapes(self) -> bool:
         """Whether the private batches must keep one shape: a private run that computes in half precision."""
         return self.privacy is not None and self.computes_in_half_precision  # type: ignore[attr-defined]
+
+    @property
+    def pads_to_one_length(self) -> bool:
+        """Whether the private loader pads every batch to one length where the data module leaves it open
+        (``fixed_length=None``): whenever the batches must keep one shape (:attr:`fixed_shapes`)."""
+        return self.fixed_shapes
 
     @property
     def physical_rows(self) -> int | None:

@@ -96,10 +96,13 @@ class _Rows(L.Callback):
         self.recording = False
 
 
-@pytest.mark.parametrize("method", ["dpzero-bf16", "dpzero-bf16-mixed", "hooks-bf16-mixed", "dpzero-fp32"])
+@pytest.mark.parametrize(
+    "method", ["dpzero-bf16", "dpzero-bf16-mixed", "hooks-bf16-mixed", "dpzero-fp32", "hooks-fp32"]
+)
 def test_every_private_forward_of_a_half_precision_run_has_one_shape(gpt2_dir, method):
     """bf16 weights or bf16-mixed autocast: every forward of a private step runs [physical_rows, max_length], whatever
-    the Poisson batch's size; fp32 keeps dynamic padding and whole batches."""
+    the Poisson batch's size; fp32 keeps whole batches, padded to max_length by a two-point step and to each batch's
+    longest by a first-order one."""
     dtype = torch.bfloat16 if method == "dpzero-bf16" else None
     net = CausalLM(model_path=gpt2_dir, dtype=dtype)
     if method.startswith("hooks"):
@@ -111,9 +114,11 @@ def test_every_private_forward_of_a_half_precision_run_has_one_shape(gpt2_dir, m
     precision = "bf16-mixed" if method.endswith("mixed") else "32-true"
     make_trainer(max_steps=4, precision=precision, callbacks=[rows], limit_val_batches=0).fit(model, data)
     assert model.private_steps == 4 and rows.shapes
-    if method == "dpzero-fp32":
+    if method.endswith("fp32"):
         assert not model.fixed_shapes and model.physical_rows is None
-        assert len({shape[1] for shape in rows.shapes}) > 1  # padded to each batch's longest
+        assert len({shape[0] for shape in rows.shapes}) > 1  # whole Poisson batches
+        lengths = {shape[1] for shape in rows.shapes}
+        assert lengths == {24} if method == "dpzero-fp32" else len(lengths) > 1
         return
     assert model.fixed_shapes and model.physical_rows == 12
     assert set(rows.shapes) == {(12, 24)}, set(rows.shapes)
