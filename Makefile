@@ -30,11 +30,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow tests
 
-# the tests of methods, per-sample gradients, the zeroth-order engine, noise, the fit-start checks and checkpoints,
+# the tests of methods, per-sample gradients, the zeroth-order engine, noise, the fit-start checks, data and checkpoints,
 # with their trainers on a CUDA device (tests/conftest.py DEVICE); with no CUDA device every test skips, saying so
 test-gpu: $(STAMP)
 	PL_DP_TEST_DEVICE=cuda WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests/methods \
-		tests/per_sample tests/zo tests/privacy tests/step tests/callbacks tests/nets
+		tests/per_sample tests/zo tests/privacy tests/step tests/callbacks tests/nets tests/data
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict

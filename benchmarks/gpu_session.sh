@@ -31,7 +31,7 @@ cat "$out/env.txt"
 # the tests of `make test-gpu` (the W&B test needs wandb, which such a machine lacks)
 PL_DP_TEST_DEVICE=cuda timeout "${TEST_S:-200}" python3 -m pytest -q -m "not slow" -p no:cacheprovider \
     -n "${TEST_WORKERS:-8}" --dist loadfile --junitxml="$out/tests.xml" \
-    tests/methods tests/per_sample tests/zo tests/privacy tests/step tests/callbacks tests/nets \
+    tests/methods tests/per_sample tests/zo tests/privacy tests/step tests/callbacks tests/nets tests/data \
     --ignore=tests/callbacks/test_wandb.py >"$out/tests.txt" 2>&1
 echo "tests: exit $?" >>"$out/tests.txt"
 tail -n 40 "$out/tests.txt"
