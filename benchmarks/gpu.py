@@ -24,7 +24,8 @@ For each model, the cases (each in its own ``try``: a failure is recorded with i
   and in-place perturbations θ ± λu regenerated from a seed (four sweeps a step: +λ, −2λ, +λ, update); DPZero
   clips each example's difference and adds one Gaussian scalar. Also with bf16 weights (``_bf16``: no fp32 masters,
   so θ drifts by bf16 rounding — a floor for time and memory only);
-* ``pl_dp_ghost``, ``pl_dp_hooks``: :class:`~pl_dp.methods.DPSGD` with ``per_sample="ghost"`` / ``"hooks"``,
+* ``pl_dp_ghost``, ``pl_dp_hooks``, ``pl_dp_bk``: :class:`~pl_dp.methods.DPSGD` with ``per_sample="ghost"`` /
+  ``"hooks"`` / ``"bk"`` (book-keeping: one backward),
   fp32 and ``precision="bf16-mixed"`` (``_bf16mixed``; ghost clipping turns autocast off for its two passes,
   so its bf16-mixed row runs them in fp32);
 * ``pl_dp_dpzero_{gaussian,rademacher}``: :class:`~pl_dp.methods.DPZero` (q = 1) with Gaussian and Rademacher
@@ -46,7 +47,8 @@ the peak resident set (Linux ``VmHWM``) over the RSS after the warm-up — ``mem
 ``--rounds R`` every case runs R times round-robin and the step time is the median of the rounds' medians.
 
 Prints a table (each case's time and memory, and their ratios to ``torch_sgd`` and to ``opacus_ghost``, side by side)
-and the issue's targets, and writes JSON with ``--json PATH``. No GPU has run this yet (see docs/performance.md).
+and the issue's targets, and writes JSON with ``--json PATH`` (after every case). Measured once on an H200:
+docs/performance.md, "On a GPU" (``benchmarks/results/gpu_h200.json``).
 """
 
 from __future__ import annotations

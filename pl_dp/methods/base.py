@@ -585,8 +585,18 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
                 chunk,
                 transfer=self._to_device,
                 values=self.preflight,
-                one_shape=self.fixed_shapes,  # in half precision, a collate that pads to each batch is refused
+                one_shape=self.one_shape_refusal(),
             )
+
+    def one_shape_refusal(self) -> tuple[str, str] | None:
+        """Why a private collate that pads each batch to its longest example is refused at fit start, or None: the
+        run's :attr:`one_length_reason` — always in half precision; for a two-point step unless the data module keeps
+        dynamic padding by choice (``fixed_length=False``)."""
+        why = self.one_length_reason
+        if why is None or self.fixed_shapes:
+            return why
+        opted_out = getattr(getattr(self.trainer, "datamodule", None), "fixed_length", None) is False
+        return None if opted_out else why
 
     def _seal_batching(self, report: PreflightReport) -> None:
         """Tell pl_dp's private loader what a batch looks like: every example's structure, as the pre-flight pass
@@ -615,8 +625,8 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         refuse_batch_mixing_modules(self.net)
         examples, source = self._probe_examples()
         collate = private_data_of(self.trainer.train_dataloader)[1]
-        if self.fixed_shapes:
-            refuse_varying_batch_shapes(collate, examples)
+        if (why := self.one_shape_refusal()) is not None:
+            refuse_varying_batch_shapes(collate, examples, why)
         # the private collate padding to the data module's max_length, when the run's pads each batch to its longest
         longest = getattr(getattr(self.trainer, "datamodule", None), "fixed_length_collate", lambda: None)()
         probe_independence(

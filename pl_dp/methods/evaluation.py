@@ -16,15 +16,16 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 import torchmetrics
 
 from pl_dp.methods.host import Host
 from pl_dp.step.batches import batch_size_of, prediction_inputs
 from pl_dp.step.losses import (
+    IGNORE_INDEX,
     causal_lm,
     causal_lm_token_losses,
     check_per_sample,
+    class_losses,
     cross_entropy,
     forward,
     split_inputs_targets,
@@ -142,7 +143,7 @@ class EvaluationMixin(Host):
         if self.loss_fn is cross_entropy:  # one forward gives the loss and the accuracy
             inputs, targets = split_inputs_targets(batch)
             logits = forward(self.net, inputs)
-            losses = F.cross_entropy(logits.float(), targets, reduction="none")
+            losses = class_losses(logits.float(), targets)  # an out-of-range label: NaN, as in training
         elif self.loss_fn is causal_lm:  # one forward gives the loss and the perplexity
             nll, tokens = causal_lm_token_losses(self.net, batch)
             losses = nll / tokens.clamp_min(1)  # causal_lm's own per-sequence loss
@@ -154,8 +155,14 @@ class EvaluationMixin(Host):
         )
         if logits is not None and targets is not None and logits.dim() == 2 and targets.dim() == 1:
             classes = logits.shape[-1]
-            accuracy = partial(torchmetrics.classification.MulticlassAccuracy, num_classes=classes, average="micro")
-            self._update_metric(stage, "acc", accuracy, logits, targets)
+            accuracy = partial(
+                torchmetrics.classification.MulticlassAccuracy,
+                num_classes=classes,
+                average="micro",
+                ignore_index=IGNORE_INDEX,
+            )
+            scored = (targets >= 0) & (targets < classes)  # an out-of-range label is not scored (no host sync)
+            self._update_metric(stage, "acc", accuracy, logits, targets.masked_fill(~scored, IGNORE_INDEX))
 
     def _log_private_metrics(self, batch: Any) -> None:
         """Training loss/accuracy on the private batch, un-noised: only under ``log_private_metrics``."""

@@ -31,7 +31,7 @@ from pl_dp.methods.base import MechanismT, PrivateModule
 from pl_dp.privacy.clip_functions import clip_per_example
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.step.batches import batch_size_of
-from pl_dp.step.independence import Release
+from pl_dp.step.independence import TWO_POINT_SHAPES, Release
 from pl_dp.zo.engine import Direction, PerturbationEngine
 from pl_dp.zo.estimator import clipped_differences, per_sample_evaluator
 from pl_dp.zo.master import MasterWeights, MasterWeightsState
@@ -86,12 +86,15 @@ class OwnUpdateModule(PrivateModule[MechanismT]):
     releases_losses: bool = False
 
     @property
-    def pads_to_one_length(self) -> bool:
+    def one_length_reason(self) -> tuple[str, str] | None:
         """In fp32 too, for a private two-point step (it divides a loss difference by 2λ): its view of a loss is
         quantized to one ulp, so a dependence on the padded length below that resolution along the fit-start probe's
         directions can exceed it along a step's — the probe cannot bound it, one length removes it (see
         :mod:`pl_dp.methods.precision`)."""
-        return super().pads_to_one_length or (self.privacy is not None and not self.releases_losses)
+        reason = super().one_length_reason
+        if reason is None and self.privacy is not None and not self.releases_losses:
+            return TWO_POINT_SHAPES
+        return reason
 
     def __init__(self, net: nn.Module, *, master_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(net, **kwargs)

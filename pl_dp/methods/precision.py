@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from pl_dp.step.independence import has_half_precision_parameters
+from pl_dp.step.independence import HALF_PRECISION_SHAPES, has_half_precision_parameters
 
 #: the most rows a private forward runs in a run with fixed shapes, when ``max_physical_batch_size`` is not set
 FIXED_ROWS = 32
@@ -71,10 +71,17 @@ class PrecisionMixin:
         return self.privacy is not None and self.computes_in_half_precision  # type: ignore[attr-defined]
 
     @property
+    def one_length_reason(self) -> tuple[str, str] | None:
+        """Why this run's private batches must keep one padded length, in the words of the refusal of a collate that
+        pads each batch to its longest (:func:`~pl_dp.step.independence.refuse_varying_batch_shapes`), or None: in
+        half precision (:attr:`fixed_shapes`)."""
+        return HALF_PRECISION_SHAPES if self.fixed_shapes else None
+
+    @property
     def pads_to_one_length(self) -> bool:
         """Whether the private loader pads every batch to one length where the data module leaves it open
-        (``fixed_length=None``): whenever the batches must keep one shape (:attr:`fixed_shapes`)."""
-        return self.fixed_shapes
+        (``fixed_length=None``): whenever :attr:`one_length_reason` gives a reason."""
+        return self.one_length_reason is not None
 
     @property
     def physical_rows(self) -> int | None:

@@ -30,7 +30,7 @@ Three checks, all at fit start and before any private step:
 * :func:`refuse_batch_mixing_modules` refuses, by type, every known mixing module anywhere in the net,
   whether or not it has parameters: all errors are collected and raised once, each with the module's
   qualified name, its type and a replacement (the shape of Opacus' ``ModuleValidator.validate(strict=True)``).
-* :func:`refuse_varying_batch_shapes`, for a run that computes in half precision, refuses a private collate that
+* :func:`refuse_varying_batch_shapes`, for a run that must keep one batch shape, refuses a private collate that
   gives batches of different examples different shapes (padding to the longest of each batch).
 * :func:`probe_independence` tests behaviour, for any collate, net and callable loss: it computes the per-example
   losses of a batch of examples (the expected batch size, up to ``PROBE_MAX``), then of the same batch with one
@@ -182,16 +182,31 @@ def refuse_batch_mixing_modules(net: nn.Module) -> None:
         )
 
 
-def refuse_varying_batch_shapes(collate: Callable[[list[Any]], Any], examples: Iterable[Any]) -> None:
-    """For a run that computes in half precision: raise :class:`IndependenceError` unless ``collate`` (the private
-    loader's) gives a batch of each of ``examples`` the same shapes (the pre-flight pass checks the whole private set
-    so, the probe its own examples).
+#: why a run that computes in half precision keeps one batch shape, and what else it can do (the refusal's words)
+HALF_PRECISION_SHAPES = (
+    "the run computes in bf16 or fp16, where the rounding of every example's result depends on the shape of the batch "
+    "it is computed in",
+    "or train in fp32",
+)
+#: why a private zeroth-order run keeps one padded length in fp32 too, and what else it can do
+TWO_POINT_SHAPES = (
+    "a zeroth-order step sees each loss only to one ulp and divides a loss difference by 2λ, so a dependence on the "
+    "padded length below what the fit-start probe's directions resolve may still move the release along a step's",
+    "or keep dynamic padding with fixed_length=False on the data module, the probe then the only guard",
+)
 
-    In bf16 or fp16 the rounding of every example's result depends on the shape of the batch it is computed in (a
-    longer padded length groups the sums over positions differently), so a collate that pads each batch to its own
-    longest example lets one long record move every other example's contribution. The check is on every example of
-    the private set because the probe's few examples may all be of one length. The message holds no value of the
-    examples.
+
+def refuse_varying_batch_shapes(
+    collate: Callable[[list[Any]], Any], examples: Iterable[Any], why: tuple[str, str]
+) -> None:
+    """For a run whose private batches must keep one shape (``why``: :data:`HALF_PRECISION_SHAPES`,
+    :data:`TWO_POINT_SHAPES`): raise :class:`IndependenceError` unless ``collate`` (the private loader's) gives a
+    batch of each of ``examples`` the same shapes (the pre-flight pass checks the whole private set so, the probe its
+    own examples).
+
+    A collate that pads each batch to its own longest example lets one long record move every other example's
+    contribution through the rounding of sums over positions. The check is on every example of the private set
+    because the probe's few examples may all be of one length. The message holds no value of the examples.
     """
     first: Any = None
     for example in examples:
@@ -201,14 +216,13 @@ def refuse_varying_batch_shapes(collate: Callable[[list[Any]], Any], examples: I
         elif shapes != first:
             collate = getattr(collate, "collate_fn", collate)
             name = getattr(collate, "__qualname__", None) or type(collate).__qualname__
+            cause, alternative = why
             raise IndependenceError(
-                "per-example independence in half precision: the run computes in bf16 or fp16, where the rounding "
-                "of every example's result depends on the shape of the batch it is computed in, but the private "
-                f"loader's collate_fn ({name}) gives batches of different examples different shapes (it pads each "
-                "batch to its longest example), so one long record would move every other example's contribution. "
-                "Pad the private batches to one fixed length: fixed_length=True on the data module (TextDataModule "
-                "and TextGenerationDataModule pad to their max_length, by default in half precision), or "
-                "collate_fn=PaddingCollate(length=...); or train in fp32."
+                f"per-example independence needs one batch shape here: {cause}. But the private loader's collate_fn "
+                f"({name}) gives batches of different examples different shapes (it pads each batch to its longest "
+                "example), so one long record would move every other example's contribution. Pad the private batches "
+                "to one fixed length: collate_fn=PaddingCollate(length=...) on the data module (TextDataModule and "
+                f"TextGenerationDataModule pad to their max_length by default); {alternative}."
             )
 
 

@@ -112,8 +112,12 @@ def class_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
     Privacy: an out-of-range label raises an IndexError on a CPU and, on CUDA, trips a device-side assert that ends
     the process (it cannot be caught) — either says whether the record was sampled. A NaN loss is what a private
-    step already handles without a word (the example contributes 0, counted privately) and the pre-flight pass names
-    before training. The check runs on the device: no host synchronization."""
+    step already handles without a word, and the pre-flight pass names it before training. What the row then
+    contributes, always within the clip bound: nothing to a zeroth-order step (a non-finite loss, counted privately
+    with the others); no gradient to a first-order one (the filled row's gradient is 0: not counted as non-finite);
+    for ``causal_lm``, where one token's label is out of range, the sequence's loss is NaN — a zeroth-order step
+    drops the sequence, a first-order one takes the clipped gradient of its other tokens. The check runs on the
+    device: no host synchronization."""
     if targets.is_floating_point():  # class probabilities: nothing to index
         return F.cross_entropy(logits, targets, reduction="none")
     valid = ((targets >= 0) & (targets < logits.shape[1])) | (targets == IGNORE_INDEX)

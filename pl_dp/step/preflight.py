@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from pl_dp.errors import DataError
 from pl_dp.step.batches import batch_size_of, example_structure
@@ -91,7 +92,7 @@ def check_private_set(
     chunk_size: int,
     transfer: Callable[[Any], Any] = lambda batch: batch,
     values: bool = True,
-    one_shape: bool = False,
+    one_shape: tuple[str, str] | None = None,
 ) -> PreflightReport:
     """Check every example of ``dataset`` (see the module docstring); raise :class:`DataError` listing the bad ones.
 
@@ -102,9 +103,11 @@ def check_private_set(
     are known to batch together too. When every example of the first batch scored makes the loss raise, the fault
     is the net's or the loss's, not a record's: that error is raised as it is (e.g. the per-example loss contract
     of :func:`~pl_dp.step.losses.check_per_sample`). The net is left as it was found (train/eval flags,
-    buffers: :class:`~pl_dp.step.independence.NetState`), and so are the random generators. With ``one_shape`` (a
-    run that computes in half precision) every example is also batched alone, and a collate that gives two examples
-    batches of different shapes is refused (:func:`~pl_dp.step.independence.refuse_varying_batch_shapes`).
+    buffers: :class:`~pl_dp.step.independence.NetState`), and so are the random generators. With ``one_shape`` (why
+    the run must keep one batch shape: half precision, a two-point step) every example is also batched alone, and a
+    collate that gives two examples batches of different shapes is refused
+    (:func:`~pl_dp.step.independence.refuse_varying_batch_shapes`) — not for a ``TensorDataset``, whose rows are
+    slices of the same tensors.
     """
     start = time.perf_counter()
     problems: dict[int, str] = {}
@@ -113,6 +116,7 @@ def check_private_set(
     reference: tuple[int, Any] | None = None  # the first good example: every chunk is batched with it
     structure: Any = None  # what every example must be shaped like (a collate batches by the first example's)
     shaped: Any = None  # one_shape: the example whose batch's shapes every other's must have (the first read)
+    same_shapes = isinstance(dataset, TensorDataset)  # rows of the same tensors: one shape by construction
     state = NetState(net)  # a forward that writes a buffer is the probe's to refuse; here it is undone
     try:
         with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # whether a record warns is private
@@ -127,9 +131,9 @@ def check_private_set(
                 rows, batch = _batch(collate, rows, reference, problems, values)
                 if batch is None:
                     continue
-                if one_shape:  # in half precision, every batch of one shape (of the examples that batch at all)
+                if one_shape is not None and not same_shapes:  # every batch of one shape (of those that batch)
                     shaped = rows[0][1] if shaped is None else shaped
-                    refuse_varying_batch_shapes(collate, [shaped] + [example for _, example in rows])
+                    refuse_varying_batch_shapes(collate, [shaped] + [example for _, example in rows], one_shape)
                 if not values:
                     reference = reference or rows[0]
                     continue

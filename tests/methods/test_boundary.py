@@ -68,14 +68,29 @@ def test_one_long_example_moves_the_release_by_at_most_the_clip_bound(cls):
     (DP-SGD) and 10·C (DPZero) through padding the net did not mask. With the mask: at most C."""
     long_example = (torch.randint(1, 50, (60,), generator=torch.Generator().manual_seed(7)), torch.tensor(1))
     model = cls(_transformer(), clip=1.0, privacy=PrivacySpec(epsilon=100.0, accountant="rdp", noise_multiplier=1.0))
-    result = audit(model, PrivatePublicDataModule(Sentences(), batch_size=8), trials=20, canary=long_example)
+    data = PrivatePublicDataModule(Sentences(), batch_size=8, fixed_length=False)  # dynamic padding, masked
+    result = audit(model, data, trials=20, canary=long_example)
     assert result.canary_influence <= 1.0 + 1e-4, result
 
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_a_net_that_reads_padding_is_refused_through_the_real_collate(cls):
-    model = cls(_transformer(pad_token_id=None), clip=1.0, privacy=SPEC)  # attends to and pools over padding
+    """Dynamic padding (a zeroth-order run keeps it only by choice: fixed_length=False) and a net that attends to and
+    pools over the padding: the probe refuses it, naming the cause."""
+    model = cls(_transformer(pad_token_id=None), clip=1.0, privacy=SPEC)
+    data = PrivatePublicDataModule(Sentences(), batch_size=8, fixed_length=False)
     with pytest.raises(IndependenceError, match=r"long or outlying example.*padded the batches to different lengths"):
+        make_trainer(max_steps=1).fit(model, data)
+    assert model.private_steps == 0
+
+
+def test_a_zeroth_order_run_is_refused_when_its_batches_cannot_have_one_length():
+    """The same data without fixed_length=False: a zeroth-order run keeps one padded length (the probe cannot bound a
+    sub-ulp dependence on it), and this data module knows no length to pad to — refused before any step, with the
+    ways out."""
+    model = DPZero(_transformer(pad_token_id=None), clip=1.0, privacy=SPEC)
+    refusal = r"one batch shape.*PaddingCollate\(length=\.\.\.\).*fixed_length=False"
+    with pytest.raises(IndependenceError, match=refusal):
         make_trainer(max_steps=1).fit(model, PrivatePublicDataModule(Sentences(), batch_size=8))
     assert model.private_steps == 0
 
@@ -114,7 +129,9 @@ def test_left_padding_for_a_causal_prompt_is_refused_by_name(tmp_path):
 
     net = PromptClassifier(["terrible", "great"], model_path=tiny_model(tmp_path / "gpt2", "gpt2"))
     texts = ["the movie was great", "terrible", "a fine film and a great cast", "awful plot"] * 6
-    data = TextDataModule((texts, [1, 0, 1, 0] * 6), prompt=net, batch_size=6, val_fraction=0.25, test_fraction=0)
+    data = TextDataModule(
+        (texts, [1, 0, 1, 0] * 6), prompt=net, batch_size=6, val_fraction=0.25, test_fraction=0, fixed_length=False
+    )  # dynamic padding by choice: the probe is the guard
     net.tokenizer.padding_side = "left"  # usual for causal LMs; PromptClassifier reads its last token on the right
     data.collate_fn = DataCollatorWithPadding(net.tokenizer)
     model = DPZero(net, clip=1.0, privacy=SPEC)
@@ -147,11 +164,11 @@ def test_the_pre_flight_pass_names_a_bad_record_before_any_release(cls, record):
     assert model.private_steps == 0 and not model.accountant.history
 
 
-def _run_and_capture(cls, dataset, net=None, preflight=False) -> tuple[int, list[str]]:
+def _run_and_capture(cls, dataset, net=None, preflight=False, **method) -> tuple[int, list[str]]:
     """Private steps made and everything the run said: warnings, log records, stdout and stderr."""
     torch.manual_seed(0)
     net = nn.Linear(4, 3) if net is None else net
-    model = cls(net, clip=1.0, lr=0.1, privacy=SPEC, preflight=preflight)
+    model = cls(net, clip=1.0, lr=0.1, privacy=SPEC, preflight=preflight, **method)
     data = PrivatePublicDataModule(dataset, batch_size=50)  # rate ≈ 0.5: the record is sampled in most steps
     out, err, records = io.StringIO(), io.StringIO(), []
     handler = logging.Handler()
@@ -177,6 +194,17 @@ def test_with_the_pre_flight_off_a_bad_record_changes_nothing_a_run_says_or_how_
     steps_with, said_with = _run_and_capture(cls, _with_record(**BAD_RECORDS[record][0]))
     assert steps == steps_with == 6
     assert said == said_with
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_the_private_diagnostics_score_an_out_of_range_label_without_ending_the_run(cls):
+    """log_private_metrics logs the un-noised training loss and accuracy of each batch (a mode that says it is not
+    private) — it scored the batch with F.cross_entropy, which raised IndexError (on CUDA: a device-side assert) at
+    the step that sampled the record, outside the seal (an independent review). Now the record's loss is NaN there
+    too and it is left out of the accuracy: the run makes the same steps, with or without it."""
+    steps, _ = _run_and_capture(cls, blobs(100), log_private_metrics=True)
+    steps_with, _ = _run_and_capture(cls, _with_record(label=10), log_private_metrics=True)
+    assert steps == steps_with == 6
 
 
 class Unreliable(Dataset):
@@ -563,7 +591,7 @@ def test_what_a_net_stores_from_a_private_batch_does_not_stay_in_copies_of_it(cl
             data.tokens.append(torch.randint(1, 50, (37,), generator=torch.Generator().manual_seed(3)))
             data.labels = torch.cat([data.labels, torch.tensor([1])])
         model = cls(_GrowingTable(), clip=1.0, privacy=SPEC)
-        make_trainer(max_steps=5).fit(model, PrivatePublicDataModule(data, batch_size=24))  # q = 1/2
+        make_trainer(max_steps=5).fit(model, PrivatePublicDataModule(data, batch_size=24, fixed_length=False))
         lengths[with_x] = len(copy.deepcopy(model).net.table)
     assert lengths[False] == lengths[True] == 1  # as constructed: nothing of a private batch
 

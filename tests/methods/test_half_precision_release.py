@@ -278,3 +278,22 @@ def test_with_dynamic_padding_the_probe_extrapolates_a_move_of_one_sign_linearly
     of independent signs only: a move of one sign grows as b/k. At b = 4096 this net passed the probe and a silent
     48-token record moved the others by 0.020·C (found by an independent review)."""
     _one_sign_shift(fixed_length=False)
+
+
+def test_an_fp32_zeroth_order_run_that_cannot_pad_to_one_length_is_refused_unless_dynamic_padding_is_chosen():
+    """An independent review: with no length known (a plain PrivatePublicDataModule, PaddingCollate() without a
+    length, no max_length) the loader fell back to dynamic padding without a word, and the silent 48-token record
+    moved the others' release by 0.020·C at b = 4096 on a CPU. Now refused at fit start, before any step, naming the
+    ways out; fixed_length=False keeps dynamic padding by choice (the probe then the only guard)."""
+    private = [_token_record(i, 4 + i % 5) for i in range(64)]
+
+    def model() -> DPZero:
+        return DPZero(_MaskedMean(), loss=_padded_length_loss, clip=10.0, privacy=SPEC, noise_seed=0)
+
+    refused = model()
+    with pytest.raises(IndependenceError, match=r"one batch shape.*fixed_length=False"):
+        make_trainer(max_steps=1).fit(refused, PrivatePublicDataModule(private, batch_size=16))
+    assert refused.private_steps == 0
+    chosen = model()
+    make_trainer(max_steps=1).fit(chosen, PrivatePublicDataModule(private, batch_size=16, fixed_length=False))
+    assert chosen.private_steps == 1

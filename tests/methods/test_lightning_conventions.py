@@ -261,7 +261,7 @@ class _BagOfTokens(nn.Module):
 
 
 def test_variable_length_dict_examples_batch_with_padding_and_the_loader_options_reach_every_loader():
-    dm = PrivatePublicDataModule(_Tokenized(), val=_Tokenized(20), batch_size=10, num_workers=1)
+    dm = PrivatePublicDataModule(_Tokenized(), val=_Tokenized(20), batch_size=10, num_workers=1, fixed_length=False)
     model = DPZero(_BagOfTokens(), lr=0.1, clip=1.0, privacy=SPEC)
     trainer = make_trainer(max_steps=3, limit_val_batches=1)
     trainer.fit(model, dm)
