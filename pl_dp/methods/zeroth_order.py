@@ -29,8 +29,9 @@ class ZerothOrderModule(OwnUpdateModule[SubsampledGaussian]):
         smoothing: λ, the finite-difference radius.
         queries: q, directions per step (each a private release; noise std √q·σ·C per query).
         direction: ``"gaussian"`` (default, as in the papers' experiments), ``"sphere"``, or one of
-            the cheaper ``"rademacher"`` (±1 per coordinate) and ``"lowrank"`` (a·bᵀ per matrix), which
-            cost a fraction of a Gaussian's random numbers; see :class:`~pl_dp.zo.engine.Direction`.
+            ``"rademacher"`` (±1 per coordinate) and ``"lowrank"`` (a·bᵀ per matrix), which cost a
+            fraction of a Gaussian's random numbers on a CPU (on an H200 Rademacher steps were 1.07-1.5×
+            slower than Gaussian ones: docs/performance.md); see :class:`~pl_dp.zo.engine.Direction`.
         radius: sphere radius (or matching Gaussian second moment); ``None`` means the method's
             default (√d for DPZero).
         joint_clip: L2-clip each example's q-vector of differences to C and add one q-dimensional
