@@ -249,7 +249,8 @@ class PrivatePublicDataModule(L.LightningDataModule):
         return loader
 
     def _private_loader(self, module: Any) -> DataLoader:
-        own = module.private_loader(self.private, self.seed) if hasattr(module, "private_loader") else None
+        collate = self.private_collate(bool(getattr(module, "pads_to_one_length", False)))
+        own = module.private_loader(self.private, self.seed, collate) if hasattr(module, "private_loader") else None
         if own is not None:  # a method whose accounting needs other sampling (O2NC's partition)
             if self.users is not None:
                 raise PrivacyConfigError(
@@ -276,7 +277,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
             steps_per_epoch=steps,
             num_replicas=world,
             rank=rank,
-            collate_fn=self.private_collate(bool(getattr(module, "pads_to_one_length", False))),
+            collate_fn=collate,
             users=self.users,
             bands=bands,
             **self.loader_kwargs,

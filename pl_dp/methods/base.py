@@ -27,7 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -36,6 +36,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torch.utils.data import default_collate
 
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods.evaluation import EvaluationMixin
@@ -458,11 +459,12 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
                 )
 
     # ---- the plan ----------------------------------------------------------------------------
-    def private_loader(self, dataset: Any, seed: int) -> Any:
+    def private_loader(self, dataset: Any, seed: int, collate_fn: Callable[[list], Any] = default_collate) -> Any:
         """The private training loader this method's accounting assumes, or None for Poisson sampling.
 
-        :class:`~pl_dp.data.PrivatePublicDataModule` asks the module first; methods whose guarantee
-        rests on other sampling (O2NC: a disjoint partition) return their own loader here.
+        :class:`~pl_dp.data.PrivatePublicDataModule` asks the module first, with its private collate (padding to
+        one length where the method asks for it); methods whose guarantee rests on other sampling (O2NC: a
+        disjoint partition) return their own loader here.
         """
         return None
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.methods.base import StepResult
@@ -153,8 +155,10 @@ class O2NC(OwnUpdateModule[TreeAggregatedGaussian]):
             return grad
         return max(grad, 4 * d * lam / (self.batch_size * self.inner_steps))
 
-    def private_loader(self, dataset: Any, seed: int) -> Any:
-        return partition_loader(dataset, self.first_batch_size, self.batch_size, self.inner_steps, seed)
+    def private_loader(self, dataset: Any, seed: int, collate_fn: Callable[[list], Any] = default_collate) -> Any:
+        return partition_loader(
+            dataset, self.first_batch_size, self.batch_size, self.inner_steps, seed, collate_fn=collate_fn
+        )
 
     @property
     def tree_length(self) -> int:
