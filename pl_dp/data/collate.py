@@ -40,6 +40,9 @@ class PaddingCollate:
     ``max_length`` for the private batches of a run that computes in half precision).
     """
 
+    #: its batch's shapes are a function of its examples' shapes alone (the pre-flight pass relies on it)
+    shapes_follow_shapes = True
+
     def __init__(self, pad_values: Mapping[str, int] | None = None, length: int | None = None) -> None:
         self.pad_values = dict(PAD_VALUES if pad_values is None else pad_values)
         if length is not None and (isinstance(length, bool) or int(length) != length or length < 1):

@@ -297,3 +297,39 @@ def test_an_fp32_zeroth_order_run_that_cannot_pad_to_one_length_is_refused_unles
     chosen = model()
     make_trainer(max_steps=1).fit(chosen, PrivatePublicDataModule(private, batch_size=16, fixed_length=False))
     assert chosen.private_steps == 1
+
+
+def _trim_trailing_padding(examples):
+    """A common "dynamic padding" collate over pre-padded rows: stack them, then cut the columns that are padding in
+    every row — the batch's width follows the values, not the rows' shapes."""
+    ids = torch.stack([e[0] for e in examples])
+    width = int((ids != 0).any(0).nonzero().max()) + 1
+    return {
+        "input_ids": ids[:, :width],
+        "attention_mask": (ids[:, :width] != 0).long(),
+        "label": torch.stack([e[1] for e in examples]),
+    }
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_rows_of_one_tensor_that_a_collate_trims_by_value_are_checked_one_by_one(precision):
+    """A second independent review: the pre-flight pass skipped its one-shape check for a TensorDataset (rows of one
+    shape), but a collate that trims padding by value gives a batch holding one long record another width — accepted,
+    0.020·C at b = 4096 (fp32), and in bf16-mixed a regression. Now skipped only for collates whose shapes follow the
+    examples' shapes (default_collate, PaddingCollate)."""
+    from torch.utils.data import TensorDataset
+
+    ids = torch.zeros(65, 48, dtype=torch.long)
+    for i in range(64):
+        record = _token_record(i, 4 + i % 5)["input_ids"]
+        ids[i, : len(record)] = record
+    ids[64] = _token_record(7, 48)["input_ids"]  # one long record
+    labels = torch.tensor([i % 2 for i in range(65)])
+    val = TensorDataset(ids[0:60:5].clone(), labels[0:60:5].clone())  # the probe's examples: all 4 tokens
+    data = PrivatePublicDataModule(
+        TensorDataset(ids, labels), val=val, batch_size=16, collate_fn=_trim_trailing_padding
+    )
+    model = DPZero(_MaskedMean(), loss=_padded_length_loss, clip=10.0, privacy=SPEC, noise_seed=0)
+    with pytest.raises(IndependenceError, match="one batch shape"):
+        make_trainer(max_steps=1, precision=precision).fit(model, data)
+    assert model.private_steps == 0
