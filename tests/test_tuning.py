@@ -151,7 +151,8 @@ def test_a_trial_with_another_privacy_event_stops_the_search_and_releases_nothin
     with pytest.raises(PrivacyConfigError, match="not one mechanism repeated") as refused:
         _search(tmp_path, TrialCount(mean=50.0, shape=1.0), seed=0).run(trial)
     assert not (tmp_path / RELEASED_FILE).exists()
-    assert "41" not in str(refused.value)  # a later trial's event is never printed
+    message = str(refused.value).replace(str(tmp_path), "<tmp>")  # pytest's folder names hold numbers of their own
+    assert "41" not in message  # a later trial's event is never printed
 
 
 @pytest.mark.slow
