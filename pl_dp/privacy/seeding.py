@@ -14,6 +14,7 @@ import secrets
 import struct
 from typing import Any
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -122,8 +123,8 @@ def secret_cpu_state(material: bytes) -> torch.Tensor:
     secret key has no such shortcut. ``initial_seed()`` of such a generator reports 0, never the secret.
     """
     state = bytearray(_cpu_state_template())
-    words = struct.unpack(f"<{_MT_WORDS}I", hashlib.shake_256(material).digest(4 * _MT_WORDS))
-    struct.pack_into(f"<{_MT_WORDS}Q", state, _MT_OFFSET, *words)
+    words = np.frombuffer(state, dtype="<u8", count=_MT_WORDS, offset=_MT_OFFSET)  # a view: writes go to state
+    words[:] = np.frombuffer(hashlib.shake_256(material).digest(4 * _MT_WORDS), dtype="<u4")
     struct.pack_into("<Qii", state, 0, 0, 1, 1)  # initial seed 0; left = 1: the next draw twists these words
     return torch.frombuffer(state, dtype=torch.uint8).clone()
 

@@ -126,6 +126,35 @@ def test_secret_cpu_generators_have_a_full_state_not_a_32__bit_seed():
     assert not _seeded_by_32_bits(opacus.sampler.generator.get_state())
 
 
+def test_a_secret_cpu_state_holds_every_word_of_its_hash_and_twists_them_first():
+    """The Mersenne Twister's 624 words are SHAKE-256(material)'s 32-bit little-endian words, one per 8-byte slot (a
+    word written into the wrong half of its slot, or a 64-bit read of the hash, would keep less entropy than the
+    hash gives); the initial seed reads 0, and the next draw twists these words first (left = 1)."""
+    import hashlib
+    import struct
+
+    from pl_dp.privacy.seeding import secret_cpu_state
+
+    material = b"a step's material"
+    state = bytes(secret_cpu_state(material).tolist())
+    words = struct.unpack("<624I", hashlib.shake_256(material).digest(4 * 624))
+    assert struct.unpack_from("<624Q", state, 24) == words
+    assert struct.unpack_from("<Qii", state, 0) == (0, 1, 1)
+    assert state[24 + 8 * 624 :] == bytes(torch.Generator().manual_seed(5489).get_state().tolist())[24 + 8 * 624 :]
+
+
+def test_a_draw_of_one_chunk_is_the_block_of_the_whole_draw():
+    """A draw of at most one chunk is returned as drawn (no copy): the same values a rank reading it as one block of
+    a sharded tensor gets, and a block of it is its slice."""
+    whole, sliced, block = NoiseSource(seed=4), NoiseSource(seed=4), NoiseSource(seed=4)
+    for source in (whole, sliced, block):
+        source.start_step(2)
+    drawn = whole.normal((64, 33), 1.5)
+    assert drawn.shape == (64, 33)
+    assert torch.equal(sliced.normal((64, 33), 1.5, block=(0, 64 * 33)), drawn.reshape(-1))
+    assert torch.equal(block.normal((64, 33), 1.5, block=(100, 50)), drawn.reshape(-1)[100:150])
+
+
 def test_poisson_batches_are_counter_based_and_resumable():
     a = PoissonBatchSampler(100, 0.1, steps_per_epoch=5, seed=1)
     first = list(a)
