@@ -20,8 +20,9 @@ Prints a table and JSON (``--json PATH`` to save; the committed copy is
 ``benchmarks/results/ghost_first_pass.json``).
 
 ``--one-pass`` measures instead what a DP-SGD step spends on its clipped sum with each engine, side by side in one
-run (issue 39 of [fast]; committed as ``benchmarks/results/bk_one_pass.json``), on the cases above and a tiny GPT-2
-with tied input and output embeddings (``--cases mlp transformer minilm gpt2``):
+run (issue 39 of [fast]; committed as ``benchmarks/results/bk_one_pass.json``), on the cases above, a tiny GPT-2
+with tied input and output embeddings and the digits MLP of the small whole run (64-64-10 at B = 48; ``--cases digits
+mlp transformer minilm gpt2``):
 
 * ``non_private``: a forward and backward of the summed loss;
 * ``opacus_ghost``: Opacus 1.6's ghost clipping (``GradSampleModuleFastGradientClipping`` with its optimizer and
@@ -30,7 +31,9 @@ with tied input and output embeddings (``--cases mlp transformer minilm gpt2``):
   mode too (the cases run without dropout) and lookups broadcast over the batch (BERT's and GPT-2's positions) get
   one row per example; a case Opacus refuses is recorded with its error;
 * ``ghost``: :class:`~pl_dp.per_sample.GhostClipping` (norms, then a second backward);
-* ``bk``: :class:`~pl_dp.per_sample.BookKeeping` (the same first pass; the clipped sum from what it kept).
+* ``bk``: :class:`~pl_dp.per_sample.BookKeeping` (the same first pass; the clipped sum from what it kept);
+* ``hooks``: :class:`~pl_dp.per_sample.PerSampleGradients` with Opacus' hooks (``per_sample="hooks"``, the default):
+  every per-example gradient formed, their norms, the weighted sum; a case it refuses is recorded with its error.
 
 Medians of interleaved rounds after a warm-up round, ratios to ``non_private`` and to ``opacus_ghost``, the peak
 resident-memory growth of each, and the relative difference of BK's clipped sum from ghost clipping's (the norm of
@@ -57,7 +60,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _measure import peak_rss_supported, reset_peak_rss, status_kb  # noqa: E402
 
 from pl_dp.nets import MLP, TinyTransformerClassifier  # noqa: E402
-from pl_dp.per_sample import BookKeeping, GhostClipping  # noqa: E402
+from pl_dp.per_sample import BookKeeping, GhostClipping, PerSampleGradients  # noqa: E402
 from pl_dp.per_sample.gradients import BroadcastLookups, RecordsInEvalMode  # noqa: E402
 from pl_dp.privacy import ClipFunction  # noqa: E402
 from pl_dp.step.losses import causal_lm, cross_entropy  # noqa: E402
@@ -75,8 +78,10 @@ def make_case(name: str, quick: bool):
     """(net, batch, description): the step-cost benchmark's MLP and transformer, and the packaged MiniLM."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    if name == "mlp":
+    if name in ("mlp", "digits"):
         hidden, batch = ((128, 128), 64) if quick else ((2048, 2048), 256)
+        if name == "digits":  # the small whole run's net and expected batch (benchmarks/opacus_epoch.py)
+            hidden, batch = (64,), 48
         net = MLP(64, hidden, 10)
         x, y = torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g)
         return net, (x, y), f"MLP 64-{'-'.join(map(str, hidden))}-10, B={batch}"
@@ -246,7 +251,8 @@ def _opacus_ghost(net, batch, loss_fn):
 
 
 def measure_one_pass(name: str, quick: bool, rounds: int) -> dict:
-    """Non-private, Opacus ghost, pl_dp ghost and pl_dp BK on one case, interleaved (see ``--one-pass``)."""
+    """Non-private, Opacus ghost, pl_dp ghost, pl_dp BK and pl_dp hooks on one case, interleaved (see
+    ``--one-pass``)."""
     net, batch, description = make_case(name, quick)
     loss_fn = _loss_of(batch)
     params = sum(p.numel() for p in net.parameters() if p.requires_grad)
@@ -266,6 +272,10 @@ def measure_one_pass(name: str, quick: bool, rounds: int) -> dict:
     except Exception as error:  # noqa: BLE001 - recorded: Opacus refuses some nets pl_dp clips
         ops.pop("opacus_ghost", None)
         errors["opacus_ghost"] = f"{type(error).__name__}: {error}"[:300]
+    try:
+        engines["hooks"] = PerSampleGradients(copy.deepcopy(net), loss_fn, "hooks")
+    except Exception as error:  # noqa: BLE001 - recorded: Opacus' hooks refuse some layers the other engines clip
+        errors["hooks"] = f"{type(error).__name__}: {error}"[:300]
     for label, engine in engines.items():
         ops[label] = lambda engine=engine: engine.clipped_sum(batch, fn)
     times: dict[str, list[float]] = {k: [] for k in ops}
@@ -294,13 +304,15 @@ def measure_one_pass(name: str, quick: bool, rounds: int) -> dict:
         if "opacus_ghost" in med:
             row[f"{key}_over_opacus_ghost"] = med[key] / med["opacus_ghost"]
     row["bk_over_ghost"] = med["bk"] / med["ghost"]
+    if "hooks" in med:
+        row["bk_over_hooks"] = med["bk"] / med["hooks"]
     return row
 
 
 def print_one_pass(rows: list[dict]) -> None:
     print(
-        f"{'case':40} {'fwd+bwd':>8} {'opacus':>8} {'ghost':>8} {'bk':>8} {'÷ fwd+bwd opacus|ghost|bk':>26} "
-        f"{'bk ÷ opacus':>11} {'peak MB np|opacus|ghost|bk':>27}"
+        f"{'case':40} {'fwd+bwd':>8} {'opacus':>8} {'ghost':>8} {'bk':>8} {'hooks':>8} "
+        f"{'÷ fwd+bwd opacus|ghost|bk|hooks':>31} {'bk ÷ opacus':>11} {'peak MB np|opacus|ghost|bk|hooks':>33}"
     )
     for r in rows:
         opacus = f"{r['opacus_ghost_ms']:8.1f}" if "opacus_ghost_ms" in r else f"{'refused':>8}"
@@ -308,13 +320,14 @@ def print_one_pass(rows: list[dict]) -> None:
         over = f"{r['bk_over_opacus_ghost']:.2f}" if "bk_over_opacus_ghost" in r else "-"
         peaks = "|".join(
             "-" if r.get(f"{k}_peak_mb") is None else f"{r[f'{k}_peak_mb']:.0f}"
-            for k in ("non_private", "opacus_ghost", "ghost", "bk")
+            for k in ("non_private", "opacus_ghost", "ghost", "bk", "hooks")
         )
-        ratios = "|".join([ratio, f"{r['ghost_over_non_private']:.2f}", f"{r['bk_over_non_private']:.2f}"])
+        hooks = f"{r['hooks_ms']:8.1f}" if "hooks_ms" in r else f"{'refused':>8}"
+        hooks_ratio = f"{r['hooks_over_non_private']:.2f}" if "hooks_ms" in r else "-"
+        ratios = "|".join([ratio, f"{r['ghost_over_non_private']:.2f}", f"{r['bk_over_non_private']:.2f}", hooks_ratio])
         print(
             f"{r['description']:40} {r['non_private_ms']:>8.1f} {opacus} {r['ghost_ms']:>8.1f} {r['bk_ms']:>8.1f} "
-            f"{ratios:>26} "
-            f"{over:>11} {peaks:>27}"
+            f"{hooks} {ratios:>31} {over:>11} {peaks:>33}"
         )
 
 
@@ -322,12 +335,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cases", nargs="+", default=None)
-    parser.add_argument("--one-pass", action="store_true", help="non-private, Opacus ghost, pl_dp ghost and BK")
+    parser.add_argument("--one-pass", action="store_true", help="non-private, Opacus ghost, pl_dp ghost, BK, hooks")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 5)
-    cases = args.cases or (["mlp", "transformer", "minilm"] + (["gpt2"] if args.one_pass else []))
+    cases = args.cases or (["mlp", "transformer", "minilm"] + (["gpt2", "digits"] if args.one_pass else []))
     load_start = os.getloadavg()[0]
     rows = [(measure_one_pass if args.one_pass else measure)(name, args.quick, rounds) for name in cases]
     load_end = os.getloadavg()[0]
