@@ -71,7 +71,7 @@ from pl_dp.per_sample.gradients import (
     RecordsInEvalMode,
     clear_hook_state,
     refuse_rows_not_examples,
-    unsupported_layers,
+    refuse_unsupported_layers,
 )
 from pl_dp.per_sample.raw import RawGradients, children_first, raw_parameter_modules
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
@@ -173,8 +173,15 @@ class _NormsOnly:
     """
 
     def __init__(
-        self, hooked: list[nn.Module], tied: list[nn.Module], names: dict[nn.Module, str], raw: Iterable[nn.Module]
+        self,
+        hooked: list[nn.Module],
+        tied: list[nn.Module],
+        names: dict[nn.Module, str],
+        raw: Iterable[nn.Module],
+        *,
+        mode: str,
     ):
+        self.mode = mode  # the per_sample mode a refusal names
         self.active = False
         self.edges: list[GradientEdge] = []
         #: per hooked call: the module, the nodes of its output and the nodes of its inputs (where the call ends)
@@ -291,10 +298,10 @@ class _NormsOnly:
                     outside.add(self._name_of(variable, owners))
         if outside:
             raise ValueError(
-                f"per_sample='ghost' cannot clip {sorted(outside)}: the net or the loss uses them outside the layer "
-                "that holds them (e.g. a weight read again in another module's forward or in the loss, or an output "
-                "head tied by F.linear(h, embedding.weight)), so that layer's hooks would measure only part of each "
-                "example's gradient and under-clip it. Use each trainable parameter only through its layer (tie "
+                f"per_sample={self.mode!r} cannot clip {sorted(outside)}: the net or the loss uses them outside the "
+                "layer that holds them (e.g. a weight read again in another module's forward or in the loss, or an "
+                "output head tied by F.linear(h, embedding.weight)), so that layer's hooks would measure only part of "
+                "each example's gradient and under-clip it. Use each trainable parameter only through its layer (tie "
                 "weights by sharing the parameter between nn.Linear/nn.Embedding modules), or per_sample='functorch'."
             )
 
@@ -357,15 +364,7 @@ class GhostClipping:
                 "bound. Load the model in fp32 (Trainer(precision='bf16-mixed') keeps fp32 weights) or use "
                 "per_sample='hooks'."
             )
-        unsupported = unsupported_layers(net)
-        if unsupported:
-            raise ConfigError(
-                f"per_sample={self.mode!r} cannot compute per-example gradient norms for these trainable layers:\n  - "
-                + "\n  - ".join(unsupported)
-                + "\n(opacus.validators.ModuleValidator.fix(net) swaps the attention and recurrent layers). Or use "
-                "per_sample='functorch' (torch.func differentiates them as they are; not on a net sharded by FSDP2), "
-                "or freeze them (requires_grad=False)."
-            )
+        refuse_unsupported_layers(net, self.mode)
         shared = unsupported_ties(net)
         if shared:
             raise ConfigError(
@@ -382,7 +381,7 @@ class GhostClipping:
         self._gsm.disable_hooks()
         hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
         modules = {m: name for name, m in net.named_modules()}
-        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, self._raw.modules)
+        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, self._raw.modules, mode=self.mode)
         self._lookups = BroadcastLookups(net)
 
     def _check_layout(self) -> None:

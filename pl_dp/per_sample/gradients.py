@@ -175,6 +175,20 @@ def unsupported_layers(net: nn.Module) -> list[str]:
     return found
 
 
+def refuse_unsupported_layers(net: nn.Module, mode: str) -> None:
+    """Refuse, naming each one and what works instead, the trainable layers of ``net`` for which Opacus' hooks —
+    which ``per_sample=mode`` is built on — give no per-example gradient or norm (:func:`unsupported_layers`)."""
+    unsupported = unsupported_layers(net)
+    if unsupported:
+        raise ConfigError(
+            f"per_sample={mode!r} cannot compute per-example gradients or their norms for these trainable layers:\n"
+            "  - " + "\n  - ".join(unsupported) + "\n(opacus.validators.ModuleValidator.fix(net) swaps the attention "
+            "and recurrent layers; Opacus' DPMultiheadAttention takes no causal masks). Or use per_sample='functorch' "
+            "(torch.func differentiates them as they are; not on a net sharded by FSDP2), a zeroth-order method "
+            "(DPZero needs only forward passes), or freeze them (requires_grad=False)."
+        )
+
+
 def clear_hook_state(net: nn.Module, params: Sequence[nn.Parameter]) -> None:
     """Leave nothing of a per-example pass in Opacus' hooks: recorded inputs, call counters and partial per-example
     gradients (ghost norms, ``_norm_sample``, are reset by the next ghost pass). A layer run but not reached by the
@@ -243,16 +257,7 @@ class PerSampleGradients:
             raise ConfigError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         self._gsm: GradSampleModule | None = None
         if mode == "hooks":
-            unsupported = unsupported_layers(net)
-            if unsupported:
-                raise ConfigError(
-                    "per_sample='hooks' cannot compute per-example gradients for these trainable layers:\n  - "
-                    + "\n  - ".join(unsupported)
-                    + "\n(opacus.validators.ModuleValidator.fix(net) swaps the attention and recurrent layers; Opacus' "
-                    "DPMultiheadAttention takes no causal masks). Or use per_sample='functorch' (torch.func "
-                    "differentiates them as they are), a zeroth-order method (DPZero needs only forward passes), or "
-                    "freeze them (requires_grad=False)."
-                )
+            refuse_unsupported_layers(net, mode)
             self._gsm = _RecordingGradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
             self._gsm.disable_hooks()
             self._lookups = BroadcastLookups(net)

@@ -106,7 +106,7 @@ def test_every_private_forward_of_a_half_precision_run_has_one_shape(gpt2_dir, m
     dtype = torch.bfloat16 if method == "dpzero-bf16" else None
     net = CausalLM(model_path=gpt2_dir, dtype=dtype)
     if method.startswith("hooks"):
-        model = DPSGD(net, loss="causal_lm", lr=0.1, privacy=SPEC, noise_seed=0)
+        model = DPSGD(net, loss="causal_lm", lr=0.1, per_sample="hooks", privacy=SPEC, noise_seed=0)
     else:
         model = DPZero(net, loss="causal_lm", lr=1e-3, privacy=SPEC, noise_seed=0)
     data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, batch_size=12, max_length=24, sampling_seed=0)
@@ -124,8 +124,9 @@ def test_every_private_forward_of_a_half_precision_run_has_one_shape(gpt2_dir, m
     assert set(rows.shapes) == {(12, 24)}, set(rows.shapes)
 
 
-def test_ghost_clipping_under_autocast_computes_in_fp32_and_keeps_dynamic_shapes(gpt2_dir):
-    model = DPSGD(CausalLM(model_path=gpt2_dir), loss="causal_lm", per_sample="ghost", privacy=SPEC, noise_seed=0)
+@pytest.mark.parametrize("per_sample", ["ghost", "bk"])
+def test_ghost_and_book_keeping_under_autocast_compute_in_fp32_and_keep_dynamic_shapes(gpt2_dir, per_sample):
+    model = DPSGD(CausalLM(model_path=gpt2_dir), loss="causal_lm", per_sample=per_sample, privacy=SPEC, noise_seed=0)
     data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, batch_size=12, max_length=24, sampling_seed=0)
     make_trainer(max_steps=1, precision="bf16-mixed", limit_val_batches=0).fit(model, data)
     assert model.autocast_dtype is None and not model.fixed_shapes
