@@ -491,9 +491,12 @@ class GhostClipping:
             self._targets.stop()
             gsm.disable_hooks()
             clear_hook_state(self.net, self.params)
-        not_per_example = self._tied.finish(size)  # the tied parameters' norms, cross terms included
-        try:  # hooks off: the raw parameters' batched backward may pass through hooked layers
+        # autocast off, as for the passes: a tied weight's norm (its Gram products) rounded in bf16 would set a clip
+        # weight for a sum computed in fp32 (1.004·C found by review); hooks off: the raw parameters' batched backward
+        # may pass through hooked layers
+        try:
             with _full_precision(self.params[0].device):
+                not_per_example = self._tied.finish(size)  # the tied parameters' norms, cross terms included
                 not_per_example += self._raw.finish(size)
         except BaseException:
             self._raw.clear()
@@ -515,7 +518,8 @@ class GhostClipping:
                 "[batch, width] or [batch, tokens, width]). Use per_sample='hooks' or 'functorch'."
             )
         refuse_rows_not_examples(not_per_example, size, "gradient norms")
-        norms = gsm.get_norm_sample().float()  # ‖g_i‖ over all trainable parameters
+        with _full_precision(self.params[0].device):
+            norms = gsm.get_norm_sample().float()  # ‖g_i‖ over all trainable parameters
         gsm.per_sample_gradient_norms = None  # Opacus keeps them: un-noised per-example values of the batch
         for p in self.params:
             p._norm_sample = None

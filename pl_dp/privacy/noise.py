@@ -139,8 +139,8 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
                 generator = self._generator(device, b"noise", self._step, draw, chunk)
                 return torch.empty(size, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
 
-        if block is None and numel <= _CHUNK:  # one chunk is the whole draw
-            return chunk_values(0, numel).view(out_shape)
+        if block is None and numel <= _CHUNK:  # one chunk is the whole draw (a secure chunk is float64 on the CPU)
+            return chunk_values(0, numel).to(device=device, dtype=dtype).view(out_shape)
         out = torch.empty(count, device=device, dtype=dtype)
         for chunk in range(start // _CHUNK, -(-(start + count) // _CHUNK) if count else 0):
             low = chunk * _CHUNK

@@ -117,3 +117,40 @@ def test_a_reused_layer_holding_a_tied_weight_is_refused():
     ghost = GhostClipping(Reused(), lambda net, ids: net(ids).sum(dim=(1, 2)))
     with pytest.raises(NotImplementedError, match="called more than once"):
         ghost.clipped_sum(torch.randint(0, 10, (3, 4)), ClipFunction("constant", 1.0))
+
+
+class _TiedHead(nn.Module):
+    """An embedding and an output layer sharing one weight (a language model's tied head, in a few lines)."""
+
+    def __init__(self, vocabulary: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, width)
+        self.head = nn.Linear(width, vocabulary, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embedding(ids)).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_a_tied_weight_is_measured_in_fp32_under_autocast_so_one_example_moves_the_sum_by_at_most_the_clip(mode):
+    """Under a bf16-mixed trainer (autocast) the passes compute in fp32, and so must the tied weights' norms: rounded
+    in bf16, a norm set the clip weight of a gradient summed in fp32, and one example moved the sum by 1.0034·C (found
+    by review, once book-keeping became the default)."""
+    from pl_dp.per_sample.modes import get_per_sample_mode
+
+    def loss(net, batch):
+        ids, targets = batch
+        return torch.nn.functional.cross_entropy(net(ids), targets, reduction="none")
+
+    torch.manual_seed(0)
+    engine = get_per_sample_mode(mode).build(_TiedHead(), loss, None)
+    clip = ClipFunction("constant", clip=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for _ in range(100):  # each example alone: the released sum is its clipped gradient
+        example = (torch.randint(0, 16, (1, 6), generator=generator), torch.randint(0, 16, (1,), generator=generator))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            sums, _, _ = engine.clipped_sum(example, clip)
+        worst = max(worst, float(torch.sqrt(sum(s.double().square().sum() for s in sums))) / clip.clip)
+    assert worst <= 1 + 1e-5, worst

@@ -143,16 +143,19 @@ def test_a_secret_cpu_state_holds_every_word_of_its_hash_and_twists_them_first()
     assert state[24 + 8 * 624 :] == bytes(torch.Generator().manual_seed(5489).get_state().tolist())[24 + 8 * 624 :]
 
 
-def test_a_draw_of_one_chunk_is_the_block_of_the_whole_draw():
-    """A draw of at most one chunk is returned as drawn (no copy): the same values a rank reading it as one block of
-    a sharded tensor gets, and a block of it is its slice."""
-    whole, sliced, block = NoiseSource(seed=4), NoiseSource(seed=4), NoiseSource(seed=4)
+@pytest.mark.parametrize("secure", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draw_of_one_chunk_is_the_block_of_the_whole_draw(secure, dtype):
+    """A draw of at most one chunk is returned as drawn (no copy, unless the generator's dtype is another: the secure
+    one draws float64): in the dtype asked for, the same values a rank reading it as one block of a sharded tensor
+    gets, and a block of it is its slice."""
+    whole, sliced, block = (NoiseSource(seed=4, secure=secure) for _ in range(3))
     for source in (whole, sliced, block):
         source.start_step(2)
-    drawn = whole.normal((64, 33), 1.5)
-    assert drawn.shape == (64, 33)
-    assert torch.equal(sliced.normal((64, 33), 1.5, block=(0, 64 * 33)), drawn.reshape(-1))
-    assert torch.equal(block.normal((64, 33), 1.5, block=(100, 50)), drawn.reshape(-1)[100:150])
+    drawn = whole.normal((64, 33), 1.5, dtype=dtype)
+    assert drawn.shape == (64, 33) and drawn.dtype == dtype
+    assert torch.equal(sliced.normal((64, 33), 1.5, dtype=dtype, block=(0, 64 * 33)), drawn.reshape(-1))
+    assert torch.equal(block.normal((64, 33), 1.5, dtype=dtype, block=(100, 50)), drawn.reshape(-1)[100:150])
 
 
 def test_poisson_batches_are_counter_based_and_resumable():
