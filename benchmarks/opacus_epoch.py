@@ -18,7 +18,14 @@ comparison): the digits MLP, expected batch 48 (25 steps an epoch), 10 epochs (2
 timed whole — set-up (``make_private`` / ``Trainer.fit``'s start, with pl_dp's fit-start checks), the loop and the
 final ε (Opacus: one ``get_epsilon`` at the end; pl_dp: ``model.epsilon``) — the two libraries alternating in one
 process, medians of ``--repeats`` (default 7; ``--quick``: 3), and the ratio of the fastest runs of each (on a shared
-machine the least disturbed ones).
+machine the least disturbed ones). Beside them, in the same rotation, Lightning's floor: the same model trained
+without privacy by a ``LightningModule`` that takes one plain SGD step per batch (manual optimization, as pl_dp's
+methods), the same ``Trainer`` and batches of the expected size — what any ``Trainer.fit`` of this model costs before
+a private step adds its per-example gradients, noise, checks and accounting — and the torch floor: the same
+non-private steps in a plain loop, Opacus' loop without Opacus. What each library adds for privacy is then its run
+less its floor (``pl_dp_private_s``, ``opacus_private_s``): a pl_dp run cannot cost less than Lightning's floor plus
+what it adds, so ``(lightning floor + Opacus' addition) ÷ Opacus`` is the whole-run ratio of a pl_dp whose private
+work cost exactly Opacus' (``ratio_at_opacus_cost``).
 """
 
 from __future__ import annotations
@@ -160,17 +167,75 @@ def opacus_whole_run() -> tuple[float, float, int]:
     return time.perf_counter() - start, epsilon, steps
 
 
+class _PlainSteps(L.LightningModule):
+    """One plain SGD step per batch, in manual optimization as pl_dp's methods step: Lightning's floor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        inputs, targets = batch
+        self.manual_backward(F.cross_entropy(self.net(inputs), targets))
+        optimizer.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def lightning_floor_run() -> tuple[float, float, int]:
+    """Seconds of the same model's non-private ``Trainer.fit`` (:class:`_PlainSteps`), shuffled batches of the expected
+    size, the same epochs; ε is 0 (nothing private is released) and its steps."""
+    L.seed_everything(0, verbose=False)
+    start = time.perf_counter()
+    data = DigitsDataModule(batch_size=WHOLE_BATCH)
+    data.setup("fit")
+    trainer = quiet_trainer(max_epochs=WHOLE_EPOCHS)
+    trainer.fit(_PlainSteps(), DataLoader(data.private, batch_size=WHOLE_BATCH, shuffle=True, drop_last=True))
+    return time.perf_counter() - start, 0.0, trainer.global_step
+
+
+def torch_floor_run() -> tuple[float, float, int]:
+    """Seconds of the same non-private steps in a plain torch loop (shuffled batches of the expected size), ε 0, and
+    its steps."""
+    L.seed_everything(0, verbose=False)
+    start = time.perf_counter()
+    data = DigitsDataModule(batch_size=WHOLE_BATCH)
+    data.setup("fit")
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = DataLoader(data.private, batch_size=WHOLE_BATCH, shuffle=True, drop_last=True)
+    steps = 0
+    for _ in range(WHOLE_EPOCHS):
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            steps += 1
+    return time.perf_counter() - start, 0.0, steps
+
+
 def measure_whole_run(repeats: int) -> dict:
-    """The two whole runs alternating (a warm-up pair first, not counted), medians and their ratio."""
-    times: dict[str, list[float]] = {"pl_dp": [], "opacus": []}
+    """The whole runs alternating (a warm-up round first, not counted), medians and their ratios to Opacus'."""
+    runs = (
+        ("pl_dp", pl_dp_whole_run),
+        ("opacus", opacus_whole_run),
+        ("lightning_floor", lightning_floor_run),
+        ("torch_floor", torch_floor_run),
+    )
+    times: dict[str, list[float]] = {library: [] for library, _ in runs}
     result: dict[str, tuple[float, int]] = {}
     for repeat in range(repeats + 1):
-        for library, run in (("pl_dp", pl_dp_whole_run), ("opacus", opacus_whole_run)):
+        for library, run in runs:
             seconds, epsilon, steps = run()
             result[library] = (epsilon, steps)
             if repeat:
                 times[library].append(seconds)
     pl, op = statistics.median(times["pl_dp"]), statistics.median(times["opacus"])
+    floor, torch_floor = statistics.median(times["lightning_floor"]), statistics.median(times["torch_floor"])
     return {
         "case": f"digits MLP 64-64-10, b = {WHOLE_BATCH}, {WHOLE_EPOCHS} epochs, sigma = {WHOLE_SIGMA}, PRV",
         "repeats": repeats,
@@ -178,8 +243,18 @@ def measure_whole_run(repeats: int) -> dict:
         "opacus_s": op,
         "ratio": pl / op,
         "ratio_of_fastest": min(times["pl_dp"]) / min(times["opacus"]),
+        "lightning_floor_s": floor,
+        "lightning_floor_ratio": floor / op,
+        "lightning_floor_steps": result["lightning_floor"][1],
+        "torch_floor_s": torch_floor,
+        "pl_dp_private_s": pl - floor,
+        "opacus_private_s": op - torch_floor,
+        "private_ratio": (pl - floor) / (op - torch_floor),
+        "ratio_at_opacus_cost": (floor + op - torch_floor) / op,
         "pl_dp_runs_s": times["pl_dp"],
         "opacus_runs_s": times["opacus"],
+        "lightning_floor_runs_s": times["lightning_floor"],
+        "torch_floor_runs_s": times["torch_floor"],
         "pl_dp_epsilon": result["pl_dp"][0],
         "opacus_epsilon": result["opacus"][0],
         "pl_dp_steps": result["pl_dp"][1],
@@ -226,7 +301,10 @@ def main() -> None:
         row = measure_whole_run(3 if args.quick else (args.repeats if args.repeats != 3 else 7))
         print(
             f"{row['case']}: pl_dp {row['pl_dp_s']:.3f} s, Opacus {row['opacus_s']:.3f} s, ratio {row['ratio']:.2f} "
-            f"(fastest runs: {row['ratio_of_fastest']:.2f}); "
+            f"(fastest runs: {row['ratio_of_fastest']:.2f}); Lightning's floor {row['lightning_floor_s']:.3f} s "
+            f"({row['lightning_floor_ratio']:.2f}x Opacus), torch's {row['torch_floor_s']:.3f} s; added for privacy: "
+            f"pl_dp {row['pl_dp_private_s']:.3f} s, Opacus {row['opacus_private_s']:.3f} s "
+            f"({row['private_ratio']:.2f}x); the ratio at Opacus' cost {row['ratio_at_opacus_cost']:.2f}; "
             f"eps {row['pl_dp_epsilon']:.3f} / {row['opacus_epsilon']:.3f}; steps {row['pl_dp_steps']} / "
             f"{row['opacus_steps']}; load {row['load_average'][0]:.1f}"
         )
