@@ -108,7 +108,7 @@ def test_dpzero_in_half_precision_a_longer_record_moves_no_other(gpt2_dir, weigh
     _assert_others_still(model, shift)
 
 
-@pytest.mark.parametrize("per_sample", ["ghost", "hooks"])
+@pytest.mark.parametrize("per_sample", ["bk", "ghost", "hooks"])
 def test_dpsgd_under_bf16_mixed_a_longer_record_moves_no_other(gpt2_dir, per_sample):
     data = _texts(gpt2_dir)
     model = _dpsgd(CausalLM(model_path=gpt2_dir), per_sample)
