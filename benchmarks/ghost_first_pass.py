@@ -21,8 +21,8 @@ Prints a table and JSON (``--json PATH`` to save; the committed copy is
 
 ``--one-pass`` measures instead what a DP-SGD step spends on its clipped sum with each engine, side by side in one
 run (issue 39 of [fast]; committed as ``benchmarks/results/bk_one_pass.json``), on the cases above, a tiny GPT-2
-with tied input and output embeddings and the digits MLP of the small whole run (64-64-10 at B = 48; ``--cases digits
-mlp transformer minilm gpt2``):
+with tied input and output embeddings, a tiny Llama-style model (RMSNorm layers, tied embeddings) and the digits MLP
+of the small whole run (64-64-10 at B = 48; ``--cases digits mlp transformer minilm gpt2 llama``):
 
 * ``non_private``: a forward and backward of the summed loss;
 * ``opacus_ghost``: Opacus 1.6's ghost clipping (``GradSampleModuleFastGradientClipping`` with its optimizer and
@@ -110,11 +110,49 @@ def make_case(name: str, quick: bool):
             {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
             f"GPT-2 tied w{width} d{depth} V{vocab}, B={batch}, T={length}",
         )
+    if name == "llama":  # random, Llama-style: RMSNorm layers, grouped-query attention, tied embeddings
+        width, depth, vocab, batch, length = (32, 1, 500, 8, 16) if quick else (128, 4, 8000, 16, 64)
+        net = _tiny_llama(width, depth, vocab).eval()
+        ids = torch.randint(2, vocab, (batch, length), generator=g)
+        return (
+            net,
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+            f"Llama tied w{width} d{depth} V{vocab}, B={batch}, T={length}",
+        )
     raise ValueError(name)
 
 
+def _tiny_llama(width: int, depth: int, vocab: int):
+    """A random Llama-style model with tied embeddings, loaded by CausalLM (no download)."""
+    import transformers as tf
+
+    return _saved_causal_lm(
+        tf.LlamaForCausalLM,
+        tf.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=depth,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=1,
+        ),
+    )
+
+
 def _tiny_gpt2(width: int, depth: int, vocab: int):
-    """A random GPT-2 with tied embeddings, saved with a word-level tokenizer and loaded by CausalLM (no download)."""
+    """A random GPT-2 with tied embeddings, loaded by CausalLM (no download)."""
+    import transformers as tf
+
+    config = tf.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=depth, n_head=4, bos_token_id=1, eos_token_id=1)
+    return _saved_causal_lm(tf.GPT2LMHeadModel, config)
+
+
+def _saved_causal_lm(model_class, config):
+    """A random ``model_class(config)`` saved with a word-level tokenizer and loaded by CausalLM."""
     import tempfile
 
     import transformers as tf
@@ -122,12 +160,11 @@ def _tiny_gpt2(width: int, depth: int, vocab: int):
 
     from pl_dp.nets import CausalLM
 
-    path = Path(tempfile.mkdtemp(prefix="bk-gpt2-"))
+    path = Path(tempfile.mkdtemp(prefix="bk-causal-"))
     tokenizer = Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1}, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>").save_pretrained(path)
-    config = tf.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=depth, n_head=4, bos_token_id=1, eos_token_id=1)
-    tf.GPT2LMHeadModel(config).save_pretrained(path)
+    model_class(config).save_pretrained(path)
     return CausalLM(model_path=path)
 
 
