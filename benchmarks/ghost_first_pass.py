@@ -22,7 +22,9 @@ Prints a table and JSON (``--json PATH`` to save; the committed copy is
 ``--one-pass`` measures instead what a DP-SGD step spends on its clipped sum with each engine, side by side in one
 run (issue 39 of [fast]; committed as ``benchmarks/results/bk_one_pass.json``), on the cases above, a tiny GPT-2
 with tied input and output embeddings, a tiny Llama-style model (RMSNorm layers, tied embeddings) and the digits MLP
-of the small whole run (64-64-10 at B = 48; ``--cases digits mlp transformer minilm gpt2 llama``):
+of the small whole run (64-64-10 at B = 48; ``--cases digits mlp transformer minilm gpt2 llama``). On a net with
+Hugging Face RMSNorm layers, ``bk_torch_func_rms_norm`` is BK with those layers left to Opacus' ``torch.func`` copies
+(``pl_dp.per_sample.rms_norm`` finding none), in the same rotation:
 
 * ``non_private``: a forward and backward of the summed loss;
 * ``opacus_ghost``: Opacus 1.6's ghost clipping (``GradSampleModuleFastGradientClipping`` with its optimizer and
@@ -50,6 +52,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -60,7 +63,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _measure import peak_rss_supported, reset_peak_rss, status_kb  # noqa: E402
 
 from pl_dp.nets import MLP, TinyTransformerClassifier  # noqa: E402
-from pl_dp.per_sample import BookKeeping, GhostClipping, PerSampleGradients  # noqa: E402
+from pl_dp.per_sample import BookKeeping, GhostClipping, PerSampleGradients, rms_norm  # noqa: E402
 from pl_dp.per_sample.gradients import BroadcastLookups, RecordsInEvalMode  # noqa: E402
 from pl_dp.privacy import ClipFunction  # noqa: E402
 from pl_dp.step.losses import causal_lm, cross_entropy  # noqa: E402
@@ -313,6 +316,9 @@ def measure_one_pass(name: str, quick: bool, rounds: int) -> dict:
         engines["hooks"] = PerSampleGradients(copy.deepcopy(net), loss_fn, "hooks")
     except Exception as error:  # noqa: BLE001 - recorded: Opacus' hooks refuse some layers the other engines clip
         errors["hooks"] = f"{type(error).__name__}: {error}"[:300]
+    if rms_norm.rms_norm_samplers(net):  # Hugging Face RMSNorm layers: BK as it was, with Opacus' torch.func copies
+        with mock.patch.object(rms_norm, "rms_norm_samplers", lambda module: {}):
+            engines["bk_torch_func_rms_norm"] = BookKeeping(copy.deepcopy(net), loss_fn)
     for label, engine in engines.items():
         ops[label] = lambda engine=engine: engine.clipped_sum(batch, fn)
     times: dict[str, list[float]] = {k: [] for k in ops}
@@ -341,6 +347,8 @@ def measure_one_pass(name: str, quick: bool, rounds: int) -> dict:
         if "opacus_ghost" in med:
             row[f"{key}_over_opacus_ghost"] = med[key] / med["opacus_ghost"]
     row["bk_over_ghost"] = med["bk"] / med["ghost"]
+    if "bk_torch_func_rms_norm" in med:
+        row["bk_over_bk_torch_func_rms_norm"] = med["bk"] / med["bk_torch_func_rms_norm"]
     if "hooks" in med:
         row["bk_over_hooks"] = med["bk"] / med["hooks"]
     return row

@@ -60,6 +60,7 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 
 from pl_dp.per_sample.ghost import GhostClipping, GhostNormModule
+from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.losses import PerSampleLoss
 
@@ -117,10 +118,11 @@ def transposed_linear(module: nn.Module) -> bool:
     return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
 
 
-class BookKeepingNormModule(GhostNormModule):
+class BookKeepingNormModule(WithRMSNormSamplers, GhostNormModule):
     """Ghost clipping's norm module that also keeps, per hooked call, the inputs and output gradient its norm was
-    computed from (:attr:`book`), and measures linear layers (and Hugging Face's ``Conv1D``) by
-    :func:`linear_norms`."""
+    computed from (:attr:`book`), measures linear layers (and Hugging Face's ``Conv1D``) by :func:`linear_norms`, and
+    Hugging Face's RMSNorm layers by their closed-form per-example gradients (:mod:`pl_dp.per_sample.rms_norm`: the
+    sum is made of the same ones)."""
 
     NORM_SAMPLERS = {**GhostNormModule.NORM_SAMPLERS, nn.Linear: linear_norms, nn.Embedding: embedding_norms}
     book: list[Entry]

@@ -74,7 +74,6 @@ from pl_dp.per_sample.gradients import (
     refuse_unsupported_layers,
 )
 from pl_dp.per_sample.raw import RawGradients, children_first, raw_parameter_modules
-from pl_dp.per_sample.rms_norm import is_registered_rms_norm, register_rms_norms
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
@@ -366,8 +365,6 @@ class GhostClipping:
                 "per_sample='hooks'."
             )
         refuse_unsupported_layers(net, self.mode)
-        if not is_sharded(self.params):
-            register_rms_norms(net)  # before Opacus' module is built: it prepares torch.func copies of unsampled layers
         shared = unsupported_ties(net)
         if shared:
             raise ConfigError(
@@ -555,7 +552,8 @@ class ShardedGhostClipping(GhostClipping):
             name or "<the net itself>"
             for name, m in net.named_modules()
             if any(p.requires_grad for p in m.parameters(recurse=False))
-            and _unsampled(m.__class__.__bases__[1] if isinstance(m, FSDPModule) else type(m))
+            and (m.__class__.__bases__[1] if isinstance(m, FSDPModule) else type(m))
+            not in _ShardedGhostNormModule.GRAD_SAMPLERS
         ]
         if whole:  # Opacus' per-example gradients of a module (functorch) copy it, which FSDP2 refuses
             raise ConfigError(
@@ -685,13 +683,6 @@ def _finite_rows(batch: Any, keep: torch.Tensor, counted: torch.Tensor, size: in
     rows = torch.zeros(size, dtype=torch.bool, device=counted.device)
     rows[: keep.numel()] = counted[keep.to(counted.device)]
     return fill_rows(select_examples(batch, keep), size), rows
-
-
-def _unsampled(kind: type) -> bool:
-    """Whether a sharded net's layer of class ``kind`` has no per-example gradient it can compute on shards: no grad
-    sampler of Opacus', or the RMSNorm one pl_dp registers for one-process engines
-    (:mod:`pl_dp.per_sample.rms_norm`)."""
-    return kind not in _ShardedGhostNormModule.GRAD_SAMPLERS or is_registered_rms_norm(kind)
 
 
 def _full_precision(device: torch.device) -> torch.autocast:

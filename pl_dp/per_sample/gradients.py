@@ -29,7 +29,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from pl_dp.errors import ConfigError
-from pl_dp.per_sample.rms_norm import register_rms_norms
+from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
@@ -72,8 +72,9 @@ class RecordsInEvalMode:
             module.training = training
 
 
-class _RecordingGradSampleModule(RecordsInEvalMode, GradSampleModule):
-    """Opacus' ``GradSampleModule`` recording activations in eval mode too (see :class:`RecordsInEvalMode`)."""
+class _RecordingGradSampleModule(WithRMSNormSamplers, RecordsInEvalMode, GradSampleModule):
+    """Opacus' ``GradSampleModule`` recording activations in eval mode too (see :class:`RecordsInEvalMode`), with the
+    closed form of Hugging Face's RMSNorm layers (:mod:`pl_dp.per_sample.rms_norm`)."""
 
 
 class BroadcastLookups:
@@ -259,7 +260,6 @@ class PerSampleGradients:
         self._gsm: GradSampleModule | None = None
         if mode == "hooks":
             refuse_unsupported_layers(net, mode)
-            register_rms_norms(net)  # before Opacus' module is built: it prepares torch.func copies of unsampled layers
             self._gsm = _RecordingGradSampleModule(net, batch_first=True, loss_reduction="sum", strict=True)
             self._gsm.disable_hooks()
             self._lookups = BroadcastLookups(net)
