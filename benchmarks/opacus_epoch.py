@@ -156,6 +156,13 @@ def opacus_whole_run() -> tuple[float, float, int]:
         max_grad_norm=CLIP,
         poisson_sampling=True,
     )
+    steps = _train(model, optimizer, loader)
+    epsilon = engine.get_epsilon(delta)
+    return time.perf_counter() - start, epsilon, steps
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader) -> int:
+    """``WHOLE_EPOCHS`` epochs of a plain loop, one optimizer step per batch; the steps taken."""
     steps = 0
     for _ in range(WHOLE_EPOCHS):
         for x, y in loader:
@@ -163,8 +170,7 @@ def opacus_whole_run() -> tuple[float, float, int]:
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
             steps += 1
-    epsilon = engine.get_epsilon(delta)
-    return time.perf_counter() - start, epsilon, steps
+    return steps
 
 
 class _PlainSteps(L.LightningModule):
@@ -206,15 +212,8 @@ def torch_floor_run() -> tuple[float, float, int]:
     data = DigitsDataModule(batch_size=WHOLE_BATCH)
     data.setup("fit")
     model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loader = DataLoader(data.private, batch_size=WHOLE_BATCH, shuffle=True, drop_last=True)
-    steps = 0
-    for _ in range(WHOLE_EPOCHS):
-        for x, y in loader:
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            steps += 1
+    steps = _train(model, torch.optim.SGD(model.parameters(), lr=LR), loader)
     return time.perf_counter() - start, 0.0, steps
 
 
