@@ -104,23 +104,21 @@ def make_case(name: str, quick: bool):
         batch, length = (8, 16) if quick else (32, 32)
         tokens = torch.randint(1000, 30000, (batch, length), generator=g)
         return net, (tokens, torch.randint(0, 2, (batch,), generator=g)), f"MiniLM-L6 (all), B={batch}, T={length}"
-    if name == "gpt2":  # random, tied input and output embeddings (the GPT2Config default)
-        width, depth, vocab, batch, length = (32, 1, 500, 8, 16) if quick else (256, 4, 8000, 32, 64)
-        net = _tiny_gpt2(width, depth, vocab).eval()
+    # random causal language models with tied input and output embeddings: GPT-2 (the GPT2Config default), and a
+    # Llama-style one (RMSNorm layers, grouped-query attention)
+    causal = {
+        "gpt2": ("GPT-2", _tiny_gpt2, (256, 4, 8000, 32, 64)),
+        "llama": ("Llama", _tiny_llama, (128, 4, 8000, 16, 64)),
+    }
+    if name in causal:
+        label, build, full = causal[name]
+        width, depth, vocab, batch, length = (32, 1, 500, 8, 16) if quick else full
+        net = build(width, depth, vocab).eval()
         ids = torch.randint(2, vocab, (batch, length), generator=g)
         return (
             net,
             {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-            f"GPT-2 tied w{width} d{depth} V{vocab}, B={batch}, T={length}",
-        )
-    if name == "llama":  # random, Llama-style: RMSNorm layers, grouped-query attention, tied embeddings
-        width, depth, vocab, batch, length = (32, 1, 500, 8, 16) if quick else (128, 4, 8000, 16, 64)
-        net = _tiny_llama(width, depth, vocab).eval()
-        ids = torch.randint(2, vocab, (batch, length), generator=g)
-        return (
-            net,
-            {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-            f"Llama tied w{width} d{depth} V{vocab}, B={batch}, T={length}",
+            f"{label} tied w{width} d{depth} V{vocab}, B={batch}, T={length}",
         )
     raise ValueError(name)
 
