@@ -49,8 +49,8 @@ def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
             raise NotImplementedError(
                 f"{method} cannot be sharded yet (ModelParallelStrategy): its update needs the whole parameters on "
                 "every rank. Use strategy='ddp' (or one device); DPZero, PAZO-M/P/S, and DPSGD and Coupling with "
-                "per_sample='ghost', run sharded. A subclass of one of them declares that it runs sharded, once it is "
-                "tested so: class MyMethod(DPZero, shardable=True)."
+                "per_sample='bk' or 'ghost', run sharded. A subclass of one of them declares that it runs sharded, "
+                "once it is tested so: class MyMethod(DPZero, shardable=True)."
             )
         tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
         if tensor_parallel != 1:
@@ -63,9 +63,9 @@ def check_strategy(strategy: Strategy, method: str, shardable: bool) -> None:
     if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         raise NotImplementedError(
             f"pl_dp supports the single-device and DDP strategies, and ModelParallelStrategy (FSDP2) for the "
-            f"zeroth-order methods and ghost clipping; got {type(strategy).__name__}. FSDPStrategy (FSDP1) and "
-            "DeepSpeed shard parameters and gradients in ways the per-example clipped sums and the zeroth-order "
-            "sweeps are not written for: use strategy='ddp', ModelParallelStrategy(data_parallel_size=N, "
+            f"zeroth-order methods, book-keeping and ghost clipping; got {type(strategy).__name__}. FSDPStrategy "
+            "(FSDP1) and DeepSpeed shard parameters and gradients in ways the per-example clipped sums and the "
+            "zeroth-order sweeps are not written for: use strategy='ddp', ModelParallelStrategy(data_parallel_size=N, "
             "tensor_parallel_size=1), or one device."
         )
 

@@ -43,26 +43,39 @@ sums (:meth:`BookKeeping.__call__`) with each example's own gradient, row by row
 layer or a layer that sees the batch in another dimension is refused before any step, as a net that mixes
 examples is refused upstream. Both passes compute in fp32 with autocast off, like ghost clipping.
 
-Not supported (refused when the engine is built, naming the layer; ``per_sample="ghost"`` runs them): an
+A net sharded by FSDP2 takes :class:`ShardedBookKeeping`: the same first pass on every rank (FSDP2 gathers each
+layer for its forward and backward, and the first pass reduces no gradient), then each parameter's clipped sum over
+this rank's examples from the book, summed over the ranks one parameter at a time, of which the rank keeps its block
+(where ghost clipping's second backward has FSDP2 reduce-scatter it).
+
+Not supported (refused when the engine is built, naming the layer; ``per_sample="ghost"`` runs it): an
 ``nn.Embedding`` with ``scale_grad_by_freq`` (its gradient is divided by the token counts of the whole batch, so it
-is not a per-example quantity), and a net sharded by FSDP2 (the mode declares ``shards=False``).
+is not a per-example quantity). On a sharded net, what sharded ghost clipping refuses: tied parameters, and trainable
+layers without an Opacus sampler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 
-from pl_dp.per_sample.ghost import GhostClipping, GhostNormModule
+from pl_dp.per_sample.ghost import (
+    GhostClipping,
+    GhostNormModule,
+    ShardedGhostClipping,
+    ShardedGhostNormModule,
+    layer_type,
+)
 from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.losses import PerSampleLoss
+from pl_dp.step.passes import ShardedPasses
+from pl_dp.step.shards import layout_of, sum_over_ranks_
 
 #: what the book keeps of one call of a layer: the layer, its inputs, its output gradient (batch first)
 Entry = tuple[nn.Module, list[torch.Tensor], torch.Tensor]
@@ -114,33 +127,48 @@ def embedding_norms(
 def transposed_linear(module: nn.Module) -> bool:
     """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2): ``x @ W + b`` with ``W`` stored ``[in, out]``. Told
     by name, so that this plain-torch layer imports no ``transformers``."""
-    kind = type(module)
+    kind = layer_type(module)
     return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
 
 
-class BookKeepingNormModule(WithRMSNormSamplers, GhostNormModule):
-    """Ghost clipping's norm module that also keeps, per hooked call, the inputs and output gradient its norm was
-    computed from (:attr:`book`), measures linear layers (and Hugging Face's ``Conv1D``) by :func:`linear_norms`, and
-    Hugging Face's RMSNorm layers by their closed-form per-example gradients (:mod:`pl_dp.per_sample.rms_norm`: the
-    sum is made of the same ones)."""
+class KeepsBook:
+    """What makes a ghost clipping norm module book-keeping's: it keeps, per hooked call, the inputs and output
+    gradient its norm was computed from (:attr:`book`), and measures linear layers (and Hugging Face's ``Conv1D``)
+    by :func:`linear_norms` and embeddings by :func:`embedding_norms`."""
 
-    NORM_SAMPLERS = {**GhostNormModule.NORM_SAMPLERS, nn.Linear: linear_norms, nn.Embedding: embedding_norms}
+    NORM_SAMPLERS: dict[type, Any]
     book: list[Entry]
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
-        super().__init__(module, **kwargs)
-        transposed = {type(m) for m in module.modules() if transposed_linear(m)}
-        self.NORM_SAMPLERS = {**self.NORM_SAMPLERS, **dict.fromkeys(transposed, linear_norms)}
+        super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module mixed in after this
+        transposed = {layer_type(m) for m in module.modules() if transposed_linear(m)}
+        self.NORM_SAMPLERS = {
+            **self.NORM_SAMPLERS,
+            nn.Linear: linear_norms,
+            nn.Embedding: embedding_norms,
+            **dict.fromkeys(transposed, linear_norms),
+        }
         self.book = []
 
     def rearrange_grad_samples(
         self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        activations, backprops = super().rearrange_grad_samples(
+        activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
         self.book.append((module, activations, backprops))
         return activations, backprops
+
+
+class BookKeepingNormModule(WithRMSNormSamplers, KeepsBook, GhostNormModule):
+    """Ghost clipping's norm module keeping the book (:class:`KeepsBook`), and measuring Hugging Face's RMSNorm
+    layers by their closed-form per-example gradients (:mod:`pl_dp.per_sample.rms_norm`: the sum is made of the
+    same ones)."""
+
+
+class ShardedBookKeepingNormModule(KeepsBook, ShardedGhostNormModule):
+    """Sharded ghost clipping's norm module (Opacus' for FSDP2) keeping the book: each entry holds the layer as FSDP2
+    gathered it for its backward, and this rank's examples' inputs and output gradients."""
 
 
 def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[nn.Parameter, torch.Tensor]:
@@ -148,7 +176,7 @@ def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[nn
     its layer (``samplers``: its registry; ``torch.func`` for a leaf module of raw parameters), the ``padding_idx``
     row of an embedding at zero as autograd leaves it."""
     module, activations, backprops = entry
-    sampler = samplers.get(type(module), ft_compute_per_sample_gradient)
+    sampler = samplers.get(layer_type(module), ft_compute_per_sample_gradient)
     grads = {p: g for p, g in sampler(module, activations, backprops).items() if p.requires_grad}
     if isinstance(module, nn.Embedding) and module.padding_idx is not None and module.weight in grads:
         grads[module.weight][:, module.padding_idx] = 0
@@ -163,7 +191,8 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
     output gradient has already gone through — its sum comes from the per-example gradients its norm was taken of."""
     module, activations, backprops = entry
     transposed = transposed_linear(module)
-    if type(module) is nn.Linear or transposed:  # the rows' weights c_i scale the narrower of the two factors
+    kind = layer_type(module)
+    if kind is nn.Linear or transposed:  # the rows' weights c_i scale the narrower of the two factors
         out = backprops.float().reshape(-1, backprops.shape[-1])
         rows = weights.repeat_interleave(out.shape[0] // max(len(weights), 1))
         inputs = activations[0].float().reshape(out.shape[0], -1)
@@ -177,12 +206,14 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
                 inputs = inputs * rows[:, None]
             sums[module.weight] = inputs.T @ out if transposed else out.T @ inputs
         return sums
-    if type(module) is nn.Embedding:  # autograd's own lookup backward: padding_idx row left at zero
+    if kind is nn.Embedding:  # autograd's own lookup backward (padding_idx row left at zero), which reads no weight
         scaled = backprops.float() * weights.view(-1, *[1] * (backprops.dim() - 1))
-        weight = module.weight.detach().float().requires_grad_()
-        with torch.enable_grad():
-            looked_up = F.embedding(activations[0], weight, padding_idx=module.padding_idx)
-        return {module.weight: torch.autograd.grad(looked_up, weight, scaled.reshape(looked_up.shape))[0]}
+        ids = activations[0]
+        padding = -1 if module.padding_idx is None else module.padding_idx
+        grad = torch.ops.aten.embedding_dense_backward(
+            scaled.reshape(*ids.shape, -1), ids, module.num_embeddings, padding, False
+        )
+        return {module.weight: grad}
     return {
         p: torch.einsum("b,b...->...", weights, g.float()) for p, g in per_example_gradients(samplers, entry).items()
     }
@@ -198,22 +229,24 @@ class BookKeeping(GhostClipping):
     mode = "bk"
     second_backward = False
 
-    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
-        super().__init__(net, loss_fn)
+    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, **first_pass: Any) -> None:
+        """``first_pass``: what the class of the first pass takes beyond the net and loss (a sharded net's
+        ``passes``)."""
+        super().__init__(net, loss_fn, **first_pass)
         self._tied.keep = True
         self._raw.keep = True
         self._book: list[Entry] = []
         #: the per-example gradients of the raw parameters beside layers, from the first pass (:mod:`.raw`)
         self._raw_grads: dict[nn.Parameter, torch.Tensor] = {}
 
-    def _norm_module(self, options: dict[str, Any]) -> BookKeepingNormModule:
+    def _norm_module(self, options: dict[str, Any]) -> GhostNormModule:
         return BookKeepingNormModule(self.net, skipped=frozenset([*self._tied.modules, *self._raw.modules]), **options)
 
-    def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norms(self, batch: Any, size: int, **first_pass: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Ghost clipping's first pass, whose hooks fill the book; its backward frees the graph as it goes (nothing
         runs backward through it again)."""
         self._forget()
-        norms, losses = super()._norms(batch, size)
+        norms, losses = super()._norms(batch, size, **first_pass)
         self._book = [*self._gsm.book, *self._tied.uses]
         self._raw_grads = self._raw.grads
         self._gsm.book, self._tied.uses, self._raw.grads = [], [], {}
@@ -222,16 +255,40 @@ class BookKeeping(GhostClipping):
     def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
         """Each kept call's Σ_i c_i·g_i, and the raw parameters' from their per-example gradients, added up per
         parameter (fp32, autocast off)."""
-        book, self._book = self._book, []
-        raw, self._raw_grads = self._raw_grads, {}
-        sums: dict[nn.Parameter, torch.Tensor] = {}
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
-            for entry in book:
-                for p, s in weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights.detach().float()).items():
-                    sums[p] = s if p not in sums else sums[p].add_(s)
-            for p, g in raw.items():
-                sums[p] = torch.einsum("b,b...->...", weights.detach().float(), g)
-        return [sums[p] if p in sums else torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+            return list(self._sums(weights.detach().float()))
+
+    def _sums(self, weights: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """Σ_i c_i·g_i of each trainable parameter in turn, in the order of ``self.params`` (whole-shaped, fp32),
+        from the book and the raw parameters' per-example gradients, which are dropped; ``weights`` None: zeros,
+        from nothing. A kept call's sums are computed at its first parameter's turn and held until its last one's,
+        and its entry is dropped then: beyond the sums handed out, about one layer's are held at once."""
+        entries, raw = (self._book, self._raw_grads) if weights is not None else ([], {})
+        self._book, self._raw_grads = [], {}
+        turns: dict[int, list[int]] = {id(p): [] for p in self.params}
+        for k, (module, _, _) in enumerate(entries):
+            for p in module.parameters(recurse=False):
+                if id(p) in turns:
+                    turns[id(p)].append(k)
+        book: list[Entry | None] = [*entries]
+        del entries
+        held: dict[int, dict[nn.Parameter, torch.Tensor]] = {}
+        for p in self.params:
+            total = None
+            for k in turns[id(p)]:
+                entry = book[k]
+                if entry is not None:
+                    held[k], book[k] = weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights), None
+                part = held[k].pop(p)
+                if not held[k]:
+                    del held[k]
+                total = part if total is None else total.add_(part)
+            if p in raw:
+                part = torch.einsum("b,b...->...", weights, raw[p])
+                total = part if total is None else total.add_(part)
+            yield torch.zeros(p.shape, dtype=torch.float32, device=p.device) if total is None else total
+        if held:  # a sum computed for no trainable parameter: the book and the parameters disagree
+            raise RuntimeError(f"book-keeping computed sums of parameters it does not train: {list(held)}.")
 
     def __call__(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The per-example gradients the clipped sum is made of (one ``[B, *p.shape]`` tensor per parameter, fp32)
@@ -262,3 +319,35 @@ class BookKeeping(GhostClipping):
     def _forget(self) -> None:
         """Drop the book (a pass that raised, or norms asked for alone)."""
         self._book, self._gsm.book, self._tied.uses, self._raw_grads = [], [], [], {}
+
+
+class ShardedBookKeeping(BookKeeping, ShardedGhostClipping):
+    """Book-keeping on a net sharded by FSDP2 (see the module docstring): sharded ghost clipping's first pass, which
+    reduces no gradient, then each parameter's clipped sum over this rank's examples from the book, summed over the
+    ranks (one all-reduce per parameter, in the parameters' order on every rank, of the whole-shaped sum: one
+    parameter's at a time), of which this rank keeps its block. ``passes`` as for
+    :class:`~pl_dp.per_sample.ShardedGhostClipping`, which refuses the same nets. Called on a batch (the fit-start
+    check: the same examples on every rank), returns the whole per-example gradients, the same on every rank."""
+
+    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, *, passes: ShardedPasses) -> None:
+        super().__init__(net, loss_fn, passes=passes)
+
+    def _norm_module(self, options: dict[str, Any]) -> GhostNormModule:
+        return ShardedBookKeepingNormModule(self.net, **options)
+
+    def _weighted_sum(
+        self, losses: torch.Tensor, weights: torch.Tensor, zeroed: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """This rank's block of Σ_i c_i·g_i over every rank's examples, per parameter (fp32). ``zeroed`` given (the
+        padding example's pass at weight 0, whose gradient may be non-finite: 0·∞ is NaN): zeros, summed as any
+        other rank's sums are."""
+        blocks = []
+        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+            weights = None if zeroed is not None else weights.detach().float()
+            for name, p, whole_sum in zip(self.names, self.params, self._sums(weights)):
+                layout = layout_of(name, p)
+                start, stop = layout.rows
+                summed = sum_over_ranks_(whole_sum, layout.group)
+                blocks.append(summed[start:stop].clone() if summed.dim() else summed)
+        self._reached = []
+        return blocks

@@ -142,7 +142,14 @@ class GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
         super().capture_activations_hook(module, forward_input, forward_output)
 
 
-class _ShardedGhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
+def layer_type(module: nn.Module) -> type:
+    """The layer class ``module`` is measured as: its own, or for a layer FSDP2 sharded (whose class it swaps for
+    ``FSDP<Layer>(FSDPModule, <Layer>)``) the layer's, as Opacus' FSDP module looks its samplers up."""
+    kind = type(module)
+    return kind.__bases__[1] if isinstance(module, FSDPModule) else kind
+
+
+class ShardedGhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
     """Opacus' fast-gradient-clipping module for FSDP2, recording in eval mode too: norms are kept on each layer."""
 
 
@@ -387,10 +394,10 @@ class GhostClipping:
     def _check_layout(self) -> None:
         sharded = is_sharded(self.params)
         if sharded != isinstance(self, ShardedGhostClipping):
-            right = "ShardedGhostClipping" if sharded else "GhostClipping"
             raise ConfigError(
-                f"the net's parameters are{'' if sharded else ' not'} sharded by FSDP2: use {right} "
-                "(get_per_sample_mode('ghost').build chooses the class for the net's layout)."
+                f"the net's parameters are{'' if sharded else ' not'} sharded by FSDP2, and {type(self).__name__} "
+                f"is for {'one process' if sharded else 'a sharded net'}: get_per_sample_mode({self.mode!r}).build "
+                "chooses the class for the net's layout."
             )
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
@@ -545,22 +552,21 @@ class ShardedGhostClipping(GhostClipping):
         if tied_parameters(net):
             names = [" = ".join(name for name, _ in found) for _, found in tied_parameters(net)]
             raise ConfigError(
-                f"per_sample='ghost' cannot clip parameters tied across modules on a sharded net: {names}. Train "
+                f"per_sample={self.mode!r} cannot clip parameters tied across modules on a sharded net: {names}. Train "
                 "them in one process, freeze or untie them."
             )
         whole = [
             name or "<the net itself>"
             for name, m in net.named_modules()
             if any(p.requires_grad for p in m.parameters(recurse=False))
-            and (m.__class__.__bases__[1] if isinstance(m, FSDPModule) else type(m))
-            not in _ShardedGhostNormModule.GRAD_SAMPLERS
+            and layer_type(m) not in ShardedGhostNormModule.GRAD_SAMPLERS
         ]
         if whole:  # Opacus' per-example gradients of a module (functorch) copy it, which FSDP2 refuses
             raise ConfigError(
-                f"per_sample='ghost' on a net sharded by FSDP2 measures only layers with a norm sampler; {whole[:3]} "
-                "hold raw parameters, whose per-example gradients are computed in one process only (a leaf module's "
-                "by Opacus on a copy of it, which FSDP2 does not allow; those beside layers from the live graph, not "
-                "on shards). Freeze them, move them into a layer, or train in one process."
+                f"per_sample={self.mode!r} on a net sharded by FSDP2 measures only layers with a norm sampler; "
+                f"{whole[:3]} hold raw parameters, whose per-example gradients are computed in one process only (a "
+                "leaf module's by Opacus on a copy of it, which FSDP2 does not allow; those beside layers from the "
+                "live graph, not on shards). Freeze them, move them into a layer, or train in one process."
             )
         self.passes = passes
         self._reached: list[torch.Tensor] = []  # the leaves the last first pass's graph reaches
@@ -568,7 +574,7 @@ class ShardedGhostClipping(GhostClipping):
         self._targets.watch_gathered()
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
-        return _ShardedGhostNormModule(self.net, **options)
+        return ShardedGhostNormModule(self.net, **options)
 
     def _norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept and no reduce-scatter (the unclipped

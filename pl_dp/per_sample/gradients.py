@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from opacus import GradSampleModule
 from opacus.layers import DPGRU, DPLSTM, DPRNN
 from opacus.utils.module_utils import trainable_modules
@@ -33,7 +34,7 @@ from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
-from pl_dp.step.shards import replicated_gradient, whole
+from pl_dp.step.shards import layout_of, replicated_gradient, sum_over_ranks_, whole
 
 if TYPE_CHECKING:  # the engines' protocol lives with the registry, which imports this module
     from pl_dp.per_sample.modes import PerSampleEngine
@@ -391,14 +392,11 @@ def verify_per_example_gradients(
         for size in (k for k in sizes if k <= count):
             batch = select_examples(examples, torch.arange(size))
             rows = per_sample.per_example_norms(batch) if gradients is None else gradients(batch)[0]
-            totals: list[torch.Tensor] = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+            totals: list[torch.Tensor] = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
             for i in range(size):
                 with torch.enable_grad():
                     single = select_examples(examples, torch.tensor([i]))
                     own = replicated_gradient(check_per_sample(per_sample.loss_fn(net, single), 1).sum(), params)
-                for total, g in zip(totals, own):
-                    if g is not None:
-                        total += g.double()
                 squares = sum(float(whole(g.double().square().sum())) for g in own if g is not None)
                 reference = max(math.sqrt(squares), 1e-12)
                 if gradients is None:
@@ -406,6 +404,10 @@ def verify_per_example_gradients(
                     if shortfall > rtol:
                         wrong["ghost norms"] = max(wrong.get("ghost norms", 0.0), shortfall)
                     continue
+                own = [None if g is None else whole(g) for g in own]  # rows are whole, on a sharded net too
+                for total, g in zip(totals, own):
+                    if g is not None:
+                        total += g.double()
                 for name, row, g in zip(per_sample.names, rows, own):
                     target = torch.zeros_like(row[i]) if g is None else g
                     error = float(torch.linalg.vector_norm((row[i] - target).double()))
@@ -414,8 +416,8 @@ def verify_per_example_gradients(
             if separate_sum:  # weights 1 (no example reaches the bound): the sum must be Σ_i g_i
                 sums = per_sample.clipped_sum(batch, UNCLIPPED)[0]
                 scale = max(math.sqrt(sum(float(t.square().sum()) for t in totals)), 1e-12)
-                for name, summed, total in zip(per_sample.names, sums, totals):
-                    error = float(torch.linalg.vector_norm(summed.double() - total))
+                for name, p, summed, total in zip(per_sample.names, params, sums, totals):
+                    error = _block_error(name, p, summed, total)
                     if error > rtol * scale:
                         wrong[f"{name} (summed)"] = max(wrong.get(f"{name} (summed)", 0.0), error / scale)
     finally:
@@ -431,6 +433,20 @@ def verify_per_example_gradients(
             "another dimension than the first (time-major input, batch_first=False). Restructure the net, freeze "
             "these parameters, or use per_sample='functorch'."
         )
+
+
+def _block_error(name: str, param: torch.Tensor, summed: torch.Tensor, total: torch.Tensor) -> float:
+    """‖summed − total‖ for an engine's sum ``summed`` of the probe batch and the examples' own gradients' sum
+    ``total`` (whole). On a sharded net ``summed`` is this rank's block of the sum over the ranks, each of which ran
+    the same probe batch: it is compared with as many copies of the block of ``total``, and the squared errors are
+    added over the ranks, so that every rank refuses or passes alike."""
+    layout = layout_of(name, param)
+    if layout.group is None:
+        return float(torch.linalg.vector_norm(summed.double() - total))
+    start, stop = layout.rows
+    expected = (total[start:stop] if total.dim() else total) * dist.get_world_size(layout.group)
+    squared = (summed.double() - expected).square().sum().reshape(1)
+    return math.sqrt(float(sum_over_ranks_(squared, layout.group)))
 
 
 def clipped_sum(

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pl_dp.errors import ConfigError
-from pl_dp.per_sample.bk import BookKeeping
+from pl_dp.per_sample.bk import BookKeeping, ShardedBookKeeping
 from pl_dp.per_sample.ghost import GhostClipping, ShardedGhostClipping
 from pl_dp.per_sample.gradients import PerSampleGradients
 from pl_dp.privacy.clip_functions import ClipFunction
@@ -109,6 +109,10 @@ def _ghost(net: nn.Module, loss_fn: PerSampleLoss, passes: ShardedPasses | None)
     return GhostClipping(net, loss_fn) if passes is None else ShardedGhostClipping(net, loss_fn, passes=passes)
 
 
+def _bk(net: nn.Module, loss_fn: PerSampleLoss, passes: ShardedPasses | None) -> PerSampleEngine:
+    return BookKeeping(net, loss_fn) if passes is None else ShardedBookKeeping(net, loss_fn, passes=passes)
+
+
 for _name, _summary in (
     ("hooks", "per-example gradients from Opacus' GradSampleModule hooks"),
     ("functorch", "per-example gradients from torch.func.vmap(grad(...)) over single examples"),
@@ -128,9 +132,10 @@ register_per_sample_mode(
 register_per_sample_mode(
     PerSampleMode(
         "bk",
-        lambda net, loss_fn, _: BookKeeping(net, loss_fn),
+        _bk,
         autocast=False,
-        shards=False,
-        summary="book-keeping (Bu et al. 2023): ghost clipping's norms, the clipped sum from the same backward; fp32",
+        shards=True,
+        summary="book-keeping (Bu et al. 2023): ghost clipping's norms, the clipped sum from the same backward; fp32, "
+        "FSDP2",
     )
 )

@@ -1,6 +1,6 @@
-"""Sharded private training: the zeroth-order methods, and DP-SGD and Coupling with ghost clipping, under Lightning's
-``ModelParallelStrategy`` (FSDP2, each of 2 CPU processes holding half of every parameter) are the one logical run
-that one process is (invariant 11).
+"""Sharded private training: the zeroth-order methods, and DP-SGD and Coupling with book-keeping and ghost clipping,
+under Lightning's ``ModelParallelStrategy`` (FSDP2, each of 2 CPU processes holding half of every parameter) are the
+one logical run that one process is (invariant 11).
 
 The sharded fits run once per session in a subprocess (tests/distributed/worker.py sharded); the single-process
 references run here with the same seeds.
@@ -60,7 +60,10 @@ def test_sharded_steps_send_a_few_scalars_beyond_the_gathers(runs, name):
     and for each of its 2q evaluations how many single-example retries the ranks run (0 unless a loss raised):
     8 + 24·q bytes, whatever the model size. A first-order step: the count, the rounds of passes and, for each
     pass, whether it failed on some rank and whether some rank saw a non-finite norm (8 bytes each): a few scalars
-    a pass, whatever the model size (more passes where a non-finite norm makes the ranks run a pass again)."""
+    a pass, whatever the model size (more passes where a non-finite norm makes the ranks run a pass again). Like
+    FSDP's reduce-scatter of ghost clipping's second backward, book-keeping's sum over the ranks of each parameter's
+    clipped sum (:class:`~pl_dp.per_sample.ShardedBookKeeping`) is the model-sized exchange of any sharded step,
+    not counted here."""
     (rank0, _), _ = runs
     model = worker.SHARDED_METHODS[name]()
     queries = getattr(model, "queries", None)
@@ -96,6 +99,7 @@ def test_a_non_finite_gradient_on_one_rank_is_dropped_by_all(runs):
     without its non-finite examples (a pass is a collective), and the run ends where one process ends."""
     (rank0, _), single = runs
     assert single["dpsgd_ghost_nonfinite"]["nonfinite_total"] > 0
+    assert single["dpsgd_bk_nonfinite"]["nonfinite_total"] > 0
 
 
 @pytest.mark.slow

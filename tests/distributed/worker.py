@@ -283,6 +283,21 @@ SHARDED_METHODS = {
         noise_seed=7,
         max_physical_batch_size=1,
     ),
+    # book-keeping (the default): each rank's clipped sums from its book, added over the ranks by pl_dp
+    "dpsgd_bk_mlp": lambda: DPSGD(
+        _mlp(), lr=0.5, clip=CLIP, per_sample="bk", privacy=_spec(), noise_seed=7, max_physical_batch_size=3
+    ),
+    "dpsgd_bk_nonfinite": lambda: DPSGD(
+        nn.Linear(12, 4, bias=False),
+        loss=_root_loss,
+        lr=0.5,
+        clip=CLIP,
+        per_sample="bk",
+        privacy=_spec(),
+        noise_seed=7,
+        max_physical_batch_size=1,
+    ),
+    "dpsgd_bk_touchy": lambda: _touchy(DPSGD, _mlp(), loss=_touchy_loss, lr=0.5, per_sample="bk"),
     "dpzero_touchy": lambda: _touchy(DPZero, nn.Linear(12, 4), loss=_touchy_loss, lr=0.05, queries=2),
     "dpsgd_ghost_touchy": lambda: _touchy(DPSGD, _mlp(), loss=_touchy_loss, lr=0.5, per_sample="ghost"),
     "dpzero_touchy_net": lambda: _touchy(DPZero, TouchyBetween(), lr=0.05, queries=2),
@@ -379,7 +394,7 @@ def _data(name: str) -> PrivatePublicDataModule:
         private = TensorDataset(torch.randn(N_PRIVATE, 64), torch.zeros(N_PRIVATE, dtype=torch.long))
     else:
         private = _blobs(N_PRIVATE, 0)
-    if name == "dpsgd_ghost_nonfinite":
+    if name.endswith("_nonfinite"):
         private.tensors[0][::5] = 0.0
     if "touchy" in name:
         private.tensors[0][::9, 0] = 99.0

@@ -323,8 +323,8 @@ def test_which_methods_shard_is_declared_by_the_method():
     assert all(cls(net).supports_sharding for cls in (DPZero, PAZOM, PAZOP, PAZOS))
     assert not O2NC(net).supports_sharding
     assert DPSGD(net, per_sample="ghost").supports_sharding and Coupling(net, per_sample="ghost").supports_sharding
-    assert not DPSGD(net).supports_sharding  # per-example gradients of gathered layers are not sharded
-    assert not DPSGD(net, per_sample="bk").supports_sharding  # book-keeping: one process or DDP (per_sample="ghost")
+    assert DPSGD(net).supports_sharding and Coupling(net).supports_sharding  # book-keeping, the default
+    assert not DPSGD(net, per_sample="hooks").supports_sharding  # per-example gradients of gathered layers
 
 
 def test_sharding_is_declared_by_each_class_never_inherited():

@@ -24,7 +24,7 @@ from tests.conftest import blobs, make_trainer
 def test_the_shipped_modes_and_what_they_declare():
     assert per_sample_mode_names() == ["hooks", "functorch", "ghost", "bk"]
     assert [get_per_sample_mode(name).autocast for name in per_sample_mode_names()] == [True, True, False, False]
-    assert [get_per_sample_mode(name).shards for name in per_sample_mode_names()] == [False, False, True, False]
+    assert [get_per_sample_mode(name).shards for name in per_sample_mode_names()] == [False, False, True, True]
 
 
 def test_an_unknown_mode_is_refused_with_the_known_ones():

@@ -1,0 +1,187 @@
+"""Book-keeping on a net sharded by FSDP2 (2 plain torch processes over gloo): the first pass reduces no gradient,
+each rank keeps its block of the clipped sum over both ranks' examples — the one-process sum of all of them — and
+the fit-start check of the rows it sums refuses a broken net on every rank alike."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+from pl_dp.methods.parallel import shard
+from pl_dp.per_sample import BookKeeping, ShardedBookKeeping, get_per_sample_mode, verify_per_example_gradients
+from pl_dp.privacy.clip_functions import ClipFunction
+from pl_dp.step.passes import ShardedPasses
+from tests.distributed import two_ranks
+
+# 2 plain torch processes over gloo (~20 s): `make test-slow` runs them (CI runs both suites)
+pytestmark = pytest.mark.slow
+
+CLIP = ClipFunction("constant", 1.0)
+
+
+class _Tokens(nn.Module):
+    """An embedding with a padding row, a LayerNorm and a linear head over the mean of the positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6, padding_idx=0)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(tokens)).mean(dim=1))
+
+
+class _TimeMajor(nn.Module):
+    """A layer that sees the batch in its second dimension (``[T, B, d]``): its rows are positions, not examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(x.transpose(0, 1)).transpose(0, 1).mean(dim=1))
+
+
+def _loss(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, labels = batch
+    return nn.functional.cross_entropy(net(inputs), labels, reduction="none")
+
+
+def _root_of_first_logit(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy plus √|first logit|: finite at every input, its gradient infinite where that logit is 0."""
+    out = net(batch[0])
+    return nn.functional.cross_entropy(out, batch[1], reduction="none") + out[:, 0].abs().sqrt()
+
+
+def _most_over_ranks(count: int) -> int:
+    most = torch.tensor([count])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
+
+
+def _whole(blocks: list[torch.Tensor]) -> list[float]:
+    """Every rank's blocks of every parameter's sum, put back together (a collective)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, blocks)
+    return torch.cat([torch.cat(parts).reshape(-1) for parts in zip(*gathered)]).tolist()
+
+
+def _batches(name: str, rank: int) -> tuple[tuple, tuple]:
+    """(this rank's batch of 4 examples, both ranks' 8), the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    if name == "mlp":
+        both = (torch.randn(8, 6, generator=g) * 50, torch.randint(0, 3, (8,), generator=g))
+    else:
+        tokens = torch.randint(0, 11, (8, 5), generator=g)
+        tokens[:, -2:] = 0  # padding positions: the padding row gets no gradient
+        both = (tokens, torch.randint(0, 3, (8,), generator=g))
+    return tuple(t[4 * rank : 4 * rank + 4] for t in both), both
+
+
+def _nets(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
+    return _Tokens()
+
+
+def _worker(rank: int, mesh, results: dict) -> None:
+    reductions, original = [], _fsdp_param_group.foreach_reduce
+
+    def reduce(fsdp_params, *args, **kwargs):  # FSDP2's gradient reduction (whatever collective it then uses)
+        reductions.append(len(fsdp_params))
+        return original(fsdp_params, *args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = reduce
+    for name in ("mlp", "tokens"):
+        net = _nets(name)
+        alone = BookKeeping(copy.deepcopy(net), _loss)
+        shard(net, mesh)
+        passes = ShardedPasses(_most_over_ranks)
+        bk = get_per_sample_mode("bk").build(net, _loss, passes)
+        mine, both = _batches(name, rank)
+        before = len(reductions)
+        sums, norms, _ = bk.clipped_sum(mine, CLIP)
+        results[f"{name}: FSDP reductions"] = len(reductions) - before
+        results[f"{name}: engine"] = type(bk).__name__
+        results[f"{name}: norms on rank {rank}"] = norms.tolist()
+        results[f"{name}: one process norms"] = alone.per_example_norms(both).tolist()
+        results[f"{name}: released on rank {rank}"] = _whole(sums)
+        results[f"{name}: one process"] = torch.cat([s.reshape(-1) for s in alone.clipped_sum(both, CLIP)[0]]).tolist()
+        verify_per_example_gradients(bk, both)  # raises on a wrong row
+        results[f"{name}: verified on rank {rank}"] = True
+    torch.manual_seed(0)
+    net = _TimeMajor()
+    shard(net, mesh)
+    # 2 examples of 2 positions: the rows have the batch's shape, so only their values can tell
+    probe = (torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1]))
+    try:
+        verify_per_example_gradients(ShardedBookKeeping(net, _loss, passes=ShardedPasses(_most_over_ranks)), probe)
+    except RuntimeError as refused:
+        results[f"time-major refused on rank {rank}"] = str(refused)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
+    alone = BookKeeping(copy.deepcopy(net), _root_of_first_logit)
+    shard(net, mesh)
+    padding = (torch.zeros(1, 4), torch.tensor([0]))  # its first logit is 0: a non-finite gradient
+    passes = ShardedPasses(_most_over_ranks, padding=padding)
+    bk = ShardedBookKeeping(net, _root_of_first_logit, passes=passes)
+    example = (torch.randn(1, 4, generator=torch.Generator().manual_seed(5)), torch.tensor([1]))
+    parts = [] if rank == 0 else [example]  # rank 0 sampled nothing: it runs the padding example at weight 0
+    done, _ = passes.run(parts, lambda part: bk.clipped_sum(part, CLIP), lambda pad: bk.padding_sum(pad, CLIP))
+    results[f"padding norm on rank {rank}"] = float(bk.per_example_norms(padding)[0])
+    results[f"padding: released on rank {rank}"] = _whole(done[0][0])
+    results["padding: one process"] = torch.cat([s.reshape(-1) for s in alone.clipped_sum(example, CLIP)[0]]).tolist()
+
+
+#: ``on_two_ranks(_worker)``, started in the background when the session starts (tests/background.py)
+RANKS = two_ranks.job("bk_sharded", _worker)
+
+
+@pytest.mark.parametrize("name", ["mlp", "tokens"])
+def test_each_rank_keeps_its_block_of_the_one_process_clipped_sum_and_no_gradient_is_reduced(name):
+    """Linear, LayerNorm and an embedding with a padding row, examples far above the clip bound: both ranks'
+    blocks put together are one process's clipped sum of both ranks' examples; FSDP2 reduces nothing (no
+    parameter gradient is ever computed, unclipped or clipped); the fit-start check passes on every rank."""
+    results = two_ranks.results(RANKS)
+    assert results[f"{name}: engine"] == "ShardedBookKeeping"
+    alone = torch.tensor(results[f"{name}: one process norms"])
+    assert float(alone.max()) > 2  # the clip bound C = 1 is reached
+    for rank in (0, 1):
+        torch.testing.assert_close(
+            torch.tensor(results[f"{name}: norms on rank {rank}"]), alone[4 * rank : 4 * rank + 4]
+        )
+        torch.testing.assert_close(
+            torch.tensor(results[f"{name}: released on rank {rank}"]),
+            torch.tensor(results[f"{name}: one process"]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        assert results[f"{name}: verified on rank {rank}"]
+    assert results[f"{name}: FSDP reductions"] == 0
+
+
+def test_a_layer_that_sees_the_batch_in_another_dimension_is_refused_on_every_rank():
+    """The rows a sharded book-keeping sums are checked against each example's own gradient at fit start; a
+    time-major layer's rows are positions: refused on both ranks (neither waits at a collective the other left)."""
+    results = two_ranks.results(RANKS)
+    for rank in (0, 1):
+        assert "not each example's own gradient" in results[f"time-major refused on rank {rank}"]
+
+
+def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_release():
+    """A rank with no examples runs the padding example at weight 0; its gradient is non-finite (0·∞ would be
+    NaN): the release is the other rank's example's clipped gradient alone, finite."""
+    results = two_ranks.results(RANKS)
+    assert results["padding norm on rank 0"] != results["padding norm on rank 0"]  # NaN: what a padding pass meets
+    released = torch.tensor(results["padding: released on rank 0"])
+    assert torch.isfinite(released).all()
+    torch.testing.assert_close(released, torch.tensor(results["padding: one process"]), rtol=0, atol=1e-6)
