@@ -1,7 +1,7 @@
 """Sharded private fine-tuning: the pretrained MiniLM (22.7M parameters) on VADER, 1 process vs 2 CPU ranks under
 Lightning's ``ModelParallelStrategy`` (FSDP2, each rank holding half of every parameter).
 
-    python benchmarks/sharded.py                      # DPZero, PAZO-M, ghost DP-SGD; 3 timed steps
+    python benchmarks/sharded.py                      # DPZero, PAZO-M, DP-SGD (ghost, book-keeping); 3 timed steps
     python benchmarks/sharded.py --steps 5 --json benchmarks/results/sharded.json
 
 Each layout runs in its own subprocess (Lightning's launcher starts the second rank by re-running this file), with
@@ -47,9 +47,12 @@ def _methods():
     return {
         "dpzero": lambda: DPZero(net=net(), lr=1e-4, clip=1.0, queries=2, privacy=spec, noise_seed=7),
         "pazo_m": lambda: PAZOM(net=net(), lr=1e-4, clip=1.0, queries=2, alpha=0.5, privacy=spec, noise_seed=7),
-        "dpsgd_ghost": lambda: DPSGD(
-            net=net(), lr=0.1, clip=1.0, clip_fn="automatic", per_sample="ghost", privacy=spec, noise_seed=7
-        ),
+        **{
+            f"dpsgd_{mode}": lambda mode=mode: DPSGD(
+                net=net(), lr=0.1, clip=1.0, clip_fn="automatic", per_sample=mode, privacy=spec, noise_seed=7
+            )
+            for mode in ("ghost", "bk")
+        },
     }
 
 

@@ -12,6 +12,7 @@ An :class:`Entry` holds an id, the class, and a function returning the keyword a
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -128,11 +129,11 @@ def _variant(base: str, id: str, aspect: str, **changes: Any) -> Entry:
 #: configurations of a method the tests of some concern run besides its entry
 VARIANTS: list[Entry] = [
     _variant("dpzero", "dpzero-joint", "clip", joint_clip=True),
-    # every per-sample mode pl_dp registers, on DP-SGD (its entry uses the default, hooks)
+    # every per-sample mode pl_dp registers, on DP-SGD (its entry uses the default)
     *(
         _variant("dpsgd", f"dpsgd-{mode}", "per_sample", per_sample=mode)
         for mode in per_sample_mode_names()
-        if mode != "hooks"
+        if mode != inspect.signature(DPSGD).parameters["per_sample"].default
     ),
     _variant("dpsgd", "dpsgd-ghost-psac", "per_sample", per_sample="ghost", clip_fn="psac"),
     _variant("dpsgd", "dpsgd-automatic", "clip", clip_fn="automatic", r=0.01),
