@@ -16,12 +16,14 @@ one matrix product of the output gradients, each example's rows scaled by its cl
    (the "book": ``(layer, inputs, output gradients)`` per call, and for tied weights per use, from
    :class:`~pl_dp.per_sample.tied.TiedNorms`). A linear layer's norm is its ghost norm (two T×T Gram matrices per
    example) when 2T² ≤ p·d, else the norm of its instantiated per-example gradient (p·d per example), the cheaper
-   of the two (Bu et al. 2023, §3.2); Hugging Face's ``Conv1D`` (GPT-2) is measured as a linear layer, and an
-   embedding by one T×T Gram matrix (:func:`linear_norms`, :func:`embedding_norms`: the same norms as Opacus', for
-   less work);
+   of the two (Bu et al. 2023, §3.2); Hugging Face's ``Conv1D`` (GPT-2) is measured as a linear layer
+   (:func:`linear_norms`), and an embedding by Opacus' norm, as under ghost clipping: each distinct token's summed
+   output gradients, in the precision the sum adds them in (a T×T Gram matrix of the output gradients would be less
+   work, but in fp32 it rounds to 0 where an example's positions nearly cancel, while the sum does not: an
+   independent review released 16·C that way);
 2. the clip weights c_i = c(‖g_i‖), 0 for a non-finite norm (the examples are then dropped and the pass run again
    without them, as in ghost clipping);
-3. no second backward: each kept call's clipped sum from its book — ``nn.Linear`` (2-D and sequence inputs) one
+3. no second backward: each kept call's clipped sum from its book — ``nn.Linear`` (inputs of any rank) one
    matrix product, ``nn.Embedding`` the rows of the scaled output gradients added at the looked-up indices (the
    ``padding_idx`` row gets none, as in autograd), and every other layer (LayerNorm, RMSNorm, GroupNorm, Conv,
    Opacus' recurrent cells, a leaf module of raw parameters) the weighted sum of its per-example gradients from
@@ -75,7 +77,7 @@ from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.losses import PerSampleLoss
 from pl_dp.step.passes import ShardedPasses
-from pl_dp.step.shards import layout_of, sum_over_ranks_
+from pl_dp.step.shards import layout_of, local, sum_over_ranks_
 
 #: what the book keeps of one call of a layer: the layer, its inputs, its output gradient (batch first)
 Entry = tuple[nn.Module, list[torch.Tensor], torch.Tensor]
@@ -89,12 +91,14 @@ def linear_norms(
     On ``[B, T, ·]`` inputs a weight's ghost norm needs two T×T Gram matrices per example, the instantiated gradient
     one p×d matrix (Bu et al. 2023, §3.2): for 2T² > p·d the gradient is formed and its norm taken, otherwise
     ‖Σ_t b_t a_tᵀ‖² = Σ_{t,s} (b_t·b_s)(a_t·a_s). The bias's norm is ‖Σ_t b_t‖ (Opacus forms the output Gram again
-    for it). On ``[B, ·]`` inputs (and shapes Opacus refuses), Opacus' ghost norm. Exact either way, and for
-    Hugging Face's ``Conv1D`` too (GPT-2's projections: a linear layer whose weight is stored transposed, which
-    Opacus measures by ``torch.func``)."""
-    if backprops.dim() != 3:
+    for it). Inputs of more dimensions (``[B, H, W, ·]``: a channels-last pointwise layer) are measured as ``[B, T,
+    ·]`` with T their positions, which Opacus' ghost norm returns nothing for; ``[B, ·]`` inputs by Opacus' ghost
+    norm. Exact either way, and for Hugging Face's ``Conv1D`` too (GPT-2's projections: a linear layer whose weight
+    is stored transposed, which Opacus measures by ``torch.func``)."""
+    if backprops.dim() <= 2:
         return compute_linear_norm_sample(layer, activations, backprops)
-    inputs = activations[0].to(backprops.dtype)
+    backprops = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
+    inputs = activations[0].to(backprops.dtype).reshape(backprops.shape[0], backprops.shape[1], -1)
     norms = {}
     if layer.weight.requires_grad:
         if 2 * backprops.shape[1] ** 2 > layer.weight.numel():
@@ -108,22 +112,6 @@ def linear_norms(
     return norms
 
 
-def embedding_norms(
-    layer: nn.Embedding, activations: list[torch.Tensor], backprops: torch.Tensor
-) -> dict[nn.Parameter, torch.Tensor]:
-    """Per-example gradient norms of an ``nn.Embedding`` from the T×T Gram matrix of its output gradients:
-    ‖Σ_t e_{i_t} b_tᵀ‖² = Σ_{t,s} [i_t = i_s] (b_t·b_s), one batched matrix product where Opacus sorts and scatters
-    the indices. For 2T² > V·d (long sequences), Opacus' norm. Both count the ``padding_idx`` row as Opacus does (a
-    larger norm only clips harder), so that the norms are ghost clipping's."""
-    ids = activations[0].reshape(activations[0].shape[0], -1)
-    if not layer.weight.requires_grad or 2 * ids.shape[1] ** 2 > layer.weight.numel():
-        return GhostNormModule.NORM_SAMPLERS[nn.Embedding](layer, activations, backprops)
-    grads = backprops.reshape(*ids.shape, -1)
-    same = ids.unsqueeze(2) == ids.unsqueeze(1)
-    squares = (torch.bmm(grads, grads.transpose(1, 2)) * same).sum(dim=(1, 2))
-    return {layer.weight: squares.clamp_min(0).sqrt()}
-
-
 def transposed_linear(module: nn.Module) -> bool:
     """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2): ``x @ W + b`` with ``W`` stored ``[in, out]``. Told
     by name, so that this plain-torch layer imports no ``transformers``."""
@@ -134,7 +122,7 @@ def transposed_linear(module: nn.Module) -> bool:
 class KeepsBook:
     """What makes a ghost clipping norm module book-keeping's: it keeps, per hooked call, the inputs and output
     gradient its norm was computed from (:attr:`book`), and measures linear layers (and Hugging Face's ``Conv1D``)
-    by :func:`linear_norms` and embeddings by :func:`embedding_norms`."""
+    by :func:`linear_norms`; embeddings keep Opacus' norm, as ghost clipping."""
 
     NORM_SAMPLERS: dict[type, Any]
     book: list[Entry]
@@ -145,7 +133,6 @@ class KeepsBook:
         self.NORM_SAMPLERS = {
             **self.NORM_SAMPLERS,
             nn.Linear: linear_norms,
-            nn.Embedding: embedding_norms,
             **dict.fromkeys(transposed, linear_norms),
         }
         self.book = []
@@ -297,14 +284,18 @@ class BookKeeping(GhostClipping):
         _, losses = self._norms(batch, size)
         book, self._book = self._book, []
         raw, self._raw_grads = self._raw_grads, {}
-        grads = {p: torch.zeros((size, *p.shape), dtype=torch.float32, device=p.device) for p in self.params}
+        grads = {p: torch.zeros((size, *local(p).shape), dtype=torch.float32, device=p.device) for p in self.params}
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
             for entry in book:
                 for p, g in per_example_gradients(self._gsm.GRAD_SAMPLERS, entry).items():
-                    grads[p] += g.float()
+                    grads[p] += self._rows_held(p, g.float())
             for p, g in raw.items():
                 grads[p] += g
         return list(grads.values()), losses
+
+    def _rows_held(self, param: nn.Parameter, grads: torch.Tensor) -> torch.Tensor:
+        """What this engine holds of per-example gradients ``grads`` (``[B, *param.shape]``): all of them."""
+        return grads
 
     def per_example_norms(self, batch: Any) -> torch.Tensor:
         try:
@@ -327,10 +318,12 @@ class ShardedBookKeeping(BookKeeping, ShardedGhostClipping):
     ranks (one all-reduce per parameter, in the parameters' order on every rank, of the whole-shaped sum: one
     parameter's at a time), of which this rank keeps its block. ``passes`` as for
     :class:`~pl_dp.per_sample.ShardedGhostClipping`, which refuses the same nets. Called on a batch (the fit-start
-    check: the same examples on every rank), returns the whole per-example gradients, the same on every rank."""
+    check: the same examples on every rank), returns this rank's blocks of the per-example gradients, formed one
+    layer at a time."""
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, *, passes: ShardedPasses) -> None:
         super().__init__(net, loss_fn, passes=passes)
+        self._layouts = {p: layout_of(name, p) for name, p in zip(self.names, self.params)}
 
     def _norm_module(self, options: dict[str, Any]) -> GhostNormModule:
         return ShardedBookKeepingNormModule(self.net, **options)
@@ -344,10 +337,13 @@ class ShardedBookKeeping(BookKeeping, ShardedGhostClipping):
         blocks = []
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
             weights = None if zeroed is not None else weights.detach().float()
-            for name, p, whole_sum in zip(self.names, self.params, self._sums(weights)):
-                layout = layout_of(name, p)
-                start, stop = layout.rows
-                summed = sum_over_ranks_(whole_sum, layout.group)
-                blocks.append(summed[start:stop].clone() if summed.dim() else summed)
+            for p, whole_sum in zip(self.params, self._sums(weights)):
+                summed = sum_over_ranks_(whole_sum, self._layouts[p].group)
+                blocks.append(self._rows_held(p, summed[None])[0].clone())
         self._reached = []
         return blocks
+
+    def _rows_held(self, param: nn.Parameter, grads: torch.Tensor) -> torch.Tensor:
+        """This rank's block of per-example gradients ``grads`` (``[B, *param.shape]``): its rows of ``param``."""
+        start, stop = self._layouts[param].rows
+        return grads[:, start:stop] if param.dim() else grads

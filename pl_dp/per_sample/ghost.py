@@ -606,14 +606,18 @@ class ShardedGhostClipping(GhostClipping):
                 {
                     names.get(id(t), owners[id(t)][0])
                     for t in reached
-                    if id(t) in owners and "norm_sample" not in owners[id(t)][1].__dict__
+                    if id(t) in owners and not _measured(owners[id(t)][1])
                 }
             )
             recorded = any("norm_sample" in m.__dict__ for m in self.net.modules())
-            for module in gsm.iterate_submodules(gsm._module) if recorded else ():
+            for module in gsm.iterate_submodules(gsm._module) if recorded and not missed else ():
                 if "norm_sample" not in module.__dict__:  # a layer this pass did not run (a training-only head)
                     module.norm_sample = [torch.zeros(size, device=losses.device)]
-            norms = gsm.get_norm_sample().float().reshape(-1) if recorded else torch.zeros(size, device=losses.device)
+            norms = (
+                gsm.get_norm_sample().float().reshape(-1)
+                if recorded and not missed
+                else torch.zeros(size, device=losses.device)
+            )
         finally:
             self._targets.stop()
             gsm.disable_hooks()
@@ -680,6 +684,15 @@ def batch_dependent_layers(net: nn.Module) -> list[str]:
         for name, m in net.named_modules()
         if isinstance(m, nn.Embedding) and m.scale_grad_by_freq and m.weight.requires_grad
     ]
+
+
+def _measured(module: nn.Module) -> bool:
+    """Whether Opacus' FSDP hooks recorded a norm for every trainable parameter of ``module`` in this pass: its hook
+    starts each at zeros of shape ``[B, 1]`` and writes a ``[B]`` norm over it for each parameter its sampler
+    measures, so a layer whose input its sampler does not handle (an ``nn.Linear`` on 4-D inputs under ghost
+    clipping) would otherwise count at norm 0 — unclipped (found by an independent review)."""
+    recorded = module.__dict__.get("norm_sample")
+    return recorded is not None and all(norm.dim() == 1 for norm in recorded)
 
 
 def _finite_rows(batch: Any, keep: torch.Tensor, counted: torch.Tensor, size: int) -> tuple[Any, torch.Tensor]:

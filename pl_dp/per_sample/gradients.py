@@ -34,7 +34,7 @@ from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
-from pl_dp.step.shards import layout_of, replicated_gradient, sum_over_ranks_, whole
+from pl_dp.step.shards import layout_of, local, replicated_gradient, sum_over_ranks_, whole
 
 if TYPE_CHECKING:  # the engines' protocol lives with the registry, which imports this module
     from pl_dp.per_sample.modes import PerSampleEngine
@@ -368,9 +368,12 @@ def verify_per_example_gradients(
 
     * an engine that returns per-example gradients when called (:class:`PerSampleGradients`, and
       :class:`~pl_dp.per_sample.BookKeeping`, whose clipped sum is made of the very rows it measures): each row must
-      equal the example's own gradient to within ``rtol`` (relative); and for an engine that computes its sum apart
-      from those rows (book-keeping's per-layer contractions), its clipped sum with every weight 1 must equal the sum
-      of the examples' own gradients (within ``rtol``);
+      equal the example's own gradient to within ``rtol`` (relative); and for an engine that computes its sum and
+      its norms apart from those rows (book-keeping's per-layer contractions and norm samplers), its clipped sum with
+      every weight 1 must equal the sum of the examples' own gradients (within ``rtol``), and each norm it clips by
+      must be at least the example's true norm (as below). On a net sharded by FSDP2 (every rank runs the same probe
+      batch) the rows and the sum are this rank's blocks, and their errors are added over the ranks, so that every
+      rank refuses or passes alike;
     * an engine that returns only norms (``per_example_norms``: :class:`~pl_dp.per_sample.GhostClipping`, whose
       second pass differentiates the weighted losses, so the clipped quantity is the true gradient): each
       per-example norm must be at least the true norm (within ``rtol``) — a larger norm only clips harder.
@@ -391,33 +394,35 @@ def verify_per_example_gradients(
     try:
         for size in (k for k in sizes if k <= count):
             batch = select_examples(examples, torch.arange(size))
-            rows = per_sample.per_example_norms(batch) if gradients is None else gradients(batch)[0]
-            totals: list[torch.Tensor] = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
+            rows = [] if gradients is None else gradients(batch)[0]
+            # the norms clipped by, where they are not the rows' (ghost clipping; book-keeping's norm samplers)
+            norms = per_sample.per_example_norms(batch) if gradients is None or separate_sum else None
+            # on a sharded net: the rows, and the totals of the examples' own gradients, are this rank's blocks
+            totals = [torch.zeros_like(local(p), dtype=torch.float64) for p in params]
             for i in range(size):
                 with torch.enable_grad():
                     single = select_examples(examples, torch.tensor([i]))
                     own = replicated_gradient(check_per_sample(per_sample.loss_fn(net, single), 1).sum(), params)
                 squares = sum(float(whole(g.double().square().sum())) for g in own if g is not None)
                 reference = max(math.sqrt(squares), 1e-12)
+                if norms is not None and math.sqrt(squares) - float(norms[i]) > rtol * math.sqrt(squares):
+                    shortfall = 1 - float(norms[i]) / reference
+                    wrong["ghost norms"] = max(wrong.get("ghost norms", 0.0), shortfall)
                 if gradients is None:
-                    shortfall = 1 - float(rows[i]) / reference
-                    if shortfall > rtol:
-                        wrong["ghost norms"] = max(wrong.get("ghost norms", 0.0), shortfall)
                     continue
-                own = [None if g is None else whole(g) for g in own]  # rows are whole, on a sharded net too
-                for total, g in zip(totals, own):
-                    if g is not None:
-                        total += g.double()
-                for name, row, g in zip(per_sample.names, rows, own):
-                    target = torch.zeros_like(row[i]) if g is None else g
-                    error = float(torch.linalg.vector_norm((row[i] - target).double()))
+                for name, p, row, total, g in zip(per_sample.names, params, rows, totals, own):
+                    target = torch.zeros_like(row[i]) if g is None else local(g)
+                    total += target.double()
+                    error = _norm_over_ranks(name, p, (row[i] - target).double())
                     if error > max(rtol, 16 * torch.finfo(row.dtype).eps) * reference:  # bf16 weights round at 1e-2
                         wrong[name] = max(wrong.get(name, 0.0), error / reference)
             if separate_sum:  # weights 1 (no example reaches the bound): the sum must be Σ_i g_i
                 sums = per_sample.clipped_sum(batch, UNCLIPPED)[0]
-                scale = max(math.sqrt(sum(float(t.square().sum()) for t in totals)), 1e-12)
-                for name, p, summed, total in zip(per_sample.names, params, sums, totals):
-                    error = _block_error(name, p, summed, total)
+                named = list(zip(per_sample.names, params, sums, totals))
+                scale = max(math.sqrt(sum(_norm_over_ranks(n, p, t) ** 2 for n, p, _, t in named)), 1e-12)
+                for name, p, summed, total in named:
+                    # a sharded rank's sum is its block of the sum over the ranks, each of which ran this batch
+                    error = _norm_over_ranks(name, p, summed.double() - total * _copies(name, p))
                     if error > rtol * scale:
                         wrong[f"{name} (summed)"] = max(wrong.get(f"{name} (summed)", 0.0), error / scale)
     finally:
@@ -435,18 +440,20 @@ def verify_per_example_gradients(
         )
 
 
-def _block_error(name: str, param: torch.Tensor, summed: torch.Tensor, total: torch.Tensor) -> float:
-    """‖summed − total‖ for an engine's sum ``summed`` of the probe batch and the examples' own gradients' sum
-    ``total`` (whole). On a sharded net ``summed`` is this rank's block of the sum over the ranks, each of which ran
-    the same probe batch: it is compared with as many copies of the block of ``total``, and the squared errors are
-    added over the ranks, so that every rank refuses or passes alike."""
-    layout = layout_of(name, param)
-    if layout.group is None:
-        return float(torch.linalg.vector_norm(summed.double() - total))
-    start, stop = layout.rows
-    expected = (total[start:stop] if total.dim() else total) * dist.get_world_size(layout.group)
-    squared = (summed.double() - expected).square().sum().reshape(1)
-    return math.sqrt(float(sum_over_ranks_(squared, layout.group)))
+def _norm_over_ranks(name: str, param: torch.Tensor, block: torch.Tensor) -> float:
+    """The norm of a tensor of which this rank holds ``block``, laid out as ``param`` (``name`` for errors): its own
+    norm on one process; on a sharded net the squares of every rank's block added (a collective), so that every rank
+    refuses or passes alike."""
+    group = layout_of(name, param).group
+    if group is None:
+        return float(torch.linalg.vector_norm(block))
+    return math.sqrt(float(sum_over_ranks_(block.square().sum().reshape(1), group)))
+
+
+def _copies(name: str, param: torch.Tensor) -> int:
+    """How many ranks add their sums into the block of ``param`` this rank holds (1 on one process)."""
+    group = layout_of(name, param).group
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def clipped_sum(

@@ -182,6 +182,69 @@ def test_a_narrow_linear_layer_is_measured_by_its_instantiated_gradient():
     torch.testing.assert_close(norms[layer.bias], b.sum(1).norm(dim=1))
 
 
+class _Pointwise(nn.Module):
+    """A channels-last pointwise layer (ConvNeXt's): ``nn.Linear`` on ``[B, H, W, C]``, pooled, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.pointwise, self.head = nn.Linear(4, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(self.pointwise(x).mean((1, 2)))
+
+
+def test_a_linear_layer_on_inputs_of_any_rank_is_measured_and_summed_exactly():
+    """``[B, H, W, C]`` inputs, which Opacus' ghost norm returns nothing for (sharded, its hooks then left the layer at
+    norm 0 — every example unclipped, found by an independent review): each example's norm and the clipped sum are
+    those of its own gradient, and the fit-start check passes."""
+    torch.manual_seed(0)
+    net, g = _Pointwise(), torch.Generator().manual_seed(1)
+    batch = (torch.randn(6, 2, 3, 4, generator=g) * 30, torch.randint(0, 3, (6,), generator=g))
+    own = _own_gradients(copy.deepcopy(net), batch, cross_entropy)
+    true_norms = torch.stack([torch.cat([r.reshape(-1) for r in row]).norm() for row in own])
+    bk = BookKeeping(net, cross_entropy)
+    sums, norms, _ = bk.clipped_sum(batch, ClipFunction("constant", 1.0))
+    assert float(true_norms.max()) > 1  # the clip bound is reached
+    torch.testing.assert_close(norms.double(), true_norms, rtol=1e-5, atol=1e-7)
+    for s, rows in zip(sums, zip(*own)):
+        expected = sum(r / max(float(n), 1.0) for r, n in zip(rows, true_norms))
+        torch.testing.assert_close(s.double(), expected, rtol=1e-5, atol=1e-6)
+    verify_per_example_gradients(bk, batch)
+
+
+def test_norms_that_fall_short_of_the_rows_it_sums_are_refused_at_fit_start(monkeypatch):
+    """Book-keeping clips by its norm samplers' norms and sums its rows apart: the fit-start check compares both with
+    each example's own gradient, so a norm sampler that measures less than the rows (here: halved) is refused."""
+
+    def halved(layer, activations, backprops):
+        return {p: n / 2 for p, n in linear_norms(layer, activations, backprops).items()}
+
+    monkeypatch.setattr("pl_dp.per_sample.bk.linear_norms", halved)
+    torch.manual_seed(0)
+    bk = BookKeeping(_Pointwise(), cross_entropy)
+    with pytest.raises(RuntimeError, match="ghost norms"):
+        verify_per_example_gradients(bk, (torch.randn(3, 2, 3, 4), torch.tensor([0, 1, 2])))
+
+
+def test_an_embedding_whose_positions_nearly_cancel_is_measured_as_the_sum_adds_them():
+    """One example whose two positions look up the same token with output gradients s·e₀ and −s(1 + 2⁻¹²)·e₀
+    (s = 2¹⁶): its gradient's norm is 16, which a Gram matrix of the output gradients rounds to 0 in fp32 (then
+    released unclipped: 16·C, found by an independent review); the norm clipped by is ghost clipping's, and the
+    release stays at C."""
+    scale = 2.0**16
+    planted = torch.zeros(1, 2, 4)
+    planted[0, 0, 0], planted[0, 1, 0] = scale, -scale * (1 + 2**-12)
+
+    def loss(net, batch):
+        return (net(batch[0]) * batch[1]).sum((1, 2))
+
+    torch.manual_seed(0)
+    bk = BookKeeping(nn.Embedding(7, 4), loss)
+    sums, norms, _ = bk.clipped_sum((torch.tensor([[3, 3]]), planted), ClipFunction("constant", 1.0))
+    assert float(norms[0]) == pytest.approx(16.0, rel=1e-3)
+    assert float(sums[0].norm()) <= 1.0 + 1e-6
+
+
 def _count_parameter_gradients(params):
     """Each call: autograd evaluated the ``AccumulateGrad`` node of one parameter (a gradient with respect to it)."""
     calls = []

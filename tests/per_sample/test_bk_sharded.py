@@ -22,6 +22,7 @@ from tests.distributed import two_ranks
 pytestmark = pytest.mark.slow
 
 CLIP = ClipFunction("constant", 1.0)
+NETS = ("mlp", "tokens", "pointwise")
 
 
 class _Tokens(nn.Module):
@@ -73,11 +74,24 @@ def _whole(blocks: list[torch.Tensor]) -> list[float]:
     return torch.cat([torch.cat(parts).reshape(-1) for parts in zip(*gathered)]).tolist()
 
 
+class _Pointwise(nn.Module):
+    """A channels-last pointwise layer (ConvNeXt's): ``nn.Linear`` on ``[B, H, W, C]``, pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pointwise = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pointwise(x).mean((1, 2))
+
+
 def _batches(name: str, rank: int) -> tuple[tuple, tuple]:
     """(this rank's batch of 4 examples, both ranks' 8), the same on every rank."""
     g = torch.Generator().manual_seed(0)
     if name == "mlp":
         both = (torch.randn(8, 6, generator=g) * 50, torch.randint(0, 3, (8,), generator=g))
+    elif name == "pointwise":
+        both = (torch.randn(8, 2, 3, 4, generator=g) * 30, torch.randint(0, 3, (8,), generator=g))
     else:
         tokens = torch.randint(0, 11, (8, 5), generator=g)
         tokens[:, -2:] = 0  # padding positions: the padding row gets no gradient
@@ -89,7 +103,7 @@ def _nets(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "mlp":
         return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
-    return _Tokens()
+    return _Pointwise() if name == "pointwise" else _Tokens()
 
 
 def _worker(rank: int, mesh, results: dict) -> None:
@@ -100,7 +114,7 @@ def _worker(rank: int, mesh, results: dict) -> None:
         return original(fsdp_params, *args, **kwargs)
 
     _fsdp_param_group.foreach_reduce = reduce
-    for name in ("mlp", "tokens"):
+    for name in NETS:
         net = _nets(name)
         alone = BookKeeping(copy.deepcopy(net), _loss)
         shard(net, mesh)
@@ -117,6 +131,13 @@ def _worker(rank: int, mesh, results: dict) -> None:
         results[f"{name}: one process"] = torch.cat([s.reshape(-1) for s in alone.clipped_sum(both, CLIP)[0]]).tolist()
         verify_per_example_gradients(bk, both)  # raises on a wrong row
         results[f"{name}: verified on rank {rank}"] = True
+    net = _nets("pointwise")
+    shard(net, mesh)
+    ghost = get_per_sample_mode("ghost").build(net, _loss, ShardedPasses(_most_over_ranks))
+    try:  # Opacus' ghost norm returns nothing for 4-D inputs: its hooks leave the layer at norm 0
+        ghost.clipped_sum(_batches("pointwise", rank)[0], CLIP)
+    except RuntimeError as refused:
+        results[f"pointwise under ghost on rank {rank}"] = str(refused)
     torch.manual_seed(0)
     net = _TimeMajor()
     shard(net, mesh)
@@ -146,11 +167,12 @@ def _worker(rank: int, mesh, results: dict) -> None:
 RANKS = two_ranks.job("bk_sharded", _worker)
 
 
-@pytest.mark.parametrize("name", ["mlp", "tokens"])
+@pytest.mark.parametrize("name", NETS)
 def test_each_rank_keeps_its_block_of_the_one_process_clipped_sum_and_no_gradient_is_reduced(name):
-    """Linear, LayerNorm and an embedding with a padding row, examples far above the clip bound: both ranks'
-    blocks put together are one process's clipped sum of both ranks' examples; FSDP2 reduces nothing (no
-    parameter gradient is ever computed, unclipped or clipped); the fit-start check passes on every rank."""
+    """Linear (on 2-D and channels-last 4-D inputs), LayerNorm and an embedding with a padding row, examples far
+    above the clip bound: both ranks' blocks put together are one process's clipped sum of both ranks' examples;
+    FSDP2 reduces nothing (no parameter gradient is ever computed, unclipped or clipped); the fit-start check passes
+    on every rank."""
     results = two_ranks.results(RANKS)
     assert results[f"{name}: engine"] == "ShardedBookKeeping"
     alone = torch.tensor(results[f"{name}: one process norms"])
@@ -185,3 +207,16 @@ def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_releas
     released = torch.tensor(results["padding: released on rank 0"])
     assert torch.isfinite(released).all()
     torch.testing.assert_close(released, torch.tensor(results["padding: one process"]), rtol=0, atol=1e-6)
+
+
+def test_a_layer_whose_norm_opacus_does_not_compute_is_refused_under_sharded_ghost_clipping():
+    """Opacus' FSDP hooks start each layer's norm at zeros and leave it there when its norm sampler returns nothing
+    (``nn.Linear`` on 4-D inputs): sharded ghost clipping refuses the layer by name on both ranks instead of clipping
+    it at norm 0 (its fit-start check refused it later; an independent review found sharded book-keeping released
+    such a net unclipped)."""
+    results = two_ranks.results(RANKS)
+    for rank in (0, 1):
+        assert (
+            "recorded no per-example norm for ['pointwise.bias', 'pointwise.weight']"
+            in results[f"pointwise under ghost on rank {rank}"]
+        )
