@@ -25,9 +25,9 @@ from tests.conftest import blobs, make_trainer
 BOUNDS = {
     "dpzero": 1,  # the q queries' clipped sums, copied to the host at once, where their noise is drawn
     "pazo-m": 1,  # likewise (its public gradient stays on the device)
-    "dpsgd": 1,  # whether a per-example gradient is non-finite: a copy of them only when one is
-    "dpsgd-ghost": 1,  # whether a norm is non-finite: the second pass runs again without it
-    "dpsgd-bk": 1,  # likewise: the first pass runs again without it
+    "dpsgd": 1,  # book-keeping (the default): whether a norm is non-finite: the pass runs again without it
+    "dpsgd-ghost": 1,  # likewise: the second pass runs again without it
+    "dpsgd-hooks": 1,  # whether a per-example gradient is non-finite: a copy of them only when one is
     "coupling": 1,  # DP-SGD's, beside a public gradient that stays on the device
 }
 
