@@ -229,11 +229,12 @@ class BookKeeping(GhostClipping):
     def _norm_module(self, options: dict[str, Any]) -> GhostNormModule:
         return BookKeepingNormModule(self.net, skipped=frozenset([*self._tied.modules, *self._raw.modules]), **options)
 
-    def _norms(self, batch: Any, size: int, **first_pass: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ghost clipping's first pass, whose hooks fill the book; its backward frees the graph as it goes (nothing
-        runs backward through it again)."""
+    def _norms(self, batch: Any, size: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ghost clipping's first pass (``args``, ``kwargs``: what its class takes beyond the batch and its size, a
+        sharded one's ``padding``), whose hooks fill the book; its backward frees the graph as it goes (nothing runs
+        backward through it again)."""
         self._forget()
-        norms, losses = super()._norms(batch, size, **first_pass)
+        norms, losses = super()._norms(batch, size, *args, **kwargs)
         self._book = [*self._gsm.book, *self._tied.uses]
         self._raw_grads = self._raw.grads
         self._gsm.book, self._tied.uses, self._raw.grads = [], [], {}
