@@ -428,15 +428,15 @@ def verify_per_example_gradients(
     finally:
         for module, training in modes.items():
             module.training = training
-    if wrong:
-        worst = sorted(wrong, key=wrong.get, reverse=True)
+    if _on_any_rank(per_sample.names, params, bool(wrong)):
+        worst = sorted(wrong, key=wrong.get, reverse=True) or ["parameters checked on another rank"]
         raise RuntimeError(
             f"the per-example gradients of {worst} are not each example's own gradient (relative error up to "
-            f"{max(float(v) for v in wrong.values()):.3g} on a probe batch): clipping them would not bound an "
-            "example's contribution. Either a parameter is also used outside its module (e.g. a weight read "
-            "directly in another module's forward, a tied weight used functionally), or a layer sees the batch in "
-            "another dimension than the first (time-major input, batch_first=False). Restructure the net, freeze "
-            "these parameters, or use per_sample='functorch'."
+            f"{max([float(v) for v in wrong.values()], default=math.nan):.3g} on a probe batch here): clipping them "
+            "would not bound an example's contribution. Either a parameter is also used outside its module (e.g. a "
+            "weight read directly in another module's forward, a tied weight used functionally), or a layer sees the "
+            "batch in another dimension than the first (time-major input, batch_first=False). Restructure the net, "
+            "freeze these parameters, or use per_sample='functorch'."
         )
 
 
@@ -448,6 +448,17 @@ def _norm_over_ranks(name: str, param: torch.Tensor, block: torch.Tensor) -> flo
     if group is None:
         return float(torch.linalg.vector_norm(block))
     return math.sqrt(float(sum_over_ranks_(block.square().sum().reshape(1), group)))
+
+
+def _on_any_rank(names: Sequence[str], params: Sequence[torch.Tensor], found: bool) -> bool:
+    """Whether any rank ``found`` something, on a net sharded by FSDP2 (a collective), else ``found``: a check that
+    one rank fails and another passes would leave the other waiting at the first step's collectives. The ranks run
+    the same probe batch on the same gathered layers, and the errors they compare are added over the ranks, but a
+    norm compared on one rank alone could round differently at the tolerance's edge."""
+    group = next((layout.group for layout in map(layout_of, names, params) if layout.group is not None), None)
+    if group is None:
+        return found
+    return bool(sum_over_ranks_(torch.tensor([float(found)]), group) > 0)
 
 
 def _copies(name: str, param: torch.Tensor) -> int:

@@ -14,6 +14,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from pl_dp.methods.parallel import shard
 from pl_dp.per_sample import BookKeeping, ShardedBookKeeping, get_per_sample_mode, verify_per_example_gradients
+from pl_dp.per_sample.gradients import _on_any_rank
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.passes import ShardedPasses
 from tests.distributed import two_ranks
@@ -138,6 +139,8 @@ def _worker(rank: int, mesh, results: dict) -> None:
         ghost.clipped_sum(_batches("pointwise", rank)[0], CLIP)
     except RuntimeError as refused:
         results[f"pointwise under ghost on rank {rank}"] = str(refused)
+    names, params = zip(*net.named_parameters())
+    results[f"rank 1's refusal seen on rank {rank}"] = _on_any_rank(names, params, rank == 1)
     torch.manual_seed(0)
     net = _TimeMajor()
     shard(net, mesh)
@@ -193,10 +196,12 @@ def test_each_rank_keeps_its_block_of_the_one_process_clipped_sum_and_no_gradien
 
 def test_a_layer_that_sees_the_batch_in_another_dimension_is_refused_on_every_rank():
     """The rows a sharded book-keeping sums are checked against each example's own gradient at fit start; a
-    time-major layer's rows are positions: refused on both ranks (neither waits at a collective the other left)."""
+    time-major layer's rows are positions: refused on both ranks (neither waits at a collective the other left),
+    and a refusal found on one rank only is every rank's."""
     results = two_ranks.results(RANKS)
     for rank in (0, 1):
         assert "not each example's own gradient" in results[f"time-major refused on rank {rank}"]
+        assert results[f"rank 1's refusal seen on rank {rank}"]
 
 
 def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_release():
