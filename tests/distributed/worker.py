@@ -266,37 +266,31 @@ class PreshardedDPSGD(DPSGD, shardable=True):
 SHARDED_METHODS = {
     **{name: METHODS[name] for name in ("dpzero", "dpzero_rank_seeded", "pazo_m", "pazo_s")},
     "pazo_p": lambda: PAZOP(_mlp(), lr=0.05, clip=CLIP, queries=2, k=2, privacy=_spec(), noise_seed=7),
-    "dpsgd_ghost_mlp": lambda: DPSGD(
-        _mlp(), lr=0.5, clip=CLIP, per_sample="ghost", privacy=_spec(), noise_seed=7, max_physical_batch_size=3
-    ),
+    # book-keeping (the default) adds each rank's clipped sums from its book over the ranks; ghost clipping has FSDP
+    # reduce-scatter its second backward
+    **{
+        f"dpsgd_{mode}_mlp": lambda mode=mode: DPSGD(
+            _mlp(), lr=0.5, clip=CLIP, per_sample=mode, privacy=_spec(), noise_seed=7, max_physical_batch_size=3
+        )
+        for mode in ("ghost", "bk")
+    },
     # rows of zeros in the private set give a NaN gradient (√|0| of a bias-free layer) with a finite loss: the
     # rank that samples one must make every rank run the micro-batch again without it
     # one example per pass: a rank pads a round while another reruns it without a non-finite example — the padding
     # must stay at weight 0 then too (found by an independent review: it joined the sum, sensitivity 2C)
-    "dpsgd_ghost_nonfinite": lambda: DPSGD(
-        nn.Linear(12, 4, bias=False),
-        loss=_root_loss,
-        lr=0.5,
-        clip=CLIP,
-        per_sample="ghost",
-        privacy=_spec(),
-        noise_seed=7,
-        max_physical_batch_size=1,
-    ),
-    # book-keeping (the default): each rank's clipped sums from its book, added over the ranks by pl_dp
-    "dpsgd_bk_mlp": lambda: DPSGD(
-        _mlp(), lr=0.5, clip=CLIP, per_sample="bk", privacy=_spec(), noise_seed=7, max_physical_batch_size=3
-    ),
-    "dpsgd_bk_nonfinite": lambda: DPSGD(
-        nn.Linear(12, 4, bias=False),
-        loss=_root_loss,
-        lr=0.5,
-        clip=CLIP,
-        per_sample="bk",
-        privacy=_spec(),
-        noise_seed=7,
-        max_physical_batch_size=1,
-    ),
+    **{
+        f"dpsgd_{mode}_nonfinite": lambda mode=mode: DPSGD(
+            nn.Linear(12, 4, bias=False),
+            loss=_root_loss,
+            lr=0.5,
+            clip=CLIP,
+            per_sample=mode,
+            privacy=_spec(),
+            noise_seed=7,
+            max_physical_batch_size=1,
+        )
+        for mode in ("ghost", "bk")
+    },
     "dpsgd_bk_touchy": lambda: _touchy(DPSGD, _mlp(), loss=_touchy_loss, lr=0.5, per_sample="bk"),
     "dpzero_touchy": lambda: _touchy(DPZero, nn.Linear(12, 4), loss=_touchy_loss, lr=0.05, queries=2),
     "dpsgd_ghost_touchy": lambda: _touchy(DPSGD, _mlp(), loss=_touchy_loss, lr=0.5, per_sample="ghost"),

@@ -1,6 +1,7 @@
 """Book-keeping on a net sharded by FSDP2 (2 plain torch processes over gloo): the first pass reduces no gradient,
 each rank keeps its block of the clipped sum over both ranks' examples — the one-process sum of all of them — and
-the fit-start check of the rows it sums refuses a broken net on every rank alike."""
+the fit-start check of the rows it sums refuses a broken net on every rank alike. A rank's padding pass:
+tests/per_sample/test_ghost_sharded.py."""
 
 from __future__ import annotations
 
@@ -54,12 +55,6 @@ class _TimeMajor(nn.Module):
 def _loss(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     inputs, labels = batch
     return nn.functional.cross_entropy(net(inputs), labels, reduction="none")
-
-
-def _root_of_first_logit(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Cross-entropy plus √|first logit|: finite at every input, its gradient infinite where that logit is 0."""
-    out = net(batch[0])
-    return nn.functional.cross_entropy(out, batch[1], reduction="none") + out[:, 0].abs().sqrt()
 
 
 def _most_over_ranks(count: int) -> int:
@@ -151,20 +146,6 @@ def _worker(rank: int, mesh, results: dict) -> None:
     except RuntimeError as refused:
         results[f"time-major refused on rank {rank}"] = str(refused)
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
-    alone = BookKeeping(copy.deepcopy(net), _root_of_first_logit)
-    shard(net, mesh)
-    padding = (torch.zeros(1, 4), torch.tensor([0]))  # its first logit is 0: a non-finite gradient
-    passes = ShardedPasses(_most_over_ranks, padding=padding)
-    bk = ShardedBookKeeping(net, _root_of_first_logit, passes=passes)
-    example = (torch.randn(1, 4, generator=torch.Generator().manual_seed(5)), torch.tensor([1]))
-    parts = [] if rank == 0 else [example]  # rank 0 sampled nothing: it runs the padding example at weight 0
-    done, _ = passes.run(parts, lambda part: bk.clipped_sum(part, CLIP), lambda pad: bk.padding_sum(pad, CLIP))
-    results[f"padding norm on rank {rank}"] = float(bk.per_example_norms(padding)[0])
-    results[f"padding: released on rank {rank}"] = _whole(done[0][0])
-    results["padding: one process"] = torch.cat([s.reshape(-1) for s in alone.clipped_sum(example, CLIP)[0]]).tolist()
-
 
 #: ``on_two_ranks(_worker)``, started in the background when the session starts (tests/background.py)
 RANKS = two_ranks.job("bk_sharded", _worker)
@@ -202,16 +183,6 @@ def test_a_layer_that_sees_the_batch_in_another_dimension_is_refused_on_every_ra
     for rank in (0, 1):
         assert "not each example's own gradient" in results[f"time-major refused on rank {rank}"]
         assert results[f"rank 1's refusal seen on rank {rank}"]
-
-
-def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_release():
-    """A rank with no examples runs the padding example at weight 0; its gradient is non-finite (0·∞ would be
-    NaN): the release is the other rank's example's clipped gradient alone, finite."""
-    results = two_ranks.results(RANKS)
-    assert results["padding norm on rank 0"] != results["padding norm on rank 0"]  # NaN: what a padding pass meets
-    released = torch.tensor(results["padding: released on rank 0"])
-    assert torch.isfinite(released).all()
-    torch.testing.assert_close(released, torch.tensor(results["padding: one process"]), rtol=0, atol=1e-6)
 
 
 def test_a_layer_whose_norm_opacus_does_not_compute_is_refused_under_sharded_ghost_clipping():

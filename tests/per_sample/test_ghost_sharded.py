@@ -4,6 +4,7 @@ gradient (each rank's *unclipped* sum) and reduce-scatters nothing; the second r
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from pl_dp.errors import ConfigError
 from pl_dp.methods.parallel import shard
-from pl_dp.per_sample import GhostClipping, ShardedGhostClipping
+from pl_dp.per_sample import GhostClipping, ShardedGhostClipping, get_per_sample_mode
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.losses import resolve_loss
 from pl_dp.step.passes import ShardedPasses
@@ -21,6 +22,9 @@ from tests.distributed import two_ranks
 
 # 2 plain torch processes over gloo per test (~15–30 s each): `make test-slow` runs them (CI runs both suites)
 pytestmark = pytest.mark.slow
+
+#: the sharded per-sample modes
+MODES = ("ghost", "bk")
 
 
 def _most_over_ranks(count: int) -> int:
@@ -90,22 +94,27 @@ def _root_of_first_logit(net, batch):
 
 
 def _padding_worker(rank: int, mesh, results: dict) -> None:
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
-    alone = GhostClipping(copy.deepcopy(net), _root_of_first_logit)
-    shard(net, mesh)
+    clip = ClipFunction("constant", 1.0)
     padding = (torch.zeros(1, 4), torch.tensor([0]))  # its first logit is 0: a non-finite gradient
     passes = ShardedPasses(_most_over_ranks, padding=padding)
-    ghost = ShardedGhostClipping(net, _root_of_first_logit, passes=passes)
-    clip = ClipFunction("constant", 1.0)
     example = (torch.randn(1, 4, generator=torch.Generator().manual_seed(5)), torch.tensor([1]))
     parts = [] if rank == 0 else [example]  # rank 0 sampled nothing: it runs the padding example at weight 0
-    done, _ = passes.run(parts, lambda part: ghost.clipped_sum(part, clip), lambda pad: ghost.padding_sum(pad, clip))
-    expected = alone.clipped_sum(example, clip)[0]
-    blocks: list = [None, None]
-    dist.all_gather_object(blocks, done[0][0])  # each rank's rows of each parameter's sum
-    whole = [torch.cat([mine, theirs]) for mine, theirs in zip(*blocks)]
-    results[f"padding norm on rank {rank}"] = float(ghost.per_example_norms(padding)[0])
+    for mode in MODES:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
+        alone = get_per_sample_mode(mode).build(copy.deepcopy(net), _root_of_first_logit, None)
+        shard(net, mesh)
+        engine = get_per_sample_mode(mode).build(net, _root_of_first_logit, passes)
+        done, _ = passes.run(
+            parts, partial(engine.clipped_sum, clip_fn=clip), partial(engine.padding_sum, clip_fn=clip)
+        )
+        blocks: list = [None, None]
+        dist.all_gather_object(blocks, done[0][0])  # each rank's rows of each parameter's sum
+        whole = [torch.cat([mine, theirs]) for mine, theirs in zip(*blocks)]
+        results[f"{mode}: padding norm on rank {rank}"] = float(engine.per_example_norms(padding)[0])
+        results[f"{mode}: released on rank {rank}"] = torch.cat([w.reshape(-1) for w in whole]).tolist()
+        expected = alone.clipped_sum(example, clip)[0]
+        results[f"{mode}: one process"] = torch.cat([e.reshape(-1) for e in expected]).tolist()
     scaled = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     scaled.register_parameter("gamma", nn.Parameter(torch.ones(2)))  # a raw parameter: the net measured whole
     shard(scaled, mesh)
@@ -113,17 +122,20 @@ def _padding_worker(rank: int, mesh, results: dict) -> None:
         ShardedGhostClipping(scaled, _root_of_first_logit, passes=passes)
     except ConfigError as refused:
         results[f"raw parameter on rank {rank}"] = str(refused)
-    results[f"released on rank {rank}"] = torch.cat([w.reshape(-1) for w in whole]).tolist()
-    results["one process"] = torch.cat([e.reshape(-1) for e in expected]).tolist()
 
 
 PADDING = two_ranks.job("ghost_sharded_padding", _padding_worker)
 
 
-def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_release():
+@pytest.mark.parametrize("mode", MODES)
+def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_release(mode):
+    """A rank with no examples runs the padding example at weight 0; its gradient is non-finite (0·∞ would be NaN):
+    the release is the other rank's example's clipped gradient alone, finite — ghost clipping's second backward and
+    book-keeping's sum over the ranks alike."""
     results = two_ranks.results(PADDING)
-    assert results["padding norm on rank 0"] != results["padding norm on rank 0"]  # NaN: what a padding pass meets
+    padding_norm = results[f"{mode}: padding norm on rank 0"]
+    assert padding_norm != padding_norm  # NaN: what a padding pass meets
     assert "FSDP2 does not allow" in results["raw parameter on rank 0"]  # not Opacus' failed deepcopy
-    released = torch.tensor(results["released on rank 0"])
+    released = torch.tensor(results[f"{mode}: released on rank 0"])
     assert torch.isfinite(released).all()
-    assert torch.allclose(released, torch.tensor(results["one process"]), atol=1e-6)
+    assert torch.allclose(released, torch.tensor(results[f"{mode}: one process"]), atol=1e-6)
