@@ -14,13 +14,10 @@ one matrix product of the output gradients, each example's rows scaled by its cl
    computes the gradients with respect to the layers' inputs only — no parameter gradient — while Opacus' hooks
    record each example's norm from the layer's input and output gradient. Here the hooks also *keep* that pair
    (the "book": ``(layer, inputs, output gradients)`` per call, and for tied weights per use, from
-   :class:`~pl_dp.per_sample.tied.TiedNorms`). A linear layer's norm is its ghost norm (two T×T Gram matrices per
-   example) when 2T² ≤ p·d, else the norm of its instantiated per-example gradient (p·d per example), the cheaper
-   of the two (Bu et al. 2023, §3.2); Hugging Face's ``Conv1D`` (GPT-2) is measured as a linear layer
-   (:func:`linear_norms`), and an embedding by Opacus' norm, as under ghost clipping: each distinct token's summed
-   output gradients, in the precision the sum adds them in (a T×T Gram matrix of the output gradients would be less
-   work, but in fp32 it rounds to 0 where an example's positions nearly cancel, while the sum does not: an
-   independent review released 16·C that way);
+   :class:`~pl_dp.per_sample.tied.TiedNorms`). The norms are ghost clipping's: a linear layer's (and Hugging Face's
+   ``Conv1D``, GPT-2's) by the cheaper of its ghost norm and its instantiated gradient
+   (:func:`~pl_dp.per_sample.gram.linear_norms`, Bu et al. 2023, §3.2), an embedding's by Opacus' norm (each
+   distinct token's summed output gradients, in the precision the sum adds them in);
 2. the clip weights c_i = c(‖g_i‖), 0 for a non-finite norm (the examples are then dropped and the pass run again
    without them, as in ghost clipping);
 3. no second backward: each kept call's clipped sum from its book — ``nn.Linear`` (inputs of any rank) one
@@ -63,7 +60,6 @@ from typing import Any
 
 import torch
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
-from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 
 from pl_dp.per_sample.ghost import (
@@ -72,6 +68,7 @@ from pl_dp.per_sample.ghost import (
     ShardedGhostClipping,
     ShardedGhostNormModule,
     layer_type,
+    transposed_linear,
 )
 from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.step.batches import batch_size_of
@@ -83,58 +80,14 @@ from pl_dp.step.shards import layout_of, local, sum_over_ranks_
 Entry = tuple[nn.Module, list[torch.Tensor], torch.Tensor]
 
 
-def linear_norms(
-    layer: nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor
-) -> dict[nn.Parameter, torch.Tensor]:
-    """Per-example gradient norms of an ``nn.Linear``, by the cheaper of ghost norm and instantiated gradient.
-
-    On ``[B, T, ·]`` inputs a weight's ghost norm needs two T×T Gram matrices per example, the instantiated gradient
-    one p×d matrix (Bu et al. 2023, §3.2): for 2T² > p·d the gradient is formed and its norm taken, otherwise
-    ‖Σ_t b_t a_tᵀ‖² = Σ_{t,s} (b_t·b_s)(a_t·a_s). The bias's norm is ‖Σ_t b_t‖ (Opacus forms the output Gram again
-    for it). Inputs of more dimensions (``[B, H, W, ·]``: a channels-last pointwise layer) are measured as ``[B, T,
-    ·]`` with T their positions, which Opacus' ghost norm returns nothing for; ``[B, ·]`` inputs by Opacus' ghost
-    norm. Exact either way, and for Hugging Face's ``Conv1D`` too (GPT-2's projections: a linear layer whose weight
-    is stored transposed, which Opacus measures by ``torch.func``)."""
-    if backprops.dim() <= 2:
-        return compute_linear_norm_sample(layer, activations, backprops)
-    backprops = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
-    inputs = activations[0].to(backprops.dtype).reshape(backprops.shape[0], backprops.shape[1], -1)
-    norms = {}
-    if layer.weight.requires_grad:
-        if 2 * backprops.shape[1] ** 2 > layer.weight.numel():
-            squares = torch.einsum("btp,btd->bpd", backprops, inputs).square().sum(dim=(1, 2))
-        else:
-            grams = torch.bmm(backprops, backprops.transpose(1, 2)) * torch.bmm(inputs, inputs.transpose(1, 2))
-            squares = grams.sum(dim=(1, 2))
-        norms[layer.weight] = squares.clamp_min(0).sqrt()
-    if layer.bias is not None and layer.bias.requires_grad:
-        norms[layer.bias] = backprops.sum(dim=1).norm(dim=1)
-    return norms
-
-
-def transposed_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2): ``x @ W + b`` with ``W`` stored ``[in, out]``. Told
-    by name, so that this plain-torch layer imports no ``transformers``."""
-    kind = layer_type(module)
-    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
-
-
 class KeepsBook:
     """What makes a ghost clipping norm module book-keeping's: it keeps, per hooked call, the inputs and output
-    gradient its norm was computed from (:attr:`book`), and measures linear layers (and Hugging Face's ``Conv1D``)
-    by :func:`linear_norms`; embeddings keep Opacus' norm, as ghost clipping."""
+    gradient its norm was computed from (:attr:`book`)."""
 
-    NORM_SAMPLERS: dict[type, Any]
     book: list[Entry]
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module mixed in after this
-        transposed = {layer_type(m) for m in module.modules() if transposed_linear(m)}
-        self.NORM_SAMPLERS = {
-            **self.NORM_SAMPLERS,
-            nn.Linear: linear_norms,
-            **dict.fromkeys(transposed, linear_norms),
-        }
         self.book = []
 
     def rearrange_grad_samples(

@@ -73,6 +73,7 @@ from pl_dp.per_sample.gradients import (
     refuse_rows_not_examples,
     refuse_unsupported_layers,
 )
+from pl_dp.per_sample.gram import linear_norms
 from pl_dp.per_sample.raw import RawGradients, children_first, raw_parameter_modules
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
@@ -82,7 +83,22 @@ from pl_dp.step.passes import ShardedPasses
 from pl_dp.step.shards import is_sharded, local
 
 
-class GhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClipping):
+class MeasuresLinearLayers:
+    """Mixin for Opacus' norm modules: ``nn.Linear`` and Hugging Face's ``Conv1D`` (GPT-2) are measured by
+    :func:`~pl_dp.per_sample.gram.linear_norms` — Gram norms that cannot round low where an example's positions
+    nearly cancel (Opacus' fp32 ones can: 16·C released), inputs of any rank — in place of Opacus' linear norm."""
+
+    #: Opacus' class-level registry, read through the hook module's class; this module's own copy once built
+    NORM_SAMPLERS: dict[type, Any]
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        transposed = {layer_type(m) for m in module.modules() if transposed_linear(m)}
+        samplers = {**type(self).NORM_SAMPLERS, nn.Linear: linear_norms, **dict.fromkeys(transposed, linear_norms)}
+        object.__setattr__(self, "NORM_SAMPLERS", samplers)  # before Opacus' __init__, which hooks by it
+        super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module this mixin comes before
+
+
+class GhostNormModule(MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClipping):
     """Opacus' fast-gradient-clipping module, recording in eval mode too, and naming a layer it cannot handle.
 
     A ghost-norm layer (Linear, Embedding) called twice in one forward would have its norm overwritten by its
@@ -149,7 +165,14 @@ def layer_type(module: nn.Module) -> type:
     return kind.__bases__[1] if isinstance(module, FSDPModule) else kind
 
 
-class ShardedGhostNormModule(RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
+def transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2): ``x @ W + b`` with ``W`` stored ``[in, out]``. Told
+    by name, so that this plain-torch layer imports no ``transformers``."""
+    kind = layer_type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
+
+
+class ShardedGhostNormModule(MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
     """Opacus' fast-gradient-clipping module for FSDP2, recording in eval mode too: norms are kept on each layer."""
 
 
@@ -521,8 +544,8 @@ class GhostClipping:
             raise RuntimeError(
                 f"the loss depends on {missed}, but Opacus' ghost-clipping hooks recorded no per-example norm for "
                 "them: they are used outside the module that holds them (e.g. a weight read directly in another "
-                "module's forward), or their layer's input has a shape its norm sampler does not handle (nn.Linear: "
-                "[batch, width] or [batch, tokens, width]). Use per_sample='hooks' or 'functorch'."
+                "module's forward), or their layer's input has a shape its norm sampler does not handle. Use "
+                "per_sample='hooks' or 'functorch'."
             )
         refuse_rows_not_examples(not_per_example, size, "gradient norms")
         with _full_precision(self.params[0].device):
@@ -689,8 +712,9 @@ def batch_dependent_layers(net: nn.Module) -> list[str]:
 def _measured(module: nn.Module) -> bool:
     """Whether Opacus' FSDP hooks recorded a norm for every trainable parameter of ``module`` in this pass: its hook
     starts each at zeros of shape ``[B, 1]`` and writes a ``[B]`` norm over it for each parameter its sampler
-    measures, so a layer whose input its sampler does not handle (an ``nn.Linear`` on 4-D inputs under ghost
-    clipping) would otherwise count at norm 0 — unclipped (found by an independent review)."""
+    measures, so a layer whose input its sampler does not handle (Opacus' linear norm on 4-D inputs, which pl_dp
+    used until :func:`~pl_dp.per_sample.gram.linear_norms`) would otherwise count at norm 0 — unclipped (found by an
+    independent review)."""
     recorded = module.__dict__.get("norm_sample")
     return recorded is not None and all(norm.dim() == 1 for norm in recorded)
 

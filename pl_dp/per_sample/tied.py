@@ -15,7 +15,10 @@ Then, for any two uses (k = l included),
 
 two T×T Gram matrices per example, as in ghost clipping (Li, Tramèr, Liang & Hashimoto, 2022), where a one-hot
 factor turns a dot product into a lookup: ``u·onehot(j) = u[j]`` and ``onehot(i)·onehot(j) = [i = j]``. Summing all
-pairs gives ‖Σ_k G_k‖² exactly, with no per-example gradient formed; the memory is B·T² per pair. The other
+pairs gives ‖Σ_k G_k‖² exactly, with no per-example gradient formed; the memory is B·T² per pair. The norm is
+raised by a bound on the rounding of these products (:mod:`pl_dp.per_sample.gram`): where the uses nearly cancel
+(the head's gradient of a token's row against its embedding's), the fp32 cross terms alone can round the norm to 0
+while the sum keeps the difference. The other
 parameters of the modules that hold a tied one (a linear layer's bias) get their norms here too, since Opacus'
 hooks are kept off those modules.
 
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from pl_dp.per_sample.gradients import OPACUS_RNNS
+from pl_dp.per_sample.gram import gram_products, mass, raised_norm
 
 
 def tied_parameters(net: nn.Module) -> list[tuple[nn.Parameter, list[tuple[str, nn.Module]]]]:
@@ -156,12 +160,8 @@ class TiedNorms:
             return not_per_example
         done: set[int] = set()
         for weight, group in self.groups:
-            used = [m for m in group if m in factors]
-            total = torch.zeros(size, device=weight.device)
-            for a in used:
-                for b in used:
-                    total = total + _inner(factors[a], factors[b])
-            weight._norm_sample = total.clamp_min(0).sqrt()
+            used = [factors[m] for m in group if m in factors]
+            weight._norm_sample = tied_norm(used) if used else torch.zeros(size, device=weight.device)
             done.add(id(weight))
         for module in self.modules:
             bias = getattr(module, "bias", None)
@@ -184,16 +184,44 @@ def _factors(module: nn.Module, inputs: torch.Tensor, grad: torch.Tensor) -> tup
     return out, inputs.reshape(size, -1, inputs.shape[-1]).float(), False
 
 
-def _inner(a: tuple[torch.Tensor, torch.Tensor, bool], b: tuple[torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:
-    """⟨G_a, G_b⟩ per example ([B], fp32) from the factors of two uses of one weight (see the module docstring)."""
+def tied_norm(uses: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> torch.Tensor:
+    """‖Σ_k G_k‖ per example ([B], fp32) from the factors of a tied weight's uses, Σ_{k,l} ⟨G_k, G_l⟩ in float64
+    raised by its rounding bound (:mod:`pl_dp.per_sample.gram`)."""
+    total = bound = torch.zeros(uses[0][1].shape[0], device=uses[0][1].device, dtype=torch.float64)
+    for a in uses:
+        for b in uses:
+            square, error = _inner(a, b, later=len(uses) ** 2)
+            total, bound = total + square, bound + error
+    return raised_norm(total, bound)
+
+
+def _inner(
+    a: tuple[torch.Tensor, torch.Tensor, bool], b: tuple[torch.Tensor, torch.Tensor, bool], later: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """⟨G_a, G_b⟩ per example ([B], float64) from the factors of two uses of one weight (see the module docstring),
+    and the bound on its rounding (:func:`~pl_dp.per_sample.gram.gram_products`; ``later``: the additions it goes
+    through after)."""
     (ua, va, a_hot), (ub, vb, b_hot) = a, b
-    values = torch.einsum("btd,bsd->bts", va, vb)
+    values = torch.bmm(va.double(), vb.double().transpose(1, 2))
     if a_hot and b_hot:
         rows = (ua.unsqueeze(2) == ub.unsqueeze(1)).to(values.dtype)
     elif a_hot:  # u_a·u_b = u_b[index_a]
-        rows = ub.gather(2, ua.unsqueeze(1).expand(-1, ub.shape[1], -1)).transpose(1, 2)
+        rows = ub.gather(2, ua.unsqueeze(1).expand(-1, ub.shape[1], -1)).transpose(1, 2).double()
     elif b_hot:
-        rows = ua.gather(2, ub.unsqueeze(1).expand(-1, ua.shape[1], -1))
+        rows = ua.gather(2, ub.unsqueeze(1).expand(-1, ua.shape[1], -1)).double()
     else:
-        rows = torch.einsum("btd,bsd->bts", ua, ub)
-    return (rows * values).sum(dim=(1, 2))
+        rows = torch.bmm(ua.double(), ub.double().transpose(1, 2))
+    exact = a_hot or b_hot  # a one-hot factor's products are lookups: no rounding
+    return gram_products(
+        rows,
+        values,
+        _mass(a) * _mass(b),
+        widths=va.shape[2] + (0 if exact else ua.shape[2]),
+        terms=va.shape[1] * vb.shape[1] + later,
+    )
+
+
+def _mass(factors: tuple[torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:
+    """Σ_t |u_t|·|v_t| of one use ([B], float64; a one-hot u has norm 1, 0 at a padding row whose v is zeroed)."""
+    u, v, one_hot = factors
+    return v.norm(dim=2).sum(dim=1).double() if one_hot else mass(u, v)

@@ -13,7 +13,7 @@ from torch import nn
 from pl_dp.errors import ConfigError
 from pl_dp.nets import CausalLM, HFClassifier, TinyTransformerClassifier
 from pl_dp.per_sample import BookKeeping, GhostClipping, verify_per_example_gradients
-from pl_dp.per_sample.bk import linear_norms
+from pl_dp.per_sample.gram import linear_norms
 from pl_dp.privacy import ClipFunction
 from pl_dp.step.batches import select_examples
 from pl_dp.step.losses import causal_lm, cross_entropy
@@ -193,16 +193,17 @@ class _Pointwise(nn.Module):
         return self.head(self.pointwise(x).mean((1, 2)))
 
 
-def test_a_linear_layer_on_inputs_of_any_rank_is_measured_and_summed_exactly():
+@pytest.mark.parametrize("engine", [GhostClipping, BookKeeping])
+def test_a_linear_layer_on_inputs_of_any_rank_is_measured_and_summed_exactly(engine):
     """``[B, H, W, C]`` inputs, which Opacus' ghost norm returns nothing for (sharded, its hooks then left the layer at
-    norm 0 — every example unclipped, found by an independent review): each example's norm and the clipped sum are
-    those of its own gradient, and the fit-start check passes."""
+    norm 0 — every example unclipped, found by an independent review; ghost clipping refused it): each example's
+    norm and the clipped sum are those of its own gradient, and the fit-start check passes."""
     torch.manual_seed(0)
     net, g = _Pointwise(), torch.Generator().manual_seed(1)
     batch = (torch.randn(6, 2, 3, 4, generator=g) * 30, torch.randint(0, 3, (6,), generator=g))
     own = _own_gradients(copy.deepcopy(net), batch, cross_entropy)
     true_norms = torch.stack([torch.cat([r.reshape(-1) for r in row]).norm() for row in own])
-    bk = BookKeeping(net, cross_entropy)
+    bk = engine(net, cross_entropy)
     sums, norms, _ = bk.clipped_sum(batch, ClipFunction("constant", 1.0))
     assert float(true_norms.max()) > 1  # the clip bound is reached
     torch.testing.assert_close(norms.double(), true_norms, rtol=1e-5, atol=1e-7)
@@ -219,7 +220,7 @@ def test_norms_that_fall_short_of_the_rows_it_sums_are_refused_at_fit_start(monk
     def halved(layer, activations, backprops):
         return {p: n / 2 for p, n in linear_norms(layer, activations, backprops).items()}
 
-    monkeypatch.setattr("pl_dp.per_sample.bk.linear_norms", halved)
+    monkeypatch.setattr("pl_dp.per_sample.ghost.linear_norms", halved)
     torch.manual_seed(0)
     bk = BookKeeping(_Pointwise(), cross_entropy)
     with pytest.raises(RuntimeError, match="ghost norms"):

@@ -10,9 +10,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
+import pl_dp.per_sample.ghost as ghost_module
 from pl_dp.methods.parallel import shard
 from pl_dp.per_sample import BookKeeping, ShardedBookKeeping, get_per_sample_mode, verify_per_example_gradients
 from pl_dp.per_sample.gradients import _on_any_rank
@@ -130,10 +132,18 @@ def _worker(rank: int, mesh, results: dict) -> None:
     net = _nets("pointwise")
     shard(net, mesh)
     ghost = get_per_sample_mode("ghost").build(net, _loss, ShardedPasses(_most_over_ranks))
-    try:  # Opacus' ghost norm returns nothing for 4-D inputs: its hooks leave the layer at norm 0
+    sums, _, _ = ghost.clipped_sum(_batches("pointwise", rank)[0], CLIP)
+    results[f"pointwise: released under ghost on rank {rank}"] = _whole(sums)
+    net = _nets("pointwise")
+    shard(net, mesh)
+    ghost_module.linear_norms, measured_by = compute_linear_norm_sample, ghost_module.linear_norms
+    try:  # Opacus' own linear norm returns nothing for 4-D inputs: its hooks leave the layer at norm 0
+        ghost = get_per_sample_mode("ghost").build(net, _loss, ShardedPasses(_most_over_ranks))
         ghost.clipped_sum(_batches("pointwise", rank)[0], CLIP)
     except RuntimeError as refused:
-        results[f"pointwise under ghost on rank {rank}"] = str(refused)
+        results[f"pointwise under Opacus' norm on rank {rank}"] = str(refused)
+    finally:
+        ghost_module.linear_norms = measured_by
     names, params = zip(*net.named_parameters())
     results[f"rank 1's refusal seen on rank {rank}"] = _on_any_rank(names, params, rank == 1)
     torch.manual_seed(0)
@@ -185,14 +195,27 @@ def test_a_layer_that_sees_the_batch_in_another_dimension_is_refused_on_every_ra
         assert results[f"rank 1's refusal seen on rank {rank}"]
 
 
-def test_a_layer_whose_norm_opacus_does_not_compute_is_refused_under_sharded_ghost_clipping():
+def test_sharded_ghost_clipping_measures_a_linear_layer_on_inputs_of_any_rank():
+    """A channels-last pointwise layer (``nn.Linear`` on ``[B, H, W, C]``) under sharded ghost clipping: both ranks'
+    blocks put together are one process's clipped sum of both ranks' examples."""
+    results = two_ranks.results(RANKS)
+    for rank in (0, 1):
+        torch.testing.assert_close(
+            torch.tensor(results[f"pointwise: released under ghost on rank {rank}"]),
+            torch.tensor(results["pointwise: one process"]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+def test_a_layer_whose_norm_sampler_returns_nothing_is_refused_under_sharded_ghost_clipping():
     """Opacus' FSDP hooks start each layer's norm at zeros and leave it there when its norm sampler returns nothing
-    (``nn.Linear`` on 4-D inputs): sharded ghost clipping refuses the layer by name on both ranks instead of clipping
-    it at norm 0 (its fit-start check refused it later; an independent review found sharded book-keeping released
-    such a net unclipped)."""
+    (Opacus' own linear norm on 4-D inputs, which pl_dp used until it measured them): sharded ghost clipping refuses
+    the layer by name on both ranks instead of clipping it at norm 0 (its fit-start check refused it later; an
+    independent review found sharded book-keeping released such a net unclipped)."""
     results = two_ranks.results(RANKS)
     for rank in (0, 1):
         assert (
             "recorded no per-example norm for ['pointwise.bias', 'pointwise.weight']"
-            in results[f"pointwise under ghost on rank {rank}"]
+            in results[f"pointwise under Opacus' norm on rank {rank}"]
         )

@@ -1,0 +1,116 @@
+"""Ghost norms that cannot round low: an example whose positions nearly cancel is clipped by at least its true norm
+under ``"ghost"`` and ``"bk"`` (linear weight and bias, a tied weight's cross terms), black box on the release, and
+an example that does not cancel is measured as before, to float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pl_dp.per_sample import BookKeeping, GhostClipping
+from pl_dp.per_sample.gram import linear_norms
+from pl_dp.privacy import ClipFunction
+
+ENGINES = {"ghost": GhostClipping, "bk": BookKeeping}
+SCALE = 2.0**16  # the planted output gradients' size: in fp32 their Gram terms are 2³² and round at 2⁸
+CANCEL = 2.0**-12  # how nearly the two positions cancel: the true norm is SCALE·CANCEL = 16
+
+
+class _Planted(nn.Module):
+    """A linear layer (weight and bias) whose output is returned as is: the loss below plants its output
+    gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def _planted_loss(net, batch):
+    inputs, planted = batch[0], batch[1]
+    out = net(inputs)
+    return (out * planted).sum(tuple(range(1, out.dim())))
+
+
+def _release(engine, batch):
+    """The clipped sum at C = 1 of a batch of one example, as one flat vector, and the norm clipped by."""
+    sums, norms, _ = engine.clipped_sum(batch, ClipFunction("constant", 1.0))
+    return torch.cat([s.reshape(-1) for s in sums]), norms
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_a_linear_layer_whose_positions_nearly_cancel_releases_at_most_the_clip(mode):
+    """Two positions with equal inputs e₀ and output gradients s·e₀ and −s(1 + 2⁻¹²)·e₀ (s = 2¹⁶): the weight's and
+    the bias's gradients have norm 16 each, which the fp32 Gram matrices round to 0 (an independent review released
+    16·C that way, under both modes and in Opacus' ghost clipping)."""
+    torch.manual_seed(0)
+    inputs = torch.zeros(1, 2, 4)
+    inputs[0, :, 0] = 1.0
+    planted = torch.zeros(1, 2, 4)
+    planted[0, 0, 0], planted[0, 1, 0] = SCALE, -SCALE * (1 + CANCEL)
+    release, norms = _release(ENGINES[mode](_Planted(), _planted_loss), (inputs, planted))
+    true_norm = SCALE * CANCEL * 2**0.5  # weight and bias
+    assert float(norms[0]) >= true_norm * (1 - 1e-6)
+    assert float(release.norm()) <= 1.0 + 1e-6
+
+
+class _TiedPlanted(nn.Module):
+    """An embedding and a linear head sharing one weight; the loss plants both uses' output gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids, x):
+        return self.embed(ids), self.head(x)
+
+
+def _tied_loss(net, batch):
+    ids, x, embed_grad, head_grad = batch
+    looked_up, logits = net(ids, x)
+    return (looked_up * embed_grad).sum((1, 2)) + (logits * head_grad).sum((1, 2))
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_a_tied_weight_whose_uses_nearly_cancel_releases_at_most_the_clip(mode):
+    """Token 3 looked up with output gradient s·e₀, and the head's input e₀ with output gradient −s(1 + 2⁻¹²)·e₃:
+    the two uses' gradients nearly cancel in W[3, 0] (norm 16), which the fp32 cross term rounds to 0."""
+    torch.manual_seed(0)
+    ids = torch.tensor([[3]])
+    x = torch.zeros(1, 1, 4)
+    x[0, 0, 0] = 1.0
+    embed_grad, head_grad = torch.zeros(1, 1, 4), torch.zeros(1, 1, 7)
+    embed_grad[0, 0, 0], head_grad[0, 0, 3] = SCALE, -SCALE * (1 + CANCEL)
+    release, norms = _release(ENGINES[mode](_TiedPlanted(), _tied_loss), (ids, x, embed_grad, head_grad))
+    assert float(norms[0]) >= SCALE * CANCEL * (1 - 1e-6)
+    assert float(release.norm()) <= 1.0 + 1e-6
+
+
+def _exact_norms(a, b):
+    """‖Σ_t b_t a_tᵀ‖ per example from the instantiated gradient in fp64, where each product of two fp32 numbers is
+    exact."""
+    return torch.einsum("btp,btd->bpd", b.double(), a.double()).flatten(1).norm(dim=1)
+
+
+def test_a_gram_norm_is_never_below_the_exact_norm_and_is_the_fp32_norm_where_nothing_cancels():
+    """Random examples, the first 20 with two positions cancelling to one part in 2¹⁰ to 2²⁰, wide enough for the
+    Gram path (2T² ≤ p·d): every norm is at least the exact one, and the cancelling ones are not raised by more than
+    the float64 rounding bound (10⁻⁶ of the terms' size); the others are the exact norm to fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(32, 24)
+    a = torch.randn(40, 3, 32, generator=g)
+    b = torch.randn(40, 3, 24, generator=g) * 100
+    for i in range(20):
+        a[i, 1] = a[i, 0]
+        b[i, 1] = -b[i, 0] * (1 + 2.0 ** -(10 + i // 2))
+        b[i, 2] = 0
+    norms = linear_norms(layer, [a], b)[layer.weight].double()
+    exact = _exact_norms(a, b)
+    terms = (b.double().norm(dim=2) * a.double().norm(dim=2)).sum(dim=1)  # Σ_t |b_t||a_t|
+    assert bool((norms >= exact).all())
+    assert bool((norms[:20] - exact[:20] <= 1e-6 * terms[:20]).all())
+    torch.testing.assert_close(norms[20:], exact[20:], rtol=2.5e-7, atol=0)
