@@ -34,6 +34,8 @@ twice its norm.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
@@ -42,9 +44,24 @@ from torch import nn
 _UNIT = 2.0**-53
 
 
-#: float64 values a Gram computation copies at a time (8 MiB): examples are taken in chunks of about this size,
-#: which a CPU's allocator reuses (a whole batch's copies cost about twice as much, in page faults)
-_CHUNK = 2**20
+#: float64 values a Gram computation copies at a time, by device type: examples are taken in chunks of about this
+#: size, which bounds the copies' memory (a language model's head: batch × tokens × vocabulary) and, on a CPU, lets
+#: the allocator reuse them (copying a whole batch at once cost about twice as much there, in page faults)
+_CHUNK = {"cpu": 2**20}
+_CHUNK_ELSEWHERE = 2**26
+
+
+def in_chunks(
+    compute: Callable[..., tuple[torch.Tensor, torch.Tensor]], *factors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compute(*factors)`` — a (Ŝ, E) pair per example (:func:`gram_products`) — over chunks of examples (the
+    factors' first dimension), each chunk's float64 copies within the device's budget, put back together."""
+    per_example = sum(f[0].numel() for f in factors)
+    budget = _CHUNK.get(factors[0].device.type, _CHUNK_ELSEWHERE)
+    rows = max(1, budget // max(per_example, 1))
+    parts = [compute(*(f[start : start + rows] for f in factors)) for start in range(0, factors[0].shape[0], rows)]
+    squares, bounds = zip(*parts)
+    return torch.cat(squares), torch.cat(bounds)
 
 
 def mass(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -100,7 +117,7 @@ def linear_norms(
             squares = torch.einsum("btp,btd->bpd", backprops, inputs).square().sum(dim=(1, 2))
             norms[layer.weight] = squares.clamp_min(0).sqrt()
         else:
-            squares, bound = _gram_norms(backprops, inputs)
+            squares, bound = in_chunks(_gram_norms, backprops, inputs)
             norms[layer.weight] = raised_norm(squares, bound)
     if layer.bias is not None and layer.bias.requires_grad:
         norms[layer.bias] = backprops.sum(dim=1).norm(dim=1)
@@ -108,23 +125,13 @@ def linear_norms(
 
 
 def _gram_norms(backprops: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ŝ and E (:func:`gram_products`) of ‖Σ_t b_t a_tᵀ‖² per example from float64 Gram matrices, a chunk of
-    examples at a time."""
-    positions = backprops.shape[1]
-    rows = max(1, _CHUNK // (positions * (backprops.shape[2] + inputs.shape[2])))
-    parts = []
-    for start in range(0, backprops.shape[0], rows):
-        wide, narrow = backprops[start : start + rows], inputs[start : start + rows]
-        masses = mass(wide, narrow).square()
-        wide, narrow = wide.double(), narrow.double()
-        parts.append(
-            gram_products(
-                torch.bmm(wide, wide.transpose(1, 2)),
-                torch.bmm(narrow, narrow.transpose(1, 2)),
-                masses,
-                widths=wide.shape[2] + narrow.shape[2],
-                terms=positions**2,
-            )
-        )
-    squares, bounds = zip(*parts)
-    return torch.cat(squares), torch.cat(bounds)
+    """Ŝ and E (:func:`gram_products`) of ‖Σ_t b_t a_tᵀ‖² per example, from float64 Gram matrices."""
+    masses = mass(backprops, inputs).square()
+    wide, narrow = backprops.double(), inputs.double()
+    return gram_products(
+        torch.bmm(wide, wide.transpose(1, 2)),
+        torch.bmm(narrow, narrow.transpose(1, 2)),
+        masses,
+        widths=wide.shape[2] + narrow.shape[2],
+        terms=wide.shape[1] ** 2,
+    )

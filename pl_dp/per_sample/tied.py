@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from pl_dp.per_sample.gradients import OPACUS_RNNS
-from pl_dp.per_sample.gram import gram_products, mass, raised_norm
+from pl_dp.per_sample.gram import gram_products, in_chunks, mass, raised_norm
 
 
 def tied_parameters(net: nn.Module) -> list[tuple[nn.Parameter, list[tuple[str, nn.Module]]]]:
@@ -200,25 +200,31 @@ def _inner(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """⟨G_a, G_b⟩ per example ([B], float64) from the factors of two uses of one weight (see the module docstring),
     and the bound on its rounding (:func:`~pl_dp.per_sample.gram.gram_products`; ``later``: the additions it goes
-    through after)."""
-    (ua, va, a_hot), (ub, vb, b_hot) = a, b
-    values = torch.bmm(va.double(), vb.double().transpose(1, 2))
-    if a_hot and b_hot:
-        rows = (ua.unsqueeze(2) == ub.unsqueeze(1)).to(values.dtype)
-    elif a_hot:  # u_a·u_b = u_b[index_a]
-        rows = ub.gather(2, ua.unsqueeze(1).expand(-1, ub.shape[1], -1)).transpose(1, 2).double()
-    elif b_hot:
-        rows = ua.gather(2, ub.unsqueeze(1).expand(-1, ua.shape[1], -1)).double()
-    else:
-        rows = torch.bmm(ua.double(), ub.double().transpose(1, 2))
-    exact = a_hot or b_hot  # a one-hot factor's products are lookups: no rounding
-    return gram_products(
-        rows,
-        values,
-        _mass(a) * _mass(b),
-        widths=va.shape[2] + (0 if exact else ua.shape[2]),
-        terms=va.shape[1] * vb.shape[1] + later,
-    )
+    through after), a chunk of examples at a time (:func:`~pl_dp.per_sample.gram.in_chunks`)."""
+    (_, _, a_hot), (_, _, b_hot) = a, b
+
+    def compute(
+        ua: torch.Tensor, va: torch.Tensor, ub: torch.Tensor, vb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.bmm(va.double(), vb.double().transpose(1, 2))
+        if a_hot and b_hot:
+            rows = (ua.unsqueeze(2) == ub.unsqueeze(1)).to(values.dtype)
+        elif a_hot:  # u_a·u_b = u_b[index_a]
+            rows = ub.gather(2, ua.unsqueeze(1).expand(-1, ub.shape[1], -1)).transpose(1, 2).double()
+        elif b_hot:
+            rows = ua.gather(2, ub.unsqueeze(1).expand(-1, ua.shape[1], -1)).double()
+        else:
+            rows = torch.bmm(ua.double(), ub.double().transpose(1, 2))
+        exact = a_hot or b_hot  # a one-hot factor's products are lookups: no rounding
+        return gram_products(
+            rows,
+            values,
+            _mass((ua, va, a_hot)) * _mass((ub, vb, b_hot)),
+            widths=va.shape[2] + (0 if exact else ua.shape[2]),
+            terms=va.shape[1] * vb.shape[1] + later,
+        )
+
+    return in_chunks(compute, a[0], a[1], b[0], b[1])
 
 
 def _mass(factors: tuple[torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from torch import nn
 
 from pl_dp.per_sample import BookKeeping, GhostClipping
 from pl_dp.per_sample.gram import linear_norms
+from pl_dp.per_sample.tied import tied_norm
 from pl_dp.privacy import ClipFunction
 
 ENGINES = {"ghost": GhostClipping, "bk": BookKeeping}
@@ -114,3 +115,21 @@ def test_a_gram_norm_is_never_below_the_exact_norm_and_is_the_fp32_norm_where_no
     assert bool((norms >= exact).all())
     assert bool((norms[:20] - exact[:20] <= 1e-6 * terms[:20]).all())
     torch.testing.assert_close(norms[20:], exact[20:], rtol=2.5e-7, atol=0)
+
+
+def test_examples_taken_in_chunks_are_measured_as_in_one(monkeypatch):
+    """The float64 copies are bounded by taking examples in chunks: with chunks of one to three examples, a linear
+    layer's norms and a tied weight's (an embedding with a padding row and a linear head) are those of one chunk."""
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(8, 6)
+    a, b = torch.randn(7, 3, 8, generator=g), torch.randn(7, 3, 6, generator=g)
+    ids = torch.randint(0, 5, (7, 3), generator=g)
+    looked_up = torch.randn(7, 3, 8, generator=g).masked_fill((ids == 0).unsqueeze(-1), 0.0)
+    uses = [(ids, looked_up, True), (b, a, False)]
+    whole = linear_norms(layer, [a], b)[layer.weight], tied_norm(uses)
+    # values per example: 42 for the linear layer (3 positions × (6 + 8)), 69 for the tied weight's two uses: chunks
+    # of 1, 2 and 3 examples (linear) and 1, 1 and 2 (tied)
+    for budget in (42, 84, 138):
+        monkeypatch.setattr("pl_dp.per_sample.gram._CHUNK", {"cpu": budget})
+        torch.testing.assert_close(linear_norms(layer, [a], b)[layer.weight], whole[0], rtol=0, atol=0)
+        torch.testing.assert_close(tied_norm(uses), whole[1], rtol=0, atol=0)
