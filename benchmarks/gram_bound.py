@@ -14,6 +14,9 @@ tiny GPT-2 and Llama with tied embeddings), on one batch:
   largest);
 * ``norm moved``: each example's whole-gradient norm over the one with the fp32 linear-layer norms, minus 1
   (largest in magnitude): how much harder (or, by fp32 rounding, softer) an example is clipped;
+* ``M/‖g‖``: the largest ratio of an example's positions' mass M = Σ_t |b_t||a_t| to its norm, over every linear
+  layer, bias, embedding and tied weight measured on sequences; ``floored``: how many of those norms the floor
+  ``M·2⁻¹⁰`` raised (it binds where M/‖g‖ > 2¹⁰), out of how many;
 * time: book-keeping's clipped sum as it is and with the fp32 linear-layer norms (``fp32``), interleaved round by
   round after a warm-up, medians, and a non-private forward + backward for reference. Tied weights are measured in
   float64 in both (their share of the time is small next to the linear layers').
@@ -72,8 +75,20 @@ def measure(name: str, quick: bool, rounds: int) -> dict:
         ratios.append((bound / squares.abs().clamp_min(torch.finfo(squares.dtype).tiny)).detach())
         return squares, bound
 
-    with mock.patch.object(gram, "gram_products", recording):
+    spreads: list[torch.Tensor] = []  # M/‖g‖ of every example at every floored norm
+    floor = gram.floored
+
+    def spread(norms, masses):
+        spreads.append((masses / norms.double().clamp_min(1e-300)).detach())
+        return floor(norms, masses)
+
+    with (
+        mock.patch.object(gram, "gram_products", recording),
+        mock.patch.object(gram, "floored", spread),
+        mock.patch("pl_dp.per_sample.tied.floored", spread),
+    ):
         raised = engine.per_example_norms(batch)
+    spreads_found = torch.cat(spreads)
     moved = raised.double() / before.per_example_norms(batch).double().clamp_min(1e-30) - 1
     found = torch.cat(ratios) if ratios else torch.zeros(1)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -101,6 +116,9 @@ def measure(name: str, quick: bool, rounds: int) -> dict:
         "bound_over_estimate_median": float(found.median()),
         "bound_over_estimate_max": float(found.max()),
         "norm_moved_largest": float(moved[moved.abs().argmax()]),
+        "mass_over_norm_largest": float(spreads_found.max()),
+        "floor_binds": int((spreads_found * gram.MASS_FLOOR > 1).sum()),
+        "floored_norms": len(spreads_found),
         "clipped_sum_float64_ms": medians["float64"],
         "clipped_sum_fp32_ms": medians["fp32"],
         "non_private_ms": medians["non_private"],
@@ -124,13 +142,15 @@ def main() -> None:
         f"{rounds} interleaved rounds; load average (1 min) {load_start:.1f} at the start, {load_end:.1f} at the end"
     )
     print(
-        f"{'case':44} {'E/Ŝ median':>11} {'max':>9} {'norm moved':>11} {'bk ms':>8} {'fp32':>8} {'ratio':>6} "
-        f"{'non-private':>12}"
+        f"{'case':44} {'E/Ŝ median':>11} {'max':>9} {'norm moved':>11} {'M/‖g‖ max':>10} {'floored':>9} "
+        f"{'bk ms':>8} {'fp32':>8} {'ratio':>6} {'non-private':>12}"
     )
     for r in rows:
         print(
             f"{r['description']:44} {r['bound_over_estimate_median']:>11.1e} {r['bound_over_estimate_max']:>9.1e} "
-            f"{r['norm_moved_largest']:>11.1e} {r['clipped_sum_float64_ms']:>8.1f} {r['clipped_sum_fp32_ms']:>8.1f} "
+            f"{r['norm_moved_largest']:>11.1e} {r['mass_over_norm_largest']:>10.1f} "
+            f"{r['floor_binds']:>4}/{r['floored_norms']:<4} "
+            f"{r['clipped_sum_float64_ms']:>8.1f} {r['clipped_sum_fp32_ms']:>8.1f} "
             f"{r['float64_over_fp32']:>6.3f} {r['non_private_ms']:>12.1f}"
         )
     result = {

@@ -17,7 +17,8 @@ one matrix product of the output gradients, each example's rows scaled by its cl
    :class:`~pl_dp.per_sample.tied.TiedNorms`). The norms are ghost clipping's: a linear layer's (and Hugging Face's
    ``Conv1D``, GPT-2's) by the cheaper of its ghost norm and its instantiated gradient
    (:func:`~pl_dp.per_sample.gram.linear_norms`, Bu et al. 2023, §3.2), an embedding's by Opacus' norm (each
-   distinct token's summed output gradients, in the precision the sum adds them in);
+   distinct token's summed output gradients, in the precision the sum adds them in), each floored at a share of its
+   positions' mass (:mod:`pl_dp.per_sample.gram`);
 2. the clip weights c_i = c(‖g_i‖), 0 for a non-finite norm (the examples are then dropped and the pass run again
    without them, as in ghost clipping);
 3. no second backward: each kept call's clipped sum from its book — ``nn.Linear`` (inputs of any rank) one

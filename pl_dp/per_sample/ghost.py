@@ -73,7 +73,7 @@ from pl_dp.per_sample.gradients import (
     refuse_rows_not_examples,
     refuse_unsupported_layers,
 )
-from pl_dp.per_sample.gram import linear_norms
+from pl_dp.per_sample.gram import embedding_norms, linear_norms
 from pl_dp.per_sample.raw import RawGradients, children_first, raw_parameter_modules
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
@@ -86,14 +86,21 @@ from pl_dp.step.shards import is_sharded, local
 class MeasuresLinearLayers:
     """Mixin for Opacus' norm modules: ``nn.Linear`` and Hugging Face's ``Conv1D`` (GPT-2) are measured by
     :func:`~pl_dp.per_sample.gram.linear_norms` — Gram norms that cannot round low where an example's positions
-    nearly cancel (Opacus' fp32 ones can: 16·C released), inputs of any rank — in place of Opacus' linear norm."""
+    nearly cancel (Opacus' fp32 ones can: 16·C released), inputs of any rank — in place of Opacus' linear norm, and
+    ``nn.Embedding`` by :func:`~pl_dp.per_sample.gram.embedding_norms`; both floored at a share of the positions'
+    mass (see :mod:`pl_dp.per_sample.gram`)."""
 
     #: Opacus' class-level registry, read through the hook module's class; this module's own copy once built
     NORM_SAMPLERS: dict[type, Any]
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         transposed = {layer_type(m) for m in module.modules() if transposed_linear(m)}
-        samplers = {**type(self).NORM_SAMPLERS, nn.Linear: linear_norms, **dict.fromkeys(transposed, linear_norms)}
+        samplers = {
+            **type(self).NORM_SAMPLERS,
+            nn.Linear: linear_norms,
+            **dict.fromkeys(transposed, linear_norms),
+            nn.Embedding: embedding_norms,
+        }
         object.__setattr__(self, "NORM_SAMPLERS", samplers)  # before Opacus' __init__, which hooks by it
         super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module this mixin comes before
 

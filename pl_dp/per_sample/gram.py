@@ -1,35 +1,45 @@
-"""Per-example norms of sums of outer products, G = Σ_t u_t v_tᵀ, from T×T Gram matrices, raised by their rounding.
+"""Per-example norms of sums of outer products, G = Σ_t u_t v_tᵀ, that the rounding of fp32 cannot bring below C.
 
-Ghost clipping measures an example's gradient of a linear layer (inputs a_t, output gradients b_t at its T
-positions) without forming it (Li, Tramèr, Liang & Hashimoto, 2022, "Large Language Models Can Be Strong
-Differentially Private Learners", §4):
+Ghost clipping and book-keeping clip each example by a norm computed apart from the sum they release, and that sum
+adds every example's *positions* in one fp32 contraction. Two things follow where an example's positions are large
+and cancel (its gradient small next to its positions' mass M = Σ_t |u_t||v_t|); an independent review showed both,
+under ``"ghost"`` and ``"bk"`` alike, and Opacus' ghost clipping has both.
+
+**The Gram norm rounds to 0.** A linear layer's norm (inputs a_t, output gradients b_t; Li, Tramèr, Liang &
+Hashimoto, 2022, "Large Language Models Can Be Strong Differentially Private Learners", §4), and a weight tied
+across an embedding and a linear head by the same products of its uses' factors (:mod:`pl_dp.per_sample.tied`), is
 
     ‖Σ_t b_t a_tᵀ‖² = Σ_{t,s} (b_t·b_s)(a_t·a_s),
 
-and a weight tied across an embedding and a linear head by the same products of its uses' factors
-(:mod:`pl_dp.per_sample.tied`). The terms are of size up to |b_t||b_s||a_t||a_s| while their sum is ‖G‖²: where an
-example's positions nearly cancel, the fp32 rounding of the terms (relative 2⁻²⁴) swamps the sum, which can come
-out as 0, while the released sum (a contraction of the same factors, rounding relative to the factors, not to their
-squares) keeps the gradient. An independent review planted two positions' output gradients s·e₀ and −s(1 + 2⁻¹²)·e₀
-at equal inputs (s = 2¹⁶): true norm 16, Gram norm 0, and 16·C released, under ``"ghost"`` and ``"bk"`` alike
-(Opacus' ghost clipping, whose linear norm :func:`linear_norms` replaces, computes the same formula, its bias's norm
-from the same Gram matrix).
+whose terms are of size up to M² while their sum is ‖G‖²: in fp32 the rounding of the terms (2⁻²⁴ of them) swamps a
+sum below 2⁻¹²·M. Planted output gradients s·e₀ and −s(1 + 2⁻¹²)·e₀ at equal inputs (s = 2¹⁶): true norm 16, fp32
+Gram norm 0, 16·C released. So the Gram matrices and their products are computed in float64, where the product of
+two fp32 numbers is exact, and each estimate Ŝ comes with a bound E on its rounding error (:func:`gram_products`): a
+sum of n floating-point products errs by at most γ_n = n·u/(1 − n·u) times the sum of their magnitudes, whatever
+the order of summation (Higham, 2002, "Accuracy and Stability of Numerical Algorithms", §3.1; u = 2⁻⁵³), here at
+most γ·M·M'. The Gram norm is √(Ŝ + E) rounded up to fp32: at least the exact norm of G over the fp32 factors. Where
+nothing cancels E is far below fp32 resolution, and the norm is the one fp32 arithmetic would give, to its
+rounding.
 
-So the Gram matrices and their products are computed in float64, where the product of two fp32 numbers is exact,
-and each estimate Ŝ comes with a bound E on its rounding error (:func:`gram_products`): a sum of n floating-point
-products errs by at most γ_n = n·u/(1 − n·u) times the sum of their magnitudes, whatever the order of summation
-(Higham, 2002, "Accuracy and Stability of Numerical Algorithms", §3.1; u = 2⁻⁵³), here at most γ·M·M' with
-M = Σ_t |u_t||v_t|. The norm clipped by is √(Ŝ + E) rounded up to fp32: at least the exact norm of G over the fp32
-factors, whatever they are. Where nothing cancels E is far below fp32 resolution and the norm is the one fp32
-arithmetic would give, to its rounding; where an example does cancel, it is clipped by its true norm or harder,
-never less. The norm of an *instantiated* per-example gradient (where 2T² > p·d) and of a bias's summed output
-gradients ‖Σ_t b_t‖ have no squared terms to cancel and round at the level of the release itself.
+**One example's positions absorb the others'.** An example whose positions ±2⁴⁰·e₀ cancel exactly has gradient 0,
+norm 0, clip weight 1; in the release's fp32 accumulator its first position swallows every other example's
+contribution added before it, and its second takes them away: 63·C moved for 64 examples (the instantiated norm,
+2T² > p·d, a bias's ‖Σ_t b_t‖ and an embedding's norm alike; under ``"hooks"``, which sums examples' own
+gradients, 0). No exact norm prevents this: the release's rounding scales with the scaled positions c_i·|u_t||v_t|,
+which clipping bounds only in their sum. So every norm measured on sequences here is floored at a share of its
+positions' mass, ‖g_i‖ ≥ M_i·2⁻¹⁰ (:func:`floored`, :data:`MASS_FLOOR`): an example's scaled positions then add up to
+at most 2¹⁰·C, and what their rounding can absorb is of the order of 2¹⁰·2⁻²⁴·C per addition, as in a sum of
+terms of at most 2¹⁰·C (``"hooks"`` adds terms of at most C). The floor is conservative (a norm above the true one
+clips harder, never less) and binds only where an example's gradient is below 2⁻¹⁰ of its positions' mass: on
+random directions the ratio is about √T, and on the nets of ``benchmarks/gram_bound.py`` it bound only for
+parameters whose gradient is 0 in exact arithmetic (an attention layer's key bias), moving no whole-gradient norm
+by more than fp32 rounding.
 
-Cost: float64 copies of one layer's inputs and output gradients and their Gram matrices: on a CPU a few times the
-fp32 Gram matrices (``benchmarks/gram_bound.py``), on data-centre GPUs (fp64 at the fp32 rate) about the same,
-on GPUs with slow fp64 much more. (A bound on the fp32 rounding instead costs no copy, but it grows with the
-factors' widths and positions: a language model's head, 50k wide over 1,024 positions, would be clipped by up to
-twice its norm.)
+Cost: float64 copies of one layer's inputs and output gradients and their Gram matrices, a chunk of examples at a
+time: on a CPU a few times the fp32 Gram matrices (``benchmarks/gram_bound.py``), on data-centre GPUs (fp64 at the
+fp32 rate) about the same, on GPUs with slow fp64 much more. (A bound on the fp32 rounding instead costs no copy,
+but it grows with the factors' widths and positions: a language model's head, 50k wide over 1,024 positions, would
+be clipped by up to twice its norm.)
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 
@@ -51,23 +62,32 @@ _CHUNK = {"cpu": 2**20}
 _CHUNK_ELSEWHERE = 2**26
 
 
-def in_chunks(
-    compute: Callable[..., tuple[torch.Tensor, torch.Tensor]], *factors: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``compute(*factors)`` — a (Ŝ, E) pair per example (:func:`gram_products`) — over chunks of examples (the
-    factors' first dimension), each chunk's float64 copies within the device's budget, put back together."""
+def in_chunks(compute: Callable[..., tuple[torch.Tensor, ...]], *factors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``compute(*factors)`` — a tuple of per-example values, such as (Ŝ, E) (:func:`gram_products`) — over chunks of
+    examples (the factors' first dimension), each chunk's float64 copies within the device's budget, put back
+    together."""
     per_example = sum(f[0].numel() for f in factors)
     budget = _CHUNK.get(factors[0].device.type, _CHUNK_ELSEWHERE)
     rows = max(1, budget // max(per_example, 1))
     parts = [compute(*(f[start : start + rows] for f in factors)) for start in range(0, factors[0].shape[0], rows)]
-    squares, bounds = zip(*parts)
-    return torch.cat(squares), torch.cat(bounds)
+    return tuple(torch.cat(values) for values in zip(*parts))
 
 
-def mass(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """M = Σ_t |u_t|·|v_t| per example (float64) of fp32 factors ``[B, T, ·]``: ‖Σ_t u_t v_tᵀ‖ ≤ M. The lengths are
-    taken in fp32 (relative error about width·2⁻²⁴, within the factor 2 of :func:`gram_products`' bound)."""
-    return (u.norm(dim=2) * v.norm(dim=2)).sum(dim=1).double()
+#: the least share of its positions' mass M an example's norm is taken to be (see the module docstring)
+MASS_FLOOR = 2.0**-10
+
+
+def mass(u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+    """M = Σ_t |u_t|·|v_t| per example (float64) of factors ``[B, T, ·]`` (Σ_t |u_t| without ``v``): the norms are
+    taken in the factors' precision, their products and sum in float64. ‖Σ_t u_t v_tᵀ‖ ≤ M."""
+    lengths = u.norm(dim=2).double()
+    return (lengths if v is None else lengths * v.norm(dim=2).double()).sum(dim=1)
+
+
+def floored(norms: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
+    """max(‖g_i‖, M_i·:data:`MASS_FLOOR`) in the norms' dtype: an example clipped by at least a share of its
+    positions' mass, so that its scaled positions stay within 1/:data:`MASS_FLOOR` of the clip bound."""
+    return torch.maximum(norms, (masses * MASS_FLOOR).to(norms.dtype))
 
 
 def gram_products(
@@ -111,27 +131,49 @@ def linear_norms(
     backprops = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
     inputs = activations[0].to(backprops.dtype).reshape(backprops.shape[0], backprops.shape[1], -1)
     norms = {}
-    if layer.weight.requires_grad:
-        positions = backprops.shape[1]
-        if 2 * positions**2 > layer.weight.numel():
+    if layer.weight.requires_grad and 2 * backprops.shape[1] ** 2 <= layer.weight.numel():
+        squares, bound, masses, bias_masses = in_chunks(_gram_norms, backprops, inputs)
+        norms[layer.weight] = floored(raised_norm(squares, bound), masses)
+    else:
+        lengths = backprops.norm(dim=2).double()
+        bias_masses = lengths.sum(dim=1)
+        if layer.weight.requires_grad:
             squares = torch.einsum("btp,btd->bpd", backprops, inputs).square().sum(dim=(1, 2))
-            norms[layer.weight] = squares.clamp_min(0).sqrt()
-        else:
-            squares, bound = in_chunks(_gram_norms, backprops, inputs)
-            norms[layer.weight] = raised_norm(squares, bound)
+            masses = (lengths * inputs.norm(dim=2).double()).sum(dim=1)
+            norms[layer.weight] = floored(squares.clamp_min(0).sqrt(), masses)
     if layer.bias is not None and layer.bias.requires_grad:
-        norms[layer.bias] = backprops.sum(dim=1).norm(dim=1)
+        norms[layer.bias] = floored(backprops.sum(dim=1).norm(dim=1), bias_masses)
     return norms
 
 
-def _gram_norms(backprops: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ŝ and E (:func:`gram_products`) of ‖Σ_t b_t a_tᵀ‖² per example, from float64 Gram matrices."""
-    masses = mass(backprops, inputs).square()
+def embedding_norms(
+    layer: nn.Embedding, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Opacus' per-example gradient norms of an ``nn.Embedding`` (each distinct token's summed output gradients),
+    floored at a share of the looked-up positions' mass Σ_t |b_t| (:func:`floored`; positions at ``padding_idx``,
+    which get no gradient, left out)."""
+    norms = compute_embedding_norm_sample(layer, activations, backprops)
+    if layer.weight not in norms or backprops.dim() <= 2:
+        return norms
+    ids = activations[0].reshape(backprops.shape[0], -1)
+    rows = backprops.reshape(ids.shape[0], ids.shape[1], -1)
+    if layer.padding_idx is not None:
+        rows = rows.masked_fill((ids == layer.padding_idx).unsqueeze(-1), 0.0)
+    norms[layer.weight] = floored(norms[layer.weight], mass(rows))
+    return norms
+
+
+def _gram_norms(backprops: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Ŝ and E (:func:`gram_products`) of ‖Σ_t b_t a_tᵀ‖² per example from float64 Gram matrices, and the masses
+    Σ_t |b_t||a_t| and Σ_t |b_t| (float64 lengths: an fp32 one underflows to 0 below 2⁻⁷⁵ per entry)."""
     wide, narrow = backprops.double(), inputs.double()
-    return gram_products(
+    lengths = wide.norm(dim=2)
+    masses = (lengths * narrow.norm(dim=2)).sum(dim=1)
+    squares, bound = gram_products(
         torch.bmm(wide, wide.transpose(1, 2)),
         torch.bmm(narrow, narrow.transpose(1, 2)),
-        masses,
+        masses.square(),
         widths=wide.shape[2] + narrow.shape[2],
         terms=wide.shape[1] ** 2,
     )
+    return squares, bound, masses, lengths.sum(dim=1)

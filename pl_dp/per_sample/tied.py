@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from pl_dp.per_sample.gradients import OPACUS_RNNS
-from pl_dp.per_sample.gram import gram_products, in_chunks, mass, raised_norm
+from pl_dp.per_sample.gram import floored, gram_products, in_chunks, mass, raised_norm
 
 
 def tied_parameters(net: nn.Module) -> list[tuple[nn.Parameter, list[tuple[str, nn.Module]]]]:
@@ -167,7 +167,11 @@ class TiedNorms:
             bias = getattr(module, "bias", None)
             if isinstance(bias, nn.Parameter) and bias.requires_grad and id(bias) not in done:
                 out = factors[module][0] if module in factors else None
-                bias._norm_sample = torch.zeros(size, device=bias.device) if out is None else out.sum(dim=1).norm(dim=1)
+                bias._norm_sample = (
+                    torch.zeros(size, device=bias.device)
+                    if out is None
+                    else floored(out.sum(dim=1).norm(dim=1), mass(out))
+                )
         return []
 
 
@@ -192,7 +196,7 @@ def tied_norm(uses: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> torch.Tens
         for b in uses:
             square, error = _inner(a, b, later=len(uses) ** 2)
             total, bound = total + square, bound + error
-    return raised_norm(total, bound)
+    return floored(raised_norm(total, bound), sum(_mass(use) for use in uses))
 
 
 def _inner(
@@ -206,7 +210,8 @@ def _inner(
     def compute(
         ua: torch.Tensor, va: torch.Tensor, ub: torch.Tensor, vb: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        values = torch.bmm(va.double(), vb.double().transpose(1, 2))
+        va64, vb64 = va.double(), vb.double()
+        values = torch.bmm(va64, vb64.transpose(1, 2))
         if a_hot and b_hot:
             rows = (ua.unsqueeze(2) == ub.unsqueeze(1)).to(values.dtype)
         elif a_hot:  # u_a·u_b = u_b[index_a]
@@ -219,15 +224,17 @@ def _inner(
         return gram_products(
             rows,
             values,
-            _mass((ua, va, a_hot)) * _mass((ub, vb, b_hot)),
+            _mass((ua, va64, a_hot)) * _mass((ub, vb64, b_hot)),  # float64 lengths: fp32 ones underflow
             widths=va.shape[2] + (0 if exact else ua.shape[2]),
             terms=va.shape[1] * vb.shape[1] + later,
         )
 
-    return in_chunks(compute, a[0], a[1], b[0], b[1])
+    squares, bound = in_chunks(compute, a[0], a[1], b[0], b[1])
+    return squares, bound
 
 
 def _mass(factors: tuple[torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:
-    """Σ_t |u_t|·|v_t| of one use ([B], float64; a one-hot u has norm 1, 0 at a padding row whose v is zeroed)."""
+    """Σ_t |u_t|·|v_t| of one use ([B], float64, :func:`~pl_dp.per_sample.gram.mass`; a one-hot u has norm 1, and a
+    padding row's v is zeroed)."""
     u, v, one_hot = factors
-    return v.norm(dim=2).sum(dim=1).double() if one_hot else mass(u, v)
+    return mass(v) if one_hot else mass(u, v)

@@ -230,7 +230,7 @@ def test_norms_that_fall_short_of_the_rows_it_sums_are_refused_at_fit_start(monk
 def test_an_embedding_whose_positions_nearly_cancel_is_measured_as_the_sum_adds_them():
     """One example whose two positions look up the same token with output gradients s·e₀ and −s(1 + 2⁻¹²)·e₀
     (s = 2¹⁶): its gradient's norm is 16, which a Gram matrix of the output gradients rounds to 0 in fp32 (then
-    released unclipped: 16·C, found by an independent review); the norm clipped by is ghost clipping's, and the
+    released unclipped: 16·C, found by an independent review); the norm clipped by is at least the true one, and the
     release stays at C."""
     scale = 2.0**16
     planted = torch.zeros(1, 2, 4)
@@ -242,7 +242,7 @@ def test_an_embedding_whose_positions_nearly_cancel_is_measured_as_the_sum_adds_
     torch.manual_seed(0)
     bk = BookKeeping(nn.Embedding(7, 4), loss)
     sums, norms, _ = bk.clipped_sum((torch.tensor([[3, 3]]), planted), ClipFunction("constant", 1.0))
-    assert float(norms[0]) == pytest.approx(16.0, rel=1e-3)
+    assert float(norms[0]) >= 16.0 * (1 - 1e-6)  # at least the true norm (here the floor, 2⁻¹⁰ of its mass 2¹⁷)
     assert float(sums[0].norm()) <= 1.0 + 1e-6
 
 
