@@ -19,9 +19,16 @@ layer, reduced to its norm at once. :class:`GhostClipping` runs, per (micro-)bat
 2. the weights c_i = c(‖g_i‖) of the clipping rule in use (constant, automatic/Auto-S, DP-PSAC — the same
    :class:`~pl_dp.privacy.ClipFunction` as per-example gradients), 0 for a non-finite norm;
 3. a second backward, of Σ_i c_i·ℓ_i through the kept graph, whose parameter gradients are Σ_i c_i·g_i: the
-   clipped sum itself.
+   clipped sum itself, for the parameters of the layers measured by a norm sampler (linear layers, embeddings, tied
+   weights: norms floored at a share of their positions' mass, :mod:`pl_dp.per_sample.gram`). The layers measured by
+   per-example gradients (LayerNorm, RMSNorm, convolutions, leaf modules of raw parameters) and the raw parameters
+   beside layers get their sums from those per-example gradients, as in book-keeping
+   (:class:`KeepsPerExampleLayers`): the second backward would add their positions across examples, where an
+   example whose positions are huge and cancel (norm 0) absorbed the others' contributions (63·C through a
+   LayerNorm in a batch of 64, found by an independent review).
 
-Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation;
+Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation and the
+inputs and output gradients of the layers measured by per-example gradients (LayerNorm's are small);
 time is about one forward, one backward and the input-gradient half of another (plus the norms' own work).
 Up to pl_dp 0.2 the first pass also computed, and dropped, every parameter gradient: about half of a backward
 (``benchmarks/ghost_first_pass.py``). Examples whose norm is not finite are dropped: the two passes are
@@ -47,7 +54,8 @@ reduce-scatters and leaves each rank its shard of the clipped sum *over all rank
 (collectives) — a micro-batch with a non-finite norm on any rank is run again by all, without those examples, and a
 forward or loss that raises on any rank makes all abandon the pass (:class:`~pl_dp.step.seal.PassFailed`; a
 forward that raised between two layers first issues the other layers' all-gathers:
-:class:`~pl_dp.step.seal.ForwardsInStep`). Tied parameters are refused when sharded.
+:class:`~pl_dp.step.seal.ForwardsInStep`). Tied parameters are refused when sharded. Sharded, every sum comes
+from the second backward, the layers measured by per-example gradients included (open: see the privacy model).
 """
 
 from __future__ import annotations
@@ -62,9 +70,9 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
-from torch.distributed.fsdp import FSDPModule
 
 from pl_dp.errors import ConfigError
+from pl_dp.per_sample.book import Entry, layer_type, transposed_linear, weighted_sum
 from pl_dp.per_sample.gradients import (
     OPACUS_RNNS,
     BroadcastLookups,
@@ -165,18 +173,33 @@ class GhostNormModule(MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleF
         super().capture_activations_hook(module, forward_input, forward_output)
 
 
-def layer_type(module: nn.Module) -> type:
-    """The layer class ``module`` is measured as: its own, or for a layer FSDP2 sharded (whose class it swaps for
-    ``FSDP<Layer>(FSDPModule, <Layer>)``) the layer's, as Opacus' FSDP module looks its samplers up."""
-    kind = type(module)
-    return kind.__bases__[1] if isinstance(module, FSDPModule) else kind
+class KeepsPerExampleLayers:
+    """What makes the norm module of (one-process) ghost clipping keep, per hooked call of a layer it measures by
+    per-example gradients (not by a norm sampler: LayerNorm, RMSNorm, convolutions, leaf modules of raw
+    parameters), the inputs and output gradient they come from (:attr:`book`): those layers' clipped sums are made
+    of the per-example gradients whose norms set the clip weights (:mod:`pl_dp.per_sample.book`), not by the second
+    backward, which would add their positions across examples."""
+
+    NORM_SAMPLERS: dict[type, Any]
+    book: list[Entry]
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module mixed in after this
+        self.book = []
+
+    def rearrange_grad_samples(
+        self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        if layer_type(module) not in self.NORM_SAMPLERS:
+            self.book.append((module, activations, backprops))
+        return activations, backprops
 
 
-def transposed_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2): ``x @ W + b`` with ``W`` stored ``[in, out]``. Told
-    by name, so that this plain-torch layer imports no ``transformers``."""
-    kind = layer_type(module)
-    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
+class PerExampleLayersNormModule(KeepsPerExampleLayers, GhostNormModule):
+    """Ghost clipping's norm module, keeping the calls of the layers it measures by per-example gradients."""
 
 
 class ShardedGhostNormModule(MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
@@ -420,6 +443,15 @@ class GhostClipping:
         modules = {m: name for name, m in net.named_modules()}
         self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, self._raw.modules, mode=self.mode)
         self._lookups = BroadcastLookups(net)
+        self._raw.keep = True
+        #: the parameters the second backward sums: those of layers measured by a norm sampler (linear layers,
+        #: embeddings: norms floored at a share of their positions' mass, :mod:`.gram`) and the tied ones
+        self._by_backward = {
+            id(p)
+            for m in net.modules()
+            if layer_type(m) in self._gsm.NORM_SAMPLERS or m in self._tied.modules
+            for p in m.parameters(recurse=False)
+        }
 
     def _check_layout(self) -> None:
         sharded = is_sharded(self.params)
@@ -432,7 +464,9 @@ class GhostClipping:
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
         """Opacus' module whose hooks record the per-example norms (the modules of tied and raw parameters skipped)."""
-        return GhostNormModule(self.net, skipped=frozenset([*self._tied.modules, *self._raw.modules]), **options)
+        return PerExampleLayersNormModule(
+            self.net, skipped=frozenset([*self._tied.modules, *self._raw.modules]), **options
+        )
 
     def clipped_sum(
         self, batch: Any, clip_fn: ClipFunction, rows: torch.Tensor | None = None
@@ -465,7 +499,10 @@ class GhostClipping:
 
     def per_example_norms(self, batch: Any) -> torch.Tensor:
         """The per-example gradient norms ‖g_i‖ (fp32) that the first pass computes, and nothing else."""
-        return self._norms(batch, batch_size_of(batch))[0].detach()
+        try:
+            return self._norms(batch, batch_size_of(batch))[0].detach()
+        finally:
+            self._take_book()
 
     def _any_nonfinite(self, finite: torch.Tensor) -> bool:
         """Whether the passes must run again without some examples (a non-finite norm)."""
@@ -488,6 +525,7 @@ class GhostClipping:
         self._tied.clear()
         self._raw.clear()
         self._targets.stop()
+        self._take_book()
 
     def _first_backward(self, losses: torch.Tensor) -> list[torch.Tensor]:
         """The first pass's backward, of Σ_i ℓ_i with the graph kept, for the norm hooks only: no parameter gradient
@@ -509,6 +547,7 @@ class GhostClipping:
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
+        self._take_book()  # what an earlier pass kept and no sum took
         for p in self.params:
             p._norm_sample = None
         gsm = self._gsm
@@ -563,12 +602,31 @@ class GhostClipping:
         return norms, losses
 
     def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
-        """Second pass, hooks off: the gradient of Σ_i c_i·ℓ_i through the kept graph is Σ_i c_i·g_i."""
+        """Second pass, hooks off: the gradient of Σ_i c_i·ℓ_i through the kept graph is Σ_i c_i·g_i, for the
+        parameters of layers measured by a norm sampler and the tied ones; every other parameter's sum is made of the
+        per-example gradients its norm came from (the first pass's book, the raw parameters' gradients), as in
+        book-keeping: the second backward would add those layers' positions across examples, and an example whose
+        positions are huge and cancel (norm 0) would absorb the others' contributions (63·C through a LayerNorm,
+        found by an independent review)."""
+        book, raw = self._take_book()
+        weights = weights.detach().float()
+        direct = [p for p in self.params if id(p) in self._by_backward]
         with torch.enable_grad(), _full_precision(self.params[0].device):  # autocast would reach the backward's ops
-            grads = torch.autograd.grad((weights.detach() * losses).sum(), self.params, allow_unused=True)
-        return [
-            torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for p, g in zip(self.params, grads)
-        ]
+            grads = torch.autograd.grad((weights * losses).sum(), direct, allow_unused=True) if direct else ()
+        sums: dict[int, torch.Tensor] = {id(p): g.float() for p, g in zip(direct, grads) if g is not None}
+        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+            parts = [weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights) for entry in book]
+            parts.append({p: torch.einsum("b,b...->...", weights, g) for p, g in raw.items()})
+        for part in parts:
+            for p, total in part.items():
+                sums[id(p)] = total if id(p) not in sums else sums[id(p)].add_(total)
+        return [sums.get(id(p), torch.zeros_like(p, dtype=torch.float32)) for p in self.params]
+
+    def _take_book(self) -> tuple[list[Entry], dict[nn.Parameter, torch.Tensor]]:
+        """What the first pass kept for the sums made of per-example gradients (taken: it is not kept after)."""
+        book, raw = getattr(self._gsm, "book", []), self._raw.grads
+        self._gsm.book, self._raw.grads = [], {}
+        return book, raw
 
 
 class ShardedGhostClipping(GhostClipping):

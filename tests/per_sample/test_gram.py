@@ -199,32 +199,24 @@ class _PositionWise(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        self.layer = {"layer_norm": nn.LayerNorm(4), "rms_norm": nn.RMSNorm(4), "conv": nn.Conv1d(4, 4, 1)}[kind]
+        if kind == "layer_scale":  # a raw parameter beside a (frozen) layer: its gradient comes from the graph
+            self.layer, self.gamma = nn.Linear(4, 4).requires_grad_(False), nn.Parameter(torch.ones(4))
+        else:
+            self.layer = {"layer_norm": nn.LayerNorm(4), "rms_norm": nn.RMSNorm(4), "conv": nn.Conv1d(4, 4, 1)}[kind]
 
     def forward(self, x):
+        if self.kind == "layer_scale":
+            return self.gamma * self.layer(x)
         return self.layer(x.transpose(1, 2)).transpose(1, 2) if self.kind == "conv" else self.layer(x)
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "bk",
-        pytest.param(
-            "ghost",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="open: ghost clipping's second backward adds these layers' positions across examples, and "
-                "their norms are not floored (docs/privacy-model.md, 'Ghost norms and cancellation')",
-            ),
-        ),
-    ],
-)
-@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "conv"])
-def test_layers_measured_by_per_example_gradients_cannot_be_absorbed_under_book_keeping(mode, kind):
-    """Book-keeping adds a LayerNorm's, an RMSNorm's or a convolution's clipped per-example gradients, not their
-    positions: an example whose positions ±2⁴⁰·e₀ cancel moves the release of 16 examples by at most C. Ghost
-    clipping's second backward adds the positions across examples, unfloored: 15, 7 and 8.7·C (an independent
-    review)."""
+@pytest.mark.parametrize("mode", ENGINES)
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "conv", "layer_scale"])
+def test_layers_measured_by_per_example_gradients_are_summed_per_example(mode, kind):
+    """A LayerNorm's, an RMSNorm's, a convolution's or a LayerScale's sum is made of its clipped per-example
+    gradients, not of its positions added across examples: an example whose positions ±2⁴⁰·e₀ cancel moves the
+    release of 16 examples by at most C. Ghost clipping took these sums from its second backward: 15, 7, 8.7 and
+    7·C (an independent review)."""
     clip, scale, size = ClipFunction("constant", 1.0), 2.0**40, 16
     inputs = torch.zeros(size, 2, 4)
     inputs[:, :, 0], inputs[:, :, 1] = 1.0, -1.0

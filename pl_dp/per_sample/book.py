@@ -1,0 +1,85 @@
+"""What book-keeping keeps of a layer's call (its inputs and output gradient), and the per-example gradients and
+their weighted sum Σ_i c_i·g_i computed from it.
+
+Bu, Wang, Zha & Karypis, 2023, "Differentially Private Optimization on Large Model at Small Cost" (ICML), Alg. 1:
+a layer's weight gradient is a contraction of what it saw in the forward and backward, so once the clip weights
+c_i are known its clipped sum needs no second backward. :mod:`pl_dp.per_sample.bk` computes every layer's sum this
+way; :mod:`pl_dp.per_sample.ghost` the sums of the layers it measures by per-example gradients (LayerNorm, RMSNorm,
+convolutions), whose positions a second backward would add across examples unfloored
+(:mod:`pl_dp.per_sample.gram`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+#: what the book keeps of one call of a layer: the layer, its inputs, its output gradient (batch first)
+Entry = tuple[nn.Module, list[torch.Tensor], torch.Tensor]
+
+
+def layer_type(module: nn.Module) -> type:
+    """The layer class ``module`` is measured as: its own, or for a layer FSDP2 sharded (whose class it swaps for
+    ``FSDP<Layer>(FSDPModule, <Layer>)``) the layer's, as Opacus' FSDP module looks its samplers up."""
+    kind = type(module)
+    return kind.__bases__[1] if isinstance(module, FSDPModule) else kind
+
+
+def transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2): ``x @ W + b`` with ``W`` stored ``[in, out]``. Told
+    by name, so that this plain-torch layer imports no ``transformers``."""
+    kind = layer_type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
+
+
+def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[nn.Parameter, torch.Tensor]:
+    """The per-example gradients ``[B, *p.shape]`` of one kept call's trainable parameters, from Opacus' sampler of
+    its layer (``samplers``: its registry; ``torch.func`` for a leaf module of raw parameters), the ``padding_idx``
+    row of an embedding at zero as autograd leaves it."""
+    module, activations, backprops = entry
+    sampler = samplers.get(layer_type(module), ft_compute_per_sample_gradient)
+    grads = {p: g for p, g in sampler(module, activations, backprops).items() if p.requires_grad}
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None and module.weight in grads:
+        grads[module.weight][:, module.padding_idx] = 0
+    return grads
+
+
+def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Σ_i c_i·g_i of one kept call's trainable parameters (fp32), ``weights`` the clip weights c_i (see the module
+    docstring): a contraction for ``nn.Linear`` and ``nn.Embedding``, the weighted per-example gradients otherwise.
+    The contraction is for those exact classes only, as their norm samplers are: a subclass's ``forward`` may do more
+    after the layer's own (scale its output, as muP read-outs and BART's scaled embeddings do), which the kept
+    output gradient has already gone through — its sum comes from the per-example gradients its norm was taken of."""
+    module, activations, backprops = entry
+    transposed = transposed_linear(module)
+    kind = layer_type(module)
+    if kind is nn.Linear or transposed:  # the rows' weights c_i scale the narrower of the two factors
+        out = backprops.float().reshape(-1, backprops.shape[-1])
+        rows = weights.repeat_interleave(out.shape[0] // max(len(weights), 1))
+        inputs = activations[0].float().reshape(out.shape[0], -1)
+        sums = {}
+        if module.bias is not None and module.bias.requires_grad:
+            sums[module.bias] = rows @ out
+        if module.weight.requires_grad:
+            if out.shape[1] <= inputs.shape[1]:
+                out = out * rows[:, None]
+            else:
+                inputs = inputs * rows[:, None]
+            sums[module.weight] = inputs.T @ out if transposed else out.T @ inputs
+        return sums
+    if kind is nn.Embedding:  # autograd's own lookup backward (padding_idx row left at zero), which reads no weight
+        scaled = backprops.float() * weights.view(-1, *[1] * (backprops.dim() - 1))
+        ids = activations[0]
+        padding = -1 if module.padding_idx is None else module.padding_idx
+        grad = torch.ops.aten.embedding_dense_backward(
+            scaled.reshape(*ids.shape, -1), ids, module.num_embeddings, padding, False
+        )
+        return {module.weight: grad}
+    return {
+        p: torch.einsum("b,b...->...", weights, g.float()) for p, g in per_example_gradients(samplers, entry).items()
+    }
