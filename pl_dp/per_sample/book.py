@@ -56,6 +56,8 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
     after the layer's own (scale its output, as muP read-outs and BART's scaled embeddings do), which the kept
     output gradient has already gone through — its sum comes from the per-example gradients its norm was taken of."""
     module, activations, backprops = entry
+    if backprops.shape[0] != len(weights):  # refused with the layer named after the first pass; never broadcast
+        raise RuntimeError(f"a kept call of {type(module).__name__} has {backprops.shape[0]} rows, not one per example")
     transposed = transposed_linear(module)
     kind = layer_type(module)
     if kind is nn.Linear or transposed:  # the rows' weights c_i scale the narrower of the two factors

@@ -229,3 +229,28 @@ def test_layers_measured_by_per_example_gradients_are_summed_per_example(mode, k
         sums, _, _ = ENGINES[mode](_PositionWise(kind), _planted_loss).clipped_sum((inputs[rows], planted[rows]), clip)
         releases.append(torch.cat([s.reshape(-1) for s in sums]))
     assert float((releases[0] - releases[1]).norm()) <= 1.0 + 1e-3
+
+
+class _SharedWithAToken(nn.Module):
+    """One LayerNorm applied to a learned token (``[1, 1, d]``, then broadcast over the batch) and to the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.token, self.norm, self.head = nn.Parameter(torch.randn(1, 1, 4)), nn.LayerNorm(4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        token = self.norm(self.token).expand(x.shape[0], 1, 4)
+        return self.head(torch.cat([token, self.norm(x)], 1).mean(1))
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_a_layer_called_on_a_tensor_shared_by_the_batch_is_refused(mode):
+    """Opacus adds the gradient of a call on a ``[1, …]`` tensor into the first example's row, so the layer's norms
+    and rows are not per example (and a weighted sum of rows broadcast that one row over the batch: 18,378·C moved
+    by one example, found by an independent review): refused at the first batch, the layer named."""
+    torch.manual_seed(0)
+    engine = ENGINES[mode](
+        _SharedWithAToken(), lambda net, batch: nn.functional.cross_entropy(net(batch[0]), batch[1], reduction="none")
+    )
+    with pytest.raises(RuntimeError, match=r"\['norm'\].*one input for the whole batch"):
+        engine.clipped_sum((torch.randn(5, 3, 4), torch.randint(0, 3, (5,))), ClipFunction("constant", 1.0))
