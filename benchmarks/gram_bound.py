@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ghost_first_pass import _loss_of, make_case  # noqa: E402
+from ghost_first_pass import _loss_of, _write, make_case  # noqa: E402
 
 from pl_dp.per_sample import BookKeeping, gram  # noqa: E402
 from pl_dp.privacy import ClipFunction  # noqa: E402
@@ -153,18 +152,7 @@ def main() -> None:
             f"{r['clipped_sum_float64_ms']:>8.1f} {r['clipped_sum_fp32_ms']:>8.1f} "
             f"{r['float64_over_fp32']:>6.3f} {r['non_private_ms']:>12.1f}"
         )
-    result = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "rounds": rounds,
-        "load_average_start": load_start,
-        "load_average_end": load_end,
-        "rows": rows,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    _write(args.json, rounds, load_start, load_end, rows)
 
 
 if __name__ == "__main__":

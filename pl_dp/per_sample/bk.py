@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pl_dp.per_sample.book import Entry, per_example_gradients, weighted_sum
+from pl_dp.per_sample.book import Entry, KeepsBook, per_example_gradients, weighted_sum
 from pl_dp.per_sample.ghost import (
     GhostClipping,
     GhostNormModule,
@@ -74,26 +74,6 @@ from pl_dp.step.batches import batch_size_of
 from pl_dp.step.losses import PerSampleLoss
 from pl_dp.step.passes import ShardedPasses
 from pl_dp.step.shards import layout_of, local, sum_over_ranks_
-
-
-class KeepsBook:
-    """What makes a ghost clipping norm module book-keeping's: it keeps, per hooked call, the inputs and output
-    gradient its norm was computed from (:attr:`book`)."""
-
-    book: list[Entry]
-
-    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
-        super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module mixed in after this
-        self.book = []
-
-    def rearrange_grad_samples(
-        self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
-            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
-        )
-        self.book.append((module, activations, backprops))
-        return activations, backprops
 
 
 class BookKeepingNormModule(WithRMSNormSamplers, KeepsBook, GhostNormModule):

@@ -37,6 +37,31 @@ def transposed_linear(module: nn.Module) -> bool:
     return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
 
 
+class KeepsBook:
+    """Mixin for Opacus' norm modules: keeps, per hooked call of a layer it :meth:`keeps`, the inputs and output
+    gradient its norm was computed from (:attr:`book`), for a clipped sum made of those per-example quantities."""
+
+    book: list[Entry]
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module mixed in after this
+        self.book = []
+
+    def keeps(self, module: nn.Module) -> bool:
+        """Whether the calls of ``module`` go in the book (every hooked layer's here)."""
+        return True
+
+    def rearrange_grad_samples(
+        self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        if self.keeps(module):
+            self.book.append((module, activations, backprops))
+        return activations, backprops
+
+
 def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[nn.Parameter, torch.Tensor]:
     """The per-example gradients ``[B, *p.shape]`` of one kept call's trainable parameters, from Opacus' sampler of
     its layer (``samplers``: its registry; ``torch.func`` for a leaf module of raw parameters), the ``padding_idx``

@@ -72,7 +72,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pl_dp.errors import ConfigError
-from pl_dp.per_sample.book import Entry, layer_type, transposed_linear, weighted_sum
+from pl_dp.per_sample.book import Entry, KeepsBook, layer_type, transposed_linear, weighted_sum
 from pl_dp.per_sample.gradients import (
     OPACUS_RNNS,
     BroadcastLookups,
@@ -173,29 +173,17 @@ class GhostNormModule(MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleF
         super().capture_activations_hook(module, forward_input, forward_output)
 
 
-class KeepsPerExampleLayers:
+class KeepsPerExampleLayers(KeepsBook):
     """What makes the norm module of (one-process) ghost clipping keep, per hooked call of a layer it measures by
     per-example gradients (not by a norm sampler: LayerNorm, RMSNorm, convolutions, leaf modules of raw
-    parameters), the inputs and output gradient they come from (:attr:`book`): those layers' clipped sums are made
-    of the per-example gradients whose norms set the clip weights (:mod:`pl_dp.per_sample.book`), not by the second
+    parameters), the inputs and output gradient they come from: those layers' clipped sums are made of the
+    per-example gradients whose norms set the clip weights (:mod:`pl_dp.per_sample.book`), not by the second
     backward, which would add their positions across examples."""
 
     NORM_SAMPLERS: dict[type, Any]
-    book: list[Entry]
 
-    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
-        super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module mixed in after this
-        self.book = []
-
-    def rearrange_grad_samples(
-        self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
-            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
-        )
-        if layer_type(module) not in self.NORM_SAMPLERS:
-            self.book.append((module, activations, backprops))
-        return activations, backprops
+    def keeps(self, module: nn.Module) -> bool:
+        return layer_type(module) not in self.NORM_SAMPLERS
 
 
 class PerExampleLayersNormModule(KeepsPerExampleLayers, GhostNormModule):
