@@ -581,7 +581,8 @@ class GhostClipping:
                 "module's forward), or their layer's input has a shape its norm sampler does not handle. Use "
                 "per_sample='hooks' or 'functorch'."
             )
-        refuse_rows_not_examples(not_per_example + self._calls_not_on_the_batch(size), size, "gradient norms")
+        self._refuse_calls_not_on_the_batch(size)
+        refuse_rows_not_examples(not_per_example, size, "gradient norms")
         with _full_precision(self.params[0].device):
             norms = gsm.get_norm_sample().float()  # ‖g_i‖ over all trainable parameters
         gsm.per_sample_gradient_norms = None  # Opacus keeps them: un-noised per-example values of the batch
@@ -610,12 +611,19 @@ class GhostClipping:
                 sums[id(p)] = total if id(p) not in sums else sums[id(p)].add_(total)
         return [sums.get(id(p), torch.zeros_like(p, dtype=torch.float32)) for p in self.params]
 
-    def _calls_not_on_the_batch(self, size: int) -> list[str]:
-        """The kept layers called on a tensor whose first dimension is not the batch's (a layer shared between the
-        batch and a learned token broadcast over it): Opacus adds such a call's gradient into the first example's
+    def _refuse_calls_not_on_the_batch(self, size: int) -> None:
+        """Refuse the kept layers called on a tensor whose first dimension is not the batch's (a layer shared between
+        the batch and a learned token broadcast over it): Opacus adds such a call's gradient into the first example's
         row, so neither its norms nor a sum of its rows would be per example (18,378·C moved, found by review)."""
         book = getattr(self._gsm, "book", [])
-        return sorted({self._gsm.layer_names.get(m, "?") for m, _, grads in book if grads.shape[0] != size})
+        names = sorted({self._gsm.layer_names.get(m, "?") for m, _, grads in book if grads.shape[0] != size})
+        if names:
+            raise RuntimeError(
+                f"per_sample={self.mode!r} cannot clip {names}: called in one forward on the batch ({size} examples) "
+                "and on a tensor the batch shares (e.g. a learned token normalized before it is broadcast), whose "
+                "gradient Opacus' hooks add to the first example's. Apply the layer after broadcasting, or use "
+                "per_sample='functorch' (each example's gradient computed alone)."
+            )
 
     def _take_book(self) -> tuple[list[Entry], dict[nn.Parameter, torch.Tensor]]:
         """What the first pass kept for the sums made of per-example gradients (taken: it is not kept after)."""
@@ -708,8 +716,8 @@ class ShardedGhostClipping(GhostClipping):
             clear_hook_state(self.net, self.params)
         if missed:
             raise RuntimeError(f"Opacus' FSDP ghost-clipping hooks recorded no per-example norm for {missed}.")
-        wrong = ([] if norms.shape == (size,) else ["the net"]) + self._calls_not_on_the_batch(size)
-        refuse_rows_not_examples(wrong, size, "gradient norms")
+        self._refuse_calls_not_on_the_batch(size)
+        refuse_rows_not_examples([] if norms.shape == (size,) else ["the net"], size, "gradient norms")
         return norms, losses
 
     def _any_nonfinite(self, finite: torch.Tensor) -> bool:
