@@ -581,8 +581,7 @@ class GhostClipping:
                 "module's forward), or their layer's input has a shape its norm sampler does not handle. Use "
                 "per_sample='hooks' or 'functorch'."
             )
-        self._refuse_calls_not_on_the_batch(size)
-        refuse_rows_not_examples(not_per_example, size, "gradient norms")
+        self._refuse_calls_not_on_the_batch(not_per_example, size)
         with _full_precision(self.params[0].device):
             norms = gsm.get_norm_sample().float()  # ‖g_i‖ over all trainable parameters
         gsm.per_sample_gradient_norms = None  # Opacus keeps them: un-noised per-example values of the batch
@@ -611,19 +610,32 @@ class GhostClipping:
                 sums[id(p)] = total if id(p) not in sums else sums[id(p)].add_(total)
         return [sums.get(id(p), torch.zeros_like(p, dtype=torch.float32)) for p in self.params]
 
-    def _refuse_calls_not_on_the_batch(self, size: int) -> None:
-        """Refuse the kept layers called on a tensor whose first dimension is not the batch's (a layer shared between
-        the batch and a learned token broadcast over it): Opacus adds such a call's gradient into the first example's
-        row, so neither its norms nor a sum of its rows would be per example (18,378·C moved, found by review)."""
+    def _calls_not_on_the_batch(self, size: int, *, fewer: bool = False) -> list[str]:
+        """The kept layers called on a tensor whose first dimension is not the batch's (``fewer``: smaller than the
+        batch's — a tensor the batch shares)."""
         book = getattr(self._gsm, "book", [])
-        names = sorted({self._gsm.layer_names.get(m, "?") for m, _, grads in book if grads.shape[0] != size})
-        if names:
+        return sorted(
+            {
+                self._gsm.layer_names.get(m, "?")
+                for m, _, grads in book
+                if (grads.shape[0] < size if fewer else grads.shape[0] != size)
+            }
+        )
+
+    def _refuse_calls_not_on_the_batch(self, not_per_example: list[str], size: int) -> None:
+        """Refuse the parameters ``not_per_example`` and the kept layers called on a tensor whose first dimension is
+        not the batch's. A layer shared between the batch and a learned token broadcast over it gets that call's
+        gradient added to the first example's row by Opacus, so neither its norms nor a sum of its rows would be per
+        example (18,378·C moved, found by review)."""
+        shared = self._calls_not_on_the_batch(size, fewer=True)
+        if shared:
             raise RuntimeError(
-                f"per_sample={self.mode!r} cannot clip {names}: called in one forward on the batch ({size} examples) "
-                "and on a tensor the batch shares (e.g. a learned token normalized before it is broadcast), whose "
-                "gradient Opacus' hooks add to the first example's. Apply the layer after broadcasting, or use "
-                "per_sample='functorch' (each example's gradient computed alone)."
+                f"per_sample={self.mode!r} cannot clip {shared}: called in one forward on the batch ({size} "
+                "examples) and on a tensor the batch shares (e.g. a learned token normalized before it is "
+                "broadcast), whose gradient Opacus' hooks add to the first example's. Apply the layer after "
+                "broadcasting, or use per_sample='functorch' (each example's gradient computed alone)."
             )
+        refuse_rows_not_examples(not_per_example + self._calls_not_on_the_batch(size), size, "gradient norms")
 
     def _take_book(self) -> tuple[list[Entry], dict[nn.Parameter, torch.Tensor]]:
         """What the first pass kept for the sums made of per-example gradients (taken: it is not kept after)."""
@@ -716,8 +728,7 @@ class ShardedGhostClipping(GhostClipping):
             clear_hook_state(self.net, self.params)
         if missed:
             raise RuntimeError(f"Opacus' FSDP ghost-clipping hooks recorded no per-example norm for {missed}.")
-        self._refuse_calls_not_on_the_batch(size)
-        refuse_rows_not_examples([] if norms.shape == (size,) else ["the net"], size, "gradient norms")
+        self._refuse_calls_not_on_the_batch([] if norms.shape == (size,) else ["the net"], size)
         return norms, losses
 
     def _any_nonfinite(self, finite: torch.Tensor) -> bool:
