@@ -72,8 +72,7 @@ from pl_dp.per_sample.ghost import (
 from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.losses import PerSampleLoss
-from pl_dp.step.passes import ShardedPasses
-from pl_dp.step.shards import layout_of, local, sum_over_ranks_
+from pl_dp.step.shards import local
 
 
 class BookKeepingNormModule(WithRMSNormSamplers, KeepsBook, GhostNormModule):
@@ -203,10 +202,6 @@ class ShardedBookKeeping(BookKeeping, ShardedGhostClipping):
     check: the same examples on every rank), returns this rank's blocks of the per-example gradients, formed one
     layer at a time."""
 
-    def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, *, passes: ShardedPasses) -> None:
-        super().__init__(net, loss_fn, passes=passes)
-        self._layouts = {p: layout_of(name, p) for name, p in zip(self.names, self.params)}
-
     def _norm_module(self, options: dict[str, Any]) -> GhostNormModule:
         return ShardedBookKeepingNormModule(self.net, **options)
 
@@ -220,8 +215,7 @@ class ShardedBookKeeping(BookKeeping, ShardedGhostClipping):
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
             weights = None if zeroed is not None else weights.detach().float()
             for p, whole_sum in zip(self.params, self._sums(weights)):
-                summed = sum_over_ranks_(whole_sum, self._layouts[p].group)
-                blocks.append(self._rows_held(p, summed[None])[0].clone())
+                blocks.append(self._block_over_ranks(p, whole_sum))
         self._reached = []
         return blocks
 

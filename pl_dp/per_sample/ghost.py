@@ -54,8 +54,10 @@ reduce-scatters and leaves each rank its shard of the clipped sum *over all rank
 (collectives) — a micro-batch with a non-finite norm on any rank is run again by all, without those examples, and a
 forward or loss that raises on any rank makes all abandon the pass (:class:`~pl_dp.step.seal.PassFailed`; a
 forward that raised between two layers first issues the other layers' all-gathers:
-:class:`~pl_dp.step.seal.ForwardsInStep`). Tied parameters are refused when sharded. Sharded, every sum comes
-from the second backward, the layers measured by per-example gradients included (open: see the privacy model).
+:class:`~pl_dp.step.seal.ForwardsInStep`). Tied parameters are refused when sharded. Sharded, the layers measured
+by per-example gradients are kept out of the second backward's sums as on one process: each rank makes their sums
+of its examples from its book, and they are added over the ranks one parameter at a time (every rank in the same
+order), of which each rank keeps its block.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
 from pl_dp.step.passes import ShardedPasses
-from pl_dp.step.shards import is_sharded, local
+from pl_dp.step.shards import is_sharded, layout_of, local, sum_over_ranks_
 
 
 class MeasuresLinearLayers:
@@ -192,6 +194,12 @@ class PerExampleLayersNormModule(KeepsPerExampleLayers, GhostNormModule):
 
 class ShardedGhostNormModule(MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
     """Opacus' fast-gradient-clipping module for FSDP2, recording in eval mode too: norms are kept on each layer."""
+
+
+class PerExampleLayersShardedNormModule(KeepsPerExampleLayers, ShardedGhostNormModule):
+    """Sharded ghost clipping's norm module, keeping the calls of the layers it measures by per-example gradients
+    (each entry holds the layer as FSDP2 gathered it for its backward, and this rank's examples' inputs and output
+    gradients)."""
 
 
 class _NormsOnly:
@@ -647,7 +655,8 @@ class GhostClipping:
 class ShardedGhostClipping(GhostClipping):
     """Ghost clipping of a net sharded by FSDP2 (see the module's docstring): every rank runs the same passes, the
     first computes no parameter gradient, the second's ``backward`` leaves each rank its shard of the clipped sum over
-    all ranks. ``passes`` is what the passes of the step share (:class:`~pl_dp.step.passes.ShardedPasses`: the guard
+    all ranks for the layers measured by a norm sampler, and the other layers' sums are made of per-example gradients
+    and added over the ranks (:meth:`_weighted_sum`). ``passes`` is what the passes of the step share (:class:`~pl_dp.step.passes.ShardedPasses`: the guard
     that keeps the ranks' forwards in step, the padding example). Parameters tied across modules are refused.
     """
 
@@ -675,9 +684,10 @@ class ShardedGhostClipping(GhostClipping):
         self._reached: list[torch.Tensor] = []  # the leaves the last first pass's graph reaches
         super().__init__(net, loss_fn)
         self._targets.watch_gathered()
+        self._layouts = {p: layout_of(name, p) for name, p in zip(self.names, self.params)}
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
-        return ShardedGhostNormModule(self.net, **options)
+        return PerExampleLayersShardedNormModule(self.net, **options)
 
     def _norms(self, batch: Any, size: int, padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass, sharded: ``backward`` of Σ_i ℓ_i with the graph kept and no reduce-scatter (the unclipped
@@ -685,6 +695,7 @@ class ShardedGhostClipping(GhostClipping):
         un-noised per-example values). A loss that raises on any rank makes every rank raise
         :class:`~pl_dp.step.seal.PassFailed` before the backward — or, raised by the padding example (a net or loss
         broken for a fixed non-private example), a ``RuntimeError`` on every rank."""
+        self._take_book()  # what an earlier pass kept and no sum took
         gsm = self._gsm
         holders = {
             id(p): (f"{prefix}.{name}" if prefix else name, m)
@@ -759,7 +770,13 @@ class ShardedGhostClipping(GhostClipping):
         self, losses: torch.Tensor, weights: torch.Tensor, zeroed: list[torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
         """Second pass, sharded: ``backward`` of Σ_i c_i·ℓ_i, whose reduce-scatter leaves this rank its shard of
-        Σ_i c_i·g_i over every rank's examples; the gradients of the leaves ``zeroed`` are set to 0 first."""
+        Σ_i c_i·g_i over every rank's examples, for the parameters of the layers measured by a norm sampler (the
+        gradients of the leaves ``zeroed`` are set to 0 first). The other parameters' sums are made of the
+        per-example gradients their norms came from (the first pass's book; zeros for ``zeroed``, the padding
+        example's, which may be non-finite), summed over the ranks one parameter at a time in the parameters'
+        order, of which this rank keeps its block — as one process does, and for the same reason (see
+        :meth:`GhostClipping._weighted_sum`)."""
+        book, _ = self._take_book()
         for p in self.params:
             p.grad = None
         handles = [leaf.register_hook(torch.zeros_like) for leaf in zeroed or () if leaf.requires_grad]
@@ -770,13 +787,31 @@ class ShardedGhostClipping(GhostClipping):
             for handle in handles:
                 handle.remove()
             self._reached = []
-        sums = [
-            torch.zeros_like(local(p), dtype=torch.float32) if p.grad is None else local(p.grad).float()
-            for p in self.params
-        ]
-        for p in self.params:
+        from_book: dict[int, torch.Tensor] = {}
+        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+            for entry in book if zeroed is None else ():
+                for p, total in weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights.detach().float()).items():
+                    from_book[id(p)] = total if id(p) not in from_book else from_book[id(p)].add_(total)
+        del book
+        sums = []
+        for p in self.params:  # the second backward's gradient of a parameter summed from the book is not used
+            if id(p) not in self._by_backward:
+                whole_sum = from_book.pop(id(p), None)
+                zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                sums.append(self._block_over_ranks(p, zeros if whole_sum is None else whole_sum))
+            elif p.grad is None:
+                sums.append(torch.zeros_like(local(p), dtype=torch.float32))
+            else:
+                sums.append(local(p.grad).float())
             p.grad = None
         return sums
+
+    def _block_over_ranks(self, param: nn.Parameter, whole_sum: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``whole_sum`` — a sum over this rank's examples, whole-shaped — summed over the ranks
+        (an all-reduce that every rank calls, for the same parameters in the same order)."""
+        layout = self._layouts[param]
+        summed = sum_over_ranks_(whole_sum, layout.group)
+        return summed[slice(*layout.rows)].clone() if param.dim() else summed
 
 
 def batch_dependent_layers(net: nn.Module) -> list[str]:

@@ -61,6 +61,8 @@ def _worker(rank: int, mesh, results: dict) -> None:
     finally:
         dist.reduce_scatter_single, _fsdp_param_group.foreach_reduce = original, foreach_reduce
     results[f"norms match on rank {rank}"] = torch.allclose(norms, alone.per_example_norms(batch), rtol=1e-6)
+    for mode in MODES:
+        results[f"{mode}: moved by one example on rank {rank}"] = _moved_by_an_absorbing_example(mode, rank, mesh)
     if rank == 0:
         results["first pass"] = first
         results["first pass, FSDP reductions"] = first_reduced
@@ -68,6 +70,34 @@ def _worker(rank: int, mesh, results: dict) -> None:
         results["second pass"] = len(sent) - first
         results["largest norm"] = float(norms.max())
         results["largest sent"] = max(float(t.norm()) for t in sent[first:])
+
+
+def _planted_loss(net, batch):
+    inputs, planted = batch
+    return (net(inputs) * planted).sum((1, 2))
+
+
+def _moved_by_an_absorbing_example(mode: str, rank: int, mesh) -> float:
+    """How far one example moves the release of a LayerNorm over 16 examples, 8 per rank: each adds about C·e₀ to
+    the weight at one position, but rank 0's last one has positions whose output gradients ±2⁴⁰·e₀ cancel (its
+    gradient is 0, its norm 0, its clip weight 1) — against the same batch with that example's output gradients 0."""
+    inputs = torch.zeros(8, 2, 4)
+    inputs[:, :, 0], inputs[:, :, 1] = 1.0, -1.0
+    planted = torch.zeros(8, 2, 4)
+    planted[:, 0, 0] = 1.0
+    releases = []
+    for absorbing in (2.0**40, 0.0):
+        if rank == 0:
+            planted[-1, 0, 0], planted[-1, 1, 0] = absorbing, -absorbing
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.LayerNorm(4))
+        shard(net, mesh)
+        engine = get_per_sample_mode(mode).build(net, _planted_loss, ShardedPasses(_most_over_ranks))
+        sums, _, _ = engine.clipped_sum((inputs, planted), ClipFunction("constant", 1.0))
+        releases.append(torch.cat([s.reshape(-1) for s in sums]))
+    squared = (releases[0] - releases[1]).square().sum()
+    dist.all_reduce(squared)  # each rank holds its block of each parameter's sum
+    return float(squared.sqrt())
 
 
 #: ``on_two_ranks(_worker)``, started in the background when the session starts (tests/background.py)
@@ -86,6 +116,17 @@ def test_the_first_pass_sends_no_unclipped_gradient():
     assert results["largest sent"] <= 4 * 1.0 + 1e-5  # a clipped sum of 4 examples, each at most C
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_an_example_whose_positions_cancel_cannot_absorb_the_others_in_a_sharded_release(mode):
+    """A LayerNorm's sum is made of its clipped per-example gradients on a sharded net too, summed over the ranks:
+    an example whose positions ±2⁴⁰·e₀ cancel (norm 0) moves the release of 16 examples by at most C. Sharded ghost
+    clipping took this sum from its second backward, whose fp32 reduction over the rank's positions the example's
+    first position swallowed its rank's other 7 examples' contributions in (7·C moved)."""
+    results = two_ranks.results(RANKS)
+    for rank in (0, 1):
+        assert results[f"{mode}: moved by one example on rank {rank}"] <= 1.0 + 1e-3
+
+
 def _root_of_first_logit(net, batch):
     """Cross-entropy plus √|first logit|: finite at every input, its gradient infinite where that logit is 0."""
     inputs, labels = batch
@@ -101,7 +142,7 @@ def _padding_worker(rank: int, mesh, results: dict) -> None:
     parts = [] if rank == 0 else [example]  # rank 0 sampled nothing: it runs the padding example at weight 0
     for mode in MODES:
         torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
+        net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.LayerNorm(4), nn.Linear(4, 2, bias=False))
         alone = get_per_sample_mode(mode).build(copy.deepcopy(net), _root_of_first_logit, None)
         shard(net, mesh)
         engine = get_per_sample_mode(mode).build(net, _root_of_first_logit, passes)
@@ -130,8 +171,8 @@ PADDING = two_ranks.job("ghost_sharded_padding", _padding_worker)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_release(mode):
     """A rank with no examples runs the padding example at weight 0; its gradient is non-finite (0·∞ would be NaN):
-    the release is the other rank's example's clipped gradient alone, finite — ghost clipping's second backward and
-    book-keeping's sum over the ranks alike."""
+    the release is the other rank's example's clipped gradient alone, finite — ghost clipping's second backward,
+    the LayerNorm's sum over the ranks of its per-example gradients and book-keeping's alike."""
     results = two_ranks.results(PADDING)
     padding_norm = results[f"{mode}: padding norm on rank 0"]
     assert padding_norm != padding_norm  # NaN: what a padding pass meets
