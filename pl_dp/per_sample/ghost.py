@@ -90,7 +90,7 @@ from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
 from pl_dp.step.passes import ShardedPasses
-from pl_dp.step.shards import is_sharded, layout_of, local, sum_over_ranks_
+from pl_dp.step.shards import half_precision_policies, is_sharded, layout_of, local, sum_over_ranks_
 
 
 class MeasuresLinearLayers:
@@ -420,6 +420,16 @@ class GhostClipping:
                 "bound. Load the model in fp32 (Trainer(precision='bf16-mixed') keeps fp32 weights) or use "
                 "per_sample='hooks'."
             )
+        policies = half_precision_policies(net)
+        if policies:
+            raise ConfigError(
+                f"per_sample={self.mode!r} needs its passes to compute in fp32, but FSDP2 shards {policies[:3]} "
+                "under a half-precision MixedPrecisionPolicy: the norms would be taken of half-precision gradients "
+                "and the clipped sum rounded or reduced in half precision, which lets one example move it by more "
+                "than the clip bound (1.005·C, found by an independent review). Shard without a half-precision "
+                "mp_policy (pl_dp shards the net itself when its configure_model does not); under "
+                "Trainer(precision='bf16-mixed') the passes turn autocast off and run in fp32."
+            )
         refuse_unsupported_layers(net, self.mode)
         shared = unsupported_ties(net)
         if shared:
@@ -656,8 +666,9 @@ class ShardedGhostClipping(GhostClipping):
     """Ghost clipping of a net sharded by FSDP2 (see the module's docstring): every rank runs the same passes, the
     first computes no parameter gradient, the second's ``backward`` leaves each rank its shard of the clipped sum over
     all ranks for the layers measured by a norm sampler, and the other layers' sums are made of per-example gradients
-    and added over the ranks (:meth:`_weighted_sum`). ``passes`` is what the passes of the step share (:class:`~pl_dp.step.passes.ShardedPasses`: the guard
-    that keeps the ranks' forwards in step, the padding example). Parameters tied across modules are refused.
+    and added over the ranks (:meth:`_weighted_sum`). ``passes`` is what the passes of the step share
+    (:class:`~pl_dp.step.passes.ShardedPasses`: the guard that keeps the ranks' forwards in step, the padding
+    example). Parameters tied across modules are refused.
     """
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, *, passes: ShardedPasses) -> None:

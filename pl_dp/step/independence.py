@@ -59,6 +59,7 @@ from pl_dp.errors import ConfigError, IndependenceError
 from pl_dp.step.batches import batch_size_of, fill_rows, split_batch
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
 from pl_dp.step.seal import PlainAttributes, sealed
+from pl_dp.step.shards import half_precision_policies
 
 #: examples in the probe batch when no expected batch size is given (a BatchNorm-sized batch), and at most
 PROBE_SIZE = 8
@@ -124,9 +125,10 @@ class Release:
 
 
 def has_half_precision_parameters(net: nn.Module) -> bool:
-    """Whether a floating-point parameter of ``net`` is bf16 or fp16: its layers then round to 8 or 11 bits, whatever
+    """Whether a floating-point parameter of ``net`` is bf16 or fp16, or FSDP2 gathers some in bf16 or fp16 for the
+    forward (:func:`~pl_dp.step.shards.half_precision_policies`): its layers then round to 8 or 11 bits, whatever
     the trainer's precision."""
-    return any(p.dtype in HALF_PRECISION for p in net.parameters())
+    return any(p.dtype in HALF_PRECISION for p in net.parameters()) or bool(half_precision_policies(net))
 
 
 def batch_mixing_modules(net: nn.Module) -> list[str]:

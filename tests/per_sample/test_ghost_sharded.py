@@ -10,12 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from pl_dp.errors import ConfigError
 from pl_dp.methods.parallel import shard
 from pl_dp.per_sample import GhostClipping, ShardedGhostClipping, get_per_sample_mode
 from pl_dp.privacy.clip_functions import ClipFunction
+from pl_dp.step.independence import has_half_precision_parameters
 from pl_dp.step.losses import resolve_loss
 from pl_dp.step.passes import ShardedPasses
 from tests.distributed import two_ranks
@@ -163,6 +165,16 @@ def _padding_worker(rank: int, mesh, results: dict) -> None:
         ShardedGhostClipping(scaled, _root_of_first_logit, passes=passes)
     except ConfigError as refused:
         results[f"raw parameter on rank {rank}"] = str(refused)
+    half = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    for layer in half:
+        fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(half, mesh=mesh)
+    results[f"half-precision policy counted as half precision on rank {rank}"] = has_half_precision_parameters(half)
+    for mode in MODES:
+        try:
+            get_per_sample_mode(mode).build(half, _root_of_first_logit, passes)
+        except ConfigError as refused:
+            results[f"{mode}: half-precision policy on rank {rank}"] = str(refused)
 
 
 PADDING = two_ranks.job("ghost_sharded_padding", _padding_worker)
@@ -180,3 +192,15 @@ def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_releas
     released = torch.tensor(results[f"{mode}: released on rank 0"])
     assert torch.isfinite(released).all()
     assert torch.allclose(released, torch.tensor(results[f"{mode}: one process"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_net_sharded_with_a_half_precision_policy_is_refused(mode):
+    """A net its own code sharded with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` stores fp32 shards but
+    computes in bf16: ghost clipping and book-keeping refuse it on every rank, naming the layers (an independent
+    review measured 1.005·C released), and a zeroth-order run counts it as half precision (one batch shape)."""
+    results = two_ranks.results(PADDING)
+    for rank in (0, 1):
+        refused = results[f"{mode}: half-precision policy on rank {rank}"]
+        assert "MixedPrecisionPolicy" in refused and "0 (param_dtype=torch.bfloat16)" in refused
+        assert results[f"half-precision policy counted as half precision on rank {rank}"]
