@@ -43,6 +43,13 @@ class PaddingCollate:
     #: its batch's shapes are a function of its examples' shapes alone (the pre-flight pass relies on it)
     shapes_follow_shapes = True
 
+    @property
+    def stacks_equal_rows(self) -> bool:
+        """Whether examples of equal shapes batch as ``default_collate`` stacks them: always but with ``length``,
+        which pads integer rows (the private loader then reads a ``TensorDataset``'s rows at once; a subclass must
+        declare it again, since it may batch otherwise)."""
+        return self.length is None
+
     def __init__(self, pad_values: Mapping[str, int] | None = None, length: int | None = None) -> None:
         self.pad_values = dict(PAD_VALUES if pad_values is None else pad_values)
         if length is not None and (isinstance(length, bool) or int(length) != length or length < 1):

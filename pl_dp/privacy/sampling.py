@@ -393,6 +393,14 @@ class _Unreadable:
 UNREADABLE = _Unreadable()
 
 
+class Rows:
+    """The sampled rows of a plain ``TensorDataset``'s tensors, read at once (:class:`SealedReads` with
+    ``columns``): what stacking the examples one by one gives, in one indexing per tensor."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.tensors = tensors
+
+
 class SealedReads(Dataset):
     """The private dataset as pl_dp's private loaders read it: sampled examples are read inside
     :func:`~pl_dp.step.seal.sealed` (a warning a record's reading raises is not shown), and one whose reading
@@ -400,10 +408,13 @@ class SealedReads(Dataset):
     that fails to load (a truncated file, a random crop that does not fit) contributes nothing to that step
     instead of ending the run at the step that sampled it. ``dataset[i]`` reads directly (it raises). A dataset
     whose ``__getitems__`` returns something other than a list of examples (a dict of columns) is passed through
-    as it returns it."""
+    as it returns it. With ``columns`` (a plain ``TensorDataset`` whose collate stacks its rows:
+    :attr:`EmptySafeCollate.stacks_rows`) the sampled rows of each tensor are read at once (:class:`Rows`): a
+    ``TensorDataset``'s rows cannot fail to read."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset, *, columns: bool = False) -> None:
         self.dataset = dataset
+        self.columns = columns
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -412,6 +423,9 @@ class SealedReads(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> Any:
+        if self.columns:
+            rows = torch.as_tensor(indices, dtype=torch.long)
+            return Rows(tuple(tensor[rows] for tensor in self.dataset.tensors))  # type: ignore[attr-defined]
         with sealed():
             getitems = getattr(self.dataset, "__getitems__", None)
             if getitems is not None:
@@ -450,6 +464,12 @@ class EmptySafeCollate:
         self._empty: Any = None
         # a plain TensorDataset's examples are rows of the same tensors: one structure by construction
         self._one_structure = type(dataset) is TensorDataset
+        #: whether the batch of a plain TensorDataset's examples is its tensors' rows stacked, so that
+        #: :class:`SealedReads` may read them at once: ``default_collate``, or a collate whose own class (not a
+        #: parent's: a subclass may batch otherwise) has ``stacks_equal_rows`` and says so
+        declared = "stacks_equal_rows" in type(collate_fn).__dict__
+        stacks = collate_fn is default_collate or (declared and bool(getattr(collate_fn, "stacks_equal_rows", False)))
+        self.stacks_rows = self._one_structure and stacks
 
     def expect(self, example: Any) -> None:
         """From now on only examples of ``example``'s structure are batched, and an empty batch is ``example``'s
@@ -460,6 +480,8 @@ class EmptySafeCollate:
         self._empty = _slice_empty(self.collate_fn([example]))
 
     def __call__(self, items: Any) -> Any:
+        if isinstance(items, Rows):  # default_collate's batch of tuple examples: a list
+            return list(items.tensors)
         if not isinstance(items, list):  # a dataset's own batch (its __getitems__ returned columns)
             with sealed():
                 return self.collate_fn(items)
@@ -541,7 +563,8 @@ def poisson_loader(
     else:
         sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, seed, num_replicas, rank)
     collate = EmptySafeCollate(dataset, collate_fn)
-    loader = DataLoader(SealedReads(dataset), batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
+    reads = SealedReads(dataset, columns=collate.stacks_rows)
+    loader = DataLoader(reads, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
     # DataLoader forbids setting ``sampler`` next to ``batch_sampler``; it never iterates it
     object.__setattr__(loader, "sampler", ShardMarker(dataset, num_replicas, rank))
     return loader

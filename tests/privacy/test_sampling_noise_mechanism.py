@@ -6,8 +6,9 @@ import pickle
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate
 
+from pl_dp.data.collate import PaddingCollate
 from pl_dp.errors import PrivacyConfigError
 from pl_dp.privacy import (
     RDP,
@@ -187,6 +188,34 @@ def test_empty_poisson_batch_collates_to_zero_length_tensors():
     loader = poisson_loader(ds, 1e-9, steps_per_epoch=2)
     x, y = next(iter(loader))
     assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.long
+
+
+class _TwiceCollate(PaddingCollate):
+    """A collate that batches otherwise than it parent: it doubles the features."""
+
+    def __call__(self, examples):
+        x, *rest = super().__call__(examples)
+        return [2 * x, *rest]
+
+
+@pytest.mark.parametrize("collate", [default_collate, PaddingCollate(), PaddingCollate(length=4), _TwiceCollate()])
+def test_a_tensor_datasets_rows_read_at_once_batch_as_its_examples_read_one_by_one(collate):
+    """The private loader reads a plain TensorDataset's sampled rows with one indexing per tensor where its collate
+    stacks equal rows (``default_collate``, a ``PaddingCollate`` without a fixed length): the batches are those of the
+    examples read and collated one by one, bit for bit, empty ones included. A collate that pads integer rows to a
+    length, or a subclass that batches otherwise, gets the examples one by one."""
+    ds = TensorDataset(torch.randn(40, 3), torch.randint(0, 9, (40, 3)), torch.arange(40))
+    at_once, one_by_one = (poisson_loader(ds, 0.05, seed=3, steps_per_epoch=30, collate_fn=collate) for _ in "ab")
+    stacks = collate is default_collate or (type(collate) is PaddingCollate and collate.length is None)
+    assert at_once.dataset.columns == stacks
+    one_by_one.dataset.columns = False
+    at_once, one_by_one = list(at_once), list(one_by_one)
+    assert any(len(batch[0]) == 0 for batch in one_by_one)  # an empty batch among them
+    assert len(at_once) == len(one_by_one) == 30
+    for mine, theirs in zip(at_once, one_by_one):
+        assert type(mine) is type(theirs)
+        for a, b in zip(mine, theirs):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def test_shuffling_loader_is_refused():
