@@ -135,8 +135,9 @@ class BookKeeping(GhostClipping):
         self._book, self._raw_grads = [], {}
         turns: dict[int, list[int]] = {id(p): [] for p in self.params}
         for k, (module, _, _) in enumerate(entries):
-            for p in module.parameters(recurse=False):
-                if id(p) in turns:
+            for name, _ in module.named_parameters(recurse=False):  # by name: FSDP2 swaps shards and gathered copies
+                p = self._trained.get((module, name))
+                if p is not None:
                     turns[id(p)].append(k)
         book: list[Entry | None] = [*entries]
         del entries
@@ -146,7 +147,8 @@ class BookKeeping(GhostClipping):
             for k in turns[id(p)]:
                 entry = book[k]
                 if entry is not None:
-                    held[k], book[k] = weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights), None
+                    held[k] = self._of_trained(entry[0], weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights))
+                    book[k] = None
                 part = held[k].pop(p)
                 if not held[k]:
                     del held[k]
@@ -168,7 +170,7 @@ class BookKeeping(GhostClipping):
         grads = {p: torch.zeros((size, *local(p).shape), dtype=torch.float32, device=p.device) for p in self.params}
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
             for entry in book:
-                for p, g in per_example_gradients(self._gsm.GRAD_SAMPLERS, entry).items():
+                for p, g in self._of_trained(entry[0], per_example_gradients(self._gsm.GRAD_SAMPLERS, entry)).items():
                     grads[p] += self._rows_held(p, g.float())
             for p, g in raw.items():
                 grads[p] += g

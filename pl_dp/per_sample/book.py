@@ -62,21 +62,25 @@ class KeepsBook:
         return activations, backprops
 
 
-def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[nn.Parameter, torch.Tensor]:
-    """The per-example gradients ``[B, *p.shape]`` of one kept call's trainable parameters, from Opacus' sampler of
-    its layer (``samplers``: its registry; ``torch.func`` for a leaf module of raw parameters), the ``padding_idx``
-    row of an embedding at zero as autograd leaves it."""
+def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[str, torch.Tensor]:
+    """The per-example gradients ``[B, *p.shape]`` of one kept call's trainable parameters, by their names in the
+    layer, from Opacus' sampler of its layer (``samplers``: its registry; ``torch.func`` for a leaf module of raw
+    parameters), the ``padding_idx`` row of an embedding at zero as autograd leaves it. By name, not by tensor:
+    FSDP2 swaps a layer's parameters between the shards that are trained and the gathered copies (which it keeps
+    after the backward under ``set_reshard_after_backward(False)``)."""
     module, activations, backprops = entry
     sampler = samplers.get(layer_type(module), ft_compute_per_sample_gradient)
-    grads = {p: g for p, g in sampler(module, activations, backprops).items() if p.requires_grad}
-    if isinstance(module, nn.Embedding) and module.padding_idx is not None and module.weight in grads:
-        grads[module.weight][:, module.padding_idx] = 0
+    names = {id(p): name for name, p in module.named_parameters(recurse=False)}
+    grads = {names[id(p)]: g for p, g in sampler(module, activations, backprops).items() if p.requires_grad}
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None and "weight" in grads:
+        grads["weight"][:, module.padding_idx] = 0
     return grads
 
 
-def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-    """Σ_i c_i·g_i of one kept call's trainable parameters (fp32), ``weights`` the clip weights c_i (see the module
-    docstring): a contraction for ``nn.Linear`` and ``nn.Embedding``, the weighted per-example gradients otherwise.
+def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Σ_i c_i·g_i of one kept call's trainable parameters (fp32), by their names in the layer (as
+    :func:`per_example_gradients`), ``weights`` the clip weights c_i (see the module docstring): a contraction for
+    ``nn.Linear`` and ``nn.Embedding``, the weighted per-example gradients otherwise.
     The contraction is for those exact classes only, as their norm samplers are: a subclass's ``forward`` may do more
     after the layer's own (scale its output, as muP read-outs and BART's scaled embeddings do), which the kept
     output gradient has already gone through — its sum comes from the per-example gradients its norm was taken of."""
@@ -91,13 +95,13 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
         inputs = activations[0].float().reshape(out.shape[0], -1)
         sums = {}
         if module.bias is not None and module.bias.requires_grad:
-            sums[module.bias] = rows @ out
+            sums["bias"] = rows @ out
         if module.weight.requires_grad:
             if out.shape[1] <= inputs.shape[1]:
                 out = out * rows[:, None]
             else:
                 inputs = inputs * rows[:, None]
-            sums[module.weight] = inputs.T @ out if transposed else out.T @ inputs
+            sums["weight"] = inputs.T @ out if transposed else out.T @ inputs
         return sums
     if kind is nn.Embedding:  # autograd's own lookup backward (padding_idx row left at zero), which reads no weight
         scaled = backprops.float() * weights.view(-1, *[1] * (backprops.dim() - 1))
@@ -106,7 +110,6 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
         grad = torch.ops.aten.embedding_dense_backward(
             scaled.reshape(*ids.shape, -1), ids, module.num_embeddings, padding, False
         )
-        return {module.weight: grad}
-    return {
-        p: torch.einsum("b,b...->...", weights, g.float()) for p, g in per_example_gradients(samplers, entry).items()
-    }
+        return {"weight": grad}
+    grads = per_example_gradients(samplers, entry)
+    return {name: torch.einsum("b,b...->...", weights, g.float()) for name, g in grads.items()}

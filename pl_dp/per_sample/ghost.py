@@ -381,12 +381,16 @@ class GhostClipping:
     """The clipped sum Σ_i c(‖g_i‖)·g_i of a batch for the trainable parameters of ``net``, by ghost clipping.
 
     Refused at construction, each with the parameter or layer named: trainable parameters in a precision below
-    fp32, and trainable parameters tied across modules other than the weight of ``nn.Linear`` and ``nn.Embedding``
-    modules (a language-model head sharing the input embeddings is computed exactly, see
-    :mod:`pl_dp.per_sample.tied`). Refused at the first batch: a layer called twice in one
-    forward, a parameter whose norm the hooks cannot compute (used outside its module, or an ``nn.Linear`` whose
-    input is neither ``[B, d]`` nor ``[B, T, d]``), and a layer that sees the batch merged with another dimension.
-    A net sharded by FSDP2 takes :class:`ShardedGhostClipping`.
+    fp32 (or computed in half precision by an FSDP2 ``MixedPrecisionPolicy``), and trainable parameters tied across
+    modules other than the weight of ``nn.Linear`` and ``nn.Embedding`` modules (a language-model head sharing the
+    input embeddings is computed exactly, see :mod:`pl_dp.per_sample.tied`). Refused at the first batch: a layer
+    called twice in one forward, a parameter whose norm the hooks cannot compute (used outside its module), a layer
+    called on a tensor smaller than the batch (shared by it), and a layer that sees the batch merged with another
+    dimension.
+    A layer called on rows that are not examples but as many as the batch's (a table of B constant tokens every
+    example reads) passes the first batch's checks: batches of other sizes tell it apart, which the fit-start check
+    every method runs does (:func:`~pl_dp.per_sample.verify_per_example_gradients`, on batches of 2 and 3 examples);
+    call it before using the engine directly. A net sharded by FSDP2 takes :class:`ShardedGhostClipping`.
     """
 
     #: the per-sample mode's name, as the refusals say it (a subclass reusing the first pass names its own)
@@ -400,6 +404,10 @@ class GhostClipping:
         self.loss_fn = loss_fn
         self.names = [n for n, p in net.named_parameters() if p.requires_grad]
         self.params = [p for p in net.parameters() if p.requires_grad]
+        #: each trained parameter by (holder, name): what a kept call's sums, which come by name, belong to
+        self._trained = {
+            (m, name): p for m in net.modules() for name, p in m.named_parameters(recurse=False) if p.requires_grad
+        }
         if not self.params:
             raise ConfigError("the model has no trainable parameters (requires_grad=True): nothing to optimize.")
         mixing = batch_dependent_layers(net)
@@ -426,7 +434,8 @@ class GhostClipping:
                 f"per_sample={self.mode!r} needs its passes to compute in fp32, but FSDP2 shards {policies[:3]} "
                 "under a half-precision MixedPrecisionPolicy: the norms would be taken of half-precision gradients "
                 "and the clipped sum rounded or reduced in half precision, which lets one example move it by more "
-                "than the clip bound (1.005·C, found by an independent review). Shard without a half-precision "
+                "than the clip bound (16·C under ghost clipping, found by an independent review). Shard without a "
+                "half-precision "
                 "mp_policy (pl_dp shards the net itself when its configure_model does not); under "
                 "Trainer(precision='bf16-mixed') the passes turn autocast off and run in fp32."
             )
@@ -621,7 +630,9 @@ class GhostClipping:
             grads = torch.autograd.grad((weights * losses).sum(), direct, allow_unused=True) if direct else ()
         sums: dict[int, torch.Tensor] = {id(p): g.float() for p, g in zip(direct, grads) if g is not None}
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
-            parts = [weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights) for entry in book]
+            parts = [
+                self._of_trained(entry[0], weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights)) for entry in book
+            ]
             parts.append({p: torch.einsum("b,b...->...", weights, g) for p, g in raw.items()})
         for part in parts:
             for p, total in part.items():
@@ -654,6 +665,16 @@ class GhostClipping:
                 "broadcasting, or use per_sample='functorch' (each example's gradient computed alone)."
             )
         refuse_rows_not_examples(not_per_example + self._calls_not_on_the_batch(size), size, "gradient norms")
+
+    def _of_trained(self, module: nn.Module, values: dict[str, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """``values`` of ``module``'s parameters by name (:mod:`.book`), keyed by the trained parameters they are of."""
+        unknown = [name for name in values if (module, name) not in self._trained]
+        if unknown:
+            raise RuntimeError(
+                f"per_sample={self.mode!r} computed sums of {unknown} of {self._gsm.layer_names.get(module, '?')!r}, "
+                "which it does not train: the layer's parameters changed after the engine was built."
+            )
+        return {self._trained[(module, name)]: value for name, value in values.items()}
 
     def _take_book(self) -> tuple[list[Entry], dict[nn.Parameter, torch.Tensor]]:
         """What the first pass kept for the sums made of per-example gradients (taken: it is not kept after)."""
@@ -705,8 +726,11 @@ class ShardedGhostClipping(GhostClipping):
         gradient stays on its rank and is dropped); the norms are read off the layers (and taken off them:
         un-noised per-example values). A loss that raises on any rank makes every rank raise
         :class:`~pl_dp.step.seal.PassFailed` before the backward — or, raised by the padding example (a net or loss
-        broken for a fixed non-private example), a ``RuntimeError`` on every rank."""
+        broken for a fixed non-private example), a ``RuntimeError`` on every rank. A net refused after the backward
+        on one rank (a layer whose norms have another length than its batch, which may be this rank's batch size
+        only) is refused on every rank (one all-reduce): the others would wait at their next collective."""
         self._take_book()  # what an earlier pass kept and no sum took
+        refused: RuntimeError | None = None
         gsm = self._gsm
         holders = {
             id(p): (f"{prefix}.{name}" if prefix else name, m)
@@ -738,19 +762,30 @@ class ShardedGhostClipping(GhostClipping):
             for module in gsm.iterate_submodules(gsm._module) if recorded and not missed else ():
                 if "norm_sample" not in module.__dict__:  # a layer this pass did not run (a training-only head)
                     module.norm_sample = [torch.zeros(size, device=losses.device)]
-            norms = (
-                gsm.get_norm_sample().float().reshape(-1)
-                if recorded and not missed
-                else torch.zeros(size, device=losses.device)
-            )
+            norms = torch.zeros(size, device=losses.device)
+            if recorded and not missed:
+                try:
+                    norms = gsm.get_norm_sample().float().reshape(-1)
+                except RuntimeError as error:  # Opacus stacks the layers' norms: some not of this batch's length
+                    refused = error
         finally:
             self._targets.stop()
             gsm.disable_hooks()
             gsm.per_sample_gradient_norms = None  # Opacus keeps them: un-noised per-example values of the batch
             clear_hook_state(self.net, self.params)
-        if missed:
-            raise RuntimeError(f"Opacus' FSDP ghost-clipping hooks recorded no per-example norm for {missed}.")
-        self._refuse_calls_not_on_the_batch([] if norms.shape == (size,) else ["the net"], size)
+        try:
+            if missed:
+                raise RuntimeError(f"Opacus' FSDP ghost-clipping hooks recorded no per-example norm for {missed}.")
+            if refused is not None:
+                raise RuntimeError(f"per_sample={self.mode!r} cannot clip this net: {refused}") from refused
+            self._refuse_calls_not_on_the_batch([] if norms.shape == (size,) else ["the net"], size)
+        except RuntimeError as error:
+            refused = error
+        if self.passes.agree(int(refused is not None)):
+            raise refused or RuntimeError(
+                f"per_sample={self.mode!r} cannot clip this net: another rank refused it after its first pass (its "
+                "error says why)."
+            )
         return norms, losses
 
     def _any_nonfinite(self, finite: torch.Tensor) -> bool:
@@ -801,7 +836,8 @@ class ShardedGhostClipping(GhostClipping):
         from_book: dict[int, torch.Tensor] = {}
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
             for entry in book if zeroed is None else ():
-                for p, total in weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights.detach().float()).items():
+                kept = weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights.detach().float())
+                for p, total in self._of_trained(entry[0], kept).items():
                     from_book[id(p)] = total if id(p) not in from_book else from_book[id(p)].add_(total)
         del book
         sums = []

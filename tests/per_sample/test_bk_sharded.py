@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 import pl_dp.per_sample.ghost as ghost_module
-from pl_dp.methods.parallel import shard
+from pl_dp.methods.parallel import shard, sum_gradients
 from pl_dp.per_sample import BookKeeping, ShardedBookKeeping, get_per_sample_mode, verify_per_example_gradients
 from pl_dp.per_sample.gradients import _on_any_rank
 from pl_dp.privacy.clip_functions import ClipFunction
@@ -52,6 +53,23 @@ class _TimeMajor(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.mix(x.transpose(0, 1)).transpose(0, 1).mean(dim=1))
+
+
+class _ConstantRows(nn.Module):
+    """A LayerNorm called on 4 constant rows (not the batch), which every example reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.head = nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.tensor([[1.0, -1.0, 0.1 * j, 0.0] for j in range(4)])
+        return self.head(x) + self.norm(rows).sum(0)
+
+
+def _planted_loss(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, planted = batch
+    return (net(inputs) * planted).sum(1)
 
 
 def _loss(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -146,6 +164,26 @@ def _worker(rank: int, mesh, results: dict) -> None:
         ghost_module.linear_norms = measured_by
     names, params = zip(*net.named_parameters())
     results[f"rank 1's refusal seen on rank {rank}"] = _on_any_rank(names, params, rank == 1)
+    for mode in ("ghost", "bk"):  # a net sharded by the user's code, FSDP2 keeping gathered copies after backward
+        net = _nets("mlp")
+        for layer in (net[0], net[1], net[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        sum_gradients(net)
+        net.set_reshard_after_backward(False)
+        engine = get_per_sample_mode(mode).build(net, _loss, ShardedPasses(_most_over_ranks))
+        for _ in range(2):
+            sums, _, _ = engine.clipped_sum(_batches("mlp", rank)[0], CLIP)
+        results[f"{mode}: released without resharding on rank {rank}"] = _whole(sums)
+        torch.manual_seed(0)
+        net = _ConstantRows()
+        shard(net, mesh)
+        engine = get_per_sample_mode(mode).build(net, _planted_loss, ShardedPasses(_most_over_ranks))
+        size = 4 if rank == 0 else 3  # rank 0's call on the 4 constant rows passes as a call on its batch
+        try:
+            engine.clipped_sum((torch.zeros(size, 4), torch.ones(size, 4)), CLIP)
+        except RuntimeError as refused:
+            results[f"{mode}: constant rows refused on rank {rank}"] = str(refused)
     torch.manual_seed(0)
     net = _TimeMajor()
     shard(net, mesh)
@@ -219,3 +257,28 @@ def test_a_layer_whose_norm_sampler_returns_nothing_is_refused_under_sharded_gho
             "recorded no per-example norm for ['pointwise.bias', 'pointwise.weight']"
             in results[f"pointwise under Opacus' norm on rank {rank}"]
         )
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_a_net_that_keeps_gathered_parameters_after_backward_is_summed_whole(mode):
+    """A net sharded by the user's code with ``set_reshard_after_backward(False)``: after the backward its layers hold
+    FSDP2's gathered copies, not the trained shards; the sums made of what the layers kept are matched to the trained
+    parameters by name, so the release is one process's clipped sum (it was 0 for those layers, silently)."""
+    results = two_ranks.results(RANKS)
+    for rank in (0, 1):
+        torch.testing.assert_close(
+            torch.tensor(results[f"{mode}: released without resharding on rank {rank}"]),
+            torch.tensor(results["mlp: one process"]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_a_net_refused_on_one_rank_after_its_first_pass_is_refused_on_every_rank(mode):
+    """A LayerNorm called on 4 constant rows passes the row count check on the rank that sampled 4 examples and fails
+    it on the rank that sampled 3: every rank raises (one all-reduce), where the rank that passed went on to its next
+    collective and waited there."""
+    results = two_ranks.results(RANKS)
+    assert "cannot clip" in results[f"{mode}: constant rows refused on rank 1"]
+    assert "another rank refused it" in results[f"{mode}: constant rows refused on rank 0"]
