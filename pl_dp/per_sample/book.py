@@ -91,7 +91,7 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
     kind = layer_type(module)
     if kind is nn.Linear or transposed:  # the rows' weights c_i scale the narrower of the two factors
         out = backprops.float().reshape(-1, backprops.shape[-1])
-        rows = weights.repeat_interleave(out.shape[0] // max(len(weights), 1))
+        rows = weights if out.shape[0] == len(weights) else weights.repeat_interleave(out.shape[0] // len(weights))
         inputs = activations[0].float().reshape(out.shape[0], -1)
         sums = {}
         if module.bias is not None and module.bias.requires_grad:
