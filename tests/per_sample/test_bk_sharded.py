@@ -223,6 +223,19 @@ def test_each_rank_keeps_its_block_of_the_one_process_clipped_sum_and_no_gradien
     assert results[f"{name}: FSDP reductions"] == 0
 
 
+def _released_as_one_process(released: str, one_process: str) -> None:
+    """Each rank's record ``released`` (a key with ``{rank}``: both ranks' blocks put together) is one process's
+    release ``one_process``."""
+    results = two_ranks.results(RANKS)
+    for rank in (0, 1):
+        torch.testing.assert_close(
+            torch.tensor(results[released.format(rank=rank)]),
+            torch.tensor(results[one_process]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
 def test_a_layer_that_sees_the_batch_in_another_dimension_is_refused_on_every_rank():
     """The rows a sharded book-keeping sums are checked against each example's own gradient at fit start; a
     time-major layer's rows are positions: refused on both ranks (neither waits at a collective the other left),
@@ -236,14 +249,7 @@ def test_a_layer_that_sees_the_batch_in_another_dimension_is_refused_on_every_ra
 def test_sharded_ghost_clipping_measures_a_linear_layer_on_inputs_of_any_rank():
     """A channels-last pointwise layer (``nn.Linear`` on ``[B, H, W, C]``) under sharded ghost clipping: both ranks'
     blocks put together are one process's clipped sum of both ranks' examples."""
-    results = two_ranks.results(RANKS)
-    for rank in (0, 1):
-        torch.testing.assert_close(
-            torch.tensor(results[f"pointwise: released under ghost on rank {rank}"]),
-            torch.tensor(results["pointwise: one process"]),
-            rtol=1e-5,
-            atol=1e-6,
-        )
+    _released_as_one_process("pointwise: released under ghost on rank {rank}", "pointwise: one process")
 
 
 def test_a_layer_whose_norm_sampler_returns_nothing_is_refused_under_sharded_ghost_clipping():
@@ -264,14 +270,7 @@ def test_a_net_that_keeps_gathered_parameters_after_backward_is_summed_whole(mod
     """A net sharded by the user's code with ``set_reshard_after_backward(False)``: after the backward its layers hold
     FSDP2's gathered copies, not the trained shards; the sums made of what the layers kept are matched to the trained
     parameters by name, so the release is one process's clipped sum (it was 0 for those layers, silently)."""
-    results = two_ranks.results(RANKS)
-    for rank in (0, 1):
-        torch.testing.assert_close(
-            torch.tensor(results[f"{mode}: released without resharding on rank {rank}"]),
-            torch.tensor(results["mlp: one process"]),
-            rtol=1e-5,
-            atol=1e-6,
-        )
+    _released_as_one_process(f"{mode}: released without resharding on rank {{rank}}", "mlp: one process")
 
 
 @pytest.mark.parametrize("mode", ["ghost", "bk"])
