@@ -425,7 +425,8 @@ class SealedReads(Dataset):
     def __getitems__(self, indices: list[int]) -> Any:
         if self.columns:
             rows = torch.as_tensor(indices, dtype=torch.long)
-            return Rows(tuple(tensor[rows] for tensor in self.dataset.tensors))  # type: ignore[attr-defined]
+            # contiguous, as torch.stack makes them (a channels-last tensor's rows keep its strides)
+            return Rows(tuple(tensor[rows].contiguous() for tensor in self.dataset.tensors))  # type: ignore[attr-defined]
         with sealed():
             getitems = getattr(self.dataset, "__getitems__", None)
             if getitems is not None:
@@ -466,10 +467,13 @@ class EmptySafeCollate:
         self._one_structure = type(dataset) is TensorDataset
         #: whether the batch of a plain TensorDataset's examples is its tensors' rows stacked, so that
         #: :class:`SealedReads` may read them at once: ``default_collate``, or a collate whose own class (not a
-        #: parent's: a subclass may batch otherwise) has ``stacks_equal_rows`` and says so
+        #: parent's: a subclass may batch otherwise) has ``stacks_equal_rows`` and says so, over dense tensors of
+        #: one length (a nested tensor cannot be indexed by rows; a shorter tensor has rows that fail to read)
         declared = "stacks_equal_rows" in type(collate_fn).__dict__
         stacks = collate_fn is default_collate or (declared and bool(getattr(collate_fn, "stacks_equal_rows", False)))
-        self.stacks_rows = self._one_structure and stacks
+        tensors = dataset.tensors if self._one_structure else ()  # type: ignore[attr-defined]
+        dense = all(t.layout == torch.strided and not t.is_nested and len(t) == len(dataset) for t in tensors)
+        self.stacks_rows = self._one_structure and stacks and dense
 
     def expect(self, example: Any) -> None:
         """From now on only examples of ``example``'s structure are batched, and an empty batch is ``example``'s

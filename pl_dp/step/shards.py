@@ -111,16 +111,18 @@ def sum_over_ranks_(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> to
 
 def half_precision_policies(net: nn.Module) -> list[str]:
     """The modules of ``net`` (by name, with the dtypes) that FSDP2 shards under a ``MixedPrecisionPolicy`` whose
-    ``param_dtype`` or ``reduce_dtype`` is bf16 or fp16: their forward and backward compute in half precision from
-    parameters stored in fp32 (``fully_shard(..., mp_policy=...)`` in a net's own ``configure_model``), or their
-    gradients are summed over the ranks in half precision. FSDP2 keeps the policy on each module's state only."""
+    ``param_dtype``, ``reduce_dtype`` or ``output_dtype`` is bf16 or fp16: their forward and backward compute in half
+    precision from parameters stored in fp32 (``fully_shard(..., mp_policy=...)`` in a net's own
+    ``configure_model``), their gradients are summed over the ranks in half precision, or their outputs are cast to
+    half precision (and the gradients coming back through them rounded). FSDP2 keeps the policy on each module's
+    state only."""
     found = []
     for name, module in net.named_modules():
         if isinstance(module, FSDPModule):
             policy = module._get_fsdp_state()._mp_policy
             low = [
                 f"{field}={dtype}"
-                for field in ("param_dtype", "reduce_dtype")
+                for field in ("param_dtype", "reduce_dtype", "output_dtype")
                 if (dtype := getattr(policy, field)) in (torch.bfloat16, torch.float16)
             ]
             if low:

@@ -165,16 +165,17 @@ def _padding_worker(rank: int, mesh, results: dict) -> None:
         ShardedGhostClipping(scaled, _root_of_first_logit, passes=passes)
     except ConfigError as refused:
         results[f"raw parameter on rank {rank}"] = str(refused)
-    half = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
-    for layer in half:
-        fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    fully_shard(half, mesh=mesh)
-    results[f"half-precision policy counted as half precision on rank {rank}"] = has_half_precision_parameters(half)
-    for mode in MODES:
-        try:
-            get_per_sample_mode(mode).build(half, _root_of_first_logit, passes)
-        except ConfigError as refused:
-            results[f"{mode}: half-precision policy on rank {rank}"] = str(refused)
+    for field in ("param_dtype", "output_dtype"):
+        half = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+        for layer in half:
+            fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(**{field: torch.bfloat16}))
+        fully_shard(half, mesh=mesh)
+        results[f"{field}: counted as half precision on rank {rank}"] = has_half_precision_parameters(half)
+        for mode in MODES:
+            try:
+                get_per_sample_mode(mode).build(half, _root_of_first_logit, passes)
+            except ConfigError as refused:
+                results[f"{mode}, {field}: half-precision policy on rank {rank}"] = str(refused)
 
 
 PADDING = two_ranks.job("ghost_sharded_padding", _padding_worker)
@@ -194,13 +195,16 @@ def test_a_padding_example_with_a_non_finite_gradient_adds_nothing_to_the_releas
     assert torch.allclose(released, torch.tensor(results[f"{mode}: one process"]), atol=1e-6)
 
 
+@pytest.mark.parametrize("field", ["param_dtype", "output_dtype"])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_net_sharded_with_a_half_precision_policy_is_refused(mode):
+def test_a_net_sharded_with_a_half_precision_policy_is_refused(mode, field):
     """A net its own code sharded with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` stores fp32 shards but
-    computes in bf16: ghost clipping and book-keeping refuse it on every rank, naming the layers (an independent
-    review measured 1.005·C released), and a zeroth-order run counts it as half precision (one batch shape)."""
+    computes in bf16 (16·C released under ghost clipping, an independent review), and one with
+    ``output_dtype=torch.bfloat16`` rounds the gradient that comes back through each layer's output (1.004·C): ghost
+    clipping and book-keeping refuse both on every rank, naming the layers and the dtype, and a zeroth-order run counts
+    them as half precision (one batch shape)."""
     results = two_ranks.results(PADDING)
     for rank in (0, 1):
-        refused = results[f"{mode}: half-precision policy on rank {rank}"]
-        assert "MixedPrecisionPolicy" in refused and "0 (param_dtype=torch.bfloat16)" in refused
-        assert results[f"half-precision policy counted as half precision on rank {rank}"]
+        refused = results[f"{mode}, {field}: half-precision policy on rank {rank}"]
+        assert "MixedPrecisionPolicy" in refused and f"0 ({field}=torch.bfloat16)" in refused
+        assert results[f"{field}: counted as half precision on rank {rank}"]

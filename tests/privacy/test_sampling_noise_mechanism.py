@@ -204,7 +204,8 @@ def test_a_tensor_datasets_rows_read_at_once_batch_as_its_examples_read_one_by_o
     stacks equal rows (``default_collate``, a ``PaddingCollate`` without a fixed length): the batches are those of the
     examples read and collated one by one, bit for bit, empty ones included. A collate that pads integer rows to a
     length, or a subclass that batches otherwise, gets the examples one by one."""
-    ds = TensorDataset(torch.randn(40, 3), torch.randint(0, 9, (40, 3)), torch.arange(40))
+    images = torch.randn(40, 3, 2, 2).to(memory_format=torch.channels_last)  # rows stacked are contiguous
+    ds = TensorDataset(torch.randn(40, 3), torch.randint(0, 9, (40, 3)), torch.arange(40), images)
     at_once, one_by_one = (poisson_loader(ds, 0.05, seed=3, steps_per_epoch=30, collate_fn=collate) for _ in "ab")
     stacks = collate is default_collate or (type(collate) is PaddingCollate and collate.length is None)
     assert at_once.dataset.columns == stacks
@@ -216,6 +217,17 @@ def test_a_tensor_datasets_rows_read_at_once_batch_as_its_examples_read_one_by_o
         assert type(mine) is type(theirs)
         for a, b in zip(mine, theirs):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+            assert a.stride() == b.stride() or a.numel() == 0  # an empty tensor's strides describe no memory
+
+
+def test_rows_are_read_one_by_one_where_a_tensor_cannot_be_indexed_by_them():
+    """A nested tensor (no row indexing) or a tensor shorter than the dataset (its missing rows fail to read, and
+    such an example sits its step out) keeps the one-by-one reads."""
+    nested = torch.nested.nested_tensor([torch.randn(k) for k in (2, 3, 2, 4)])
+    short = TensorDataset(torch.randn(4, 2), torch.arange(4))
+    short.tensors = (short.tensors[0], short.tensors[1][:2])
+    for ds in (TensorDataset(nested, torch.arange(4)), short):
+        assert not poisson_loader(ds, 0.5, steps_per_epoch=2).dataset.columns
 
 
 def test_shuffling_loader_is_refused():
