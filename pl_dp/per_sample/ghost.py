@@ -36,9 +36,11 @@ run again on the other examples (a zero weight alone would not do: 0·NaN is NaN
 of the same shape (filled with copies of one of them, at weight 0), and they are counted. ``rows`` sums only some
 rows of a batch, the others at weight 0: the copies that fill a micro-batch to a fixed shape, the examples the
 fit-start probe does not watch. Both passes run in fp32 with autocast disabled, whatever the trainer's precision,
-so that each weight is applied to the very gradient whose norm it was computed from; trainable parameters must be
-fp32 (frozen ones may be bf16 — a half-precision base under LoRA adapters — which computes in bf16 and keeps one
-batch shape like any half-precision run).
+so that each weight is applied to the very gradient whose norm it was computed from; every parameter must be fp32,
+frozen ones included: the second backward would carry the clip weights through a half-precision layer's arithmetic,
+which rounds c_i·g_i otherwise than g_i (1.011·C released through a frozen bf16 layer). Book-keeping, whose sums come
+from the first backward itself, takes a half-precision frozen base (LoRA adapters over a bf16 model), which computes
+in bf16 and keeps one batch shape like any half-precision run.
 
 A parameter tied across modules (a language model's output projection reusing its input embedding: GPT-2, OPT,
 Llama-style models) gets the norm of the *sum* of its uses' gradients, cross term included
@@ -427,6 +429,15 @@ class GhostClipping:
                 "summing clipped gradients in half precision would let one example move it by more than the clip "
                 "bound. Load the model in fp32 (Trainer(precision='bf16-mixed') keeps fp32 weights) or use "
                 "per_sample='hooks'."
+            )
+        frozen = [f"{n} ({p.dtype})" for n, p in net.named_parameters() if p.dtype not in full]
+        if frozen and self.second_backward:
+            raise ConfigError(
+                f"per_sample={self.mode!r} cannot clip a net with half-precision parameters, frozen ones included "
+                f"({frozen[:3]}{' …' if len(frozen) > 3 else ''}): its second backward carries the clip weights "
+                "through their half-precision arithmetic, which rounds c_i·g_i otherwise than the g_i whose norm set "
+                "c_i (one example released 1.011·C through a frozen bf16 layer). Use per_sample='bk' (the default), "
+                "whose sums come from the very backward its norms do, or load the frozen parameters in fp32."
             )
         policies = half_precision_policies(net)
         if policies:

@@ -153,12 +153,12 @@ def test_a_half_precision_tensor_dataset_run_fills_its_last_micro_batch():
     assert model.physical_rows == 8 and rows.shapes and {shape[0] for shape in rows.shapes} == {8}
 
 
-def test_ghost_clipping_over_a_bf16_frozen_base_runs_every_forward_at_physical_rows(gpt2_dir):
-    """LoRA adapters over a bf16 base: ghost clipping computes the base in bf16, so its micro-batches are filled too
-    (at width 768 a bf16 matmul's rows depend on the number of rows on this CPU: 0.012·C at b = 133, found by an
-    independent review)."""
+def test_book_keeping_over_a_bf16_frozen_base_runs_every_forward_at_physical_rows(gpt2_dir):
+    """LoRA adapters over a bf16 base: book-keeping computes the base in bf16, so its micro-batches are filled too
+    (at width 768 a bf16 matmul's rows depend on the number of rows on this CPU: 0.012·C at b = 133 under ghost
+    clipping, found by an independent review; ghost clipping now refuses a half-precision base)."""
     net = CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16, trainable="lora")
-    model = DPSGD(net, loss="causal_lm", per_sample="ghost", privacy=SPEC, noise_seed=0)
+    model = DPSGD(net, loss="causal_lm", per_sample="bk", privacy=SPEC, noise_seed=0)
     data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, batch_size=12, max_length=24, sampling_seed=0)
     rows = _Rows()
     make_trainer(max_steps=4, callbacks=[rows], limit_val_batches=0).fit(model, data)
