@@ -21,6 +21,13 @@ most γ·M·M'. The Gram norm is √(Ŝ + E) rounded up to fp32: at least the ex
 nothing cancels E is far below fp32 resolution, and the norm is the one fp32 arithmetic would give, to its
 rounding.
 
+**A sum over positions loses bits.** The other norms measured on sequences add an example's positions before taking
+a norm: a bias's ‖Σ_t b_t‖, an embedding row's summed output gradients (Opacus' norm), a linear weight's
+instantiated gradient Σ_t b_t a_tᵀ (2T² > p·d). In fp32 such a sum errs by up to T·2⁻²⁴ of its positions' mass: an
+example of 2¹⁷ positions +X, X·2⁻²⁵ …, −X sums to 0 one position after another (Opacus' embedding norm), and its true
+norm, X·2⁻⁸, is twice the floor below. These sums are taken in float64 (:func:`summed_norms`: each product exact,
+the bound 2T·2⁻⁵³ of the mass), then rounded up to fp32.
+
 **One example's positions absorb the others'.** An example whose positions ±2⁴⁰·e₀ cancel exactly has gradient 0,
 norm 0, clip weight 1; in the release's fp32 accumulator its first position swallows every other example's
 contribution added before it, and its second takes them away: 63·C moved for 64 examples (the instantiated norm,
@@ -78,10 +85,10 @@ MASS_FLOOR = 2.0**-10
 
 
 def mass(u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
-    """M = Σ_t |u_t|·|v_t| per example (float64) of factors ``[B, T, ·]`` (Σ_t |u_t| without ``v``): the norms are
-    taken in the factors' precision, their products and sum in float64. ‖Σ_t u_t v_tᵀ‖ ≤ M."""
-    lengths = u.norm(dim=2).double()
-    return (lengths if v is None else lengths * v.norm(dim=2).double()).sum(dim=1)
+    """M = Σ_t |u_t|·|v_t| per example (float64) of factors ``[B, T, ·]`` (Σ_t |u_t| without ``v``), from float64
+    lengths (an fp32 one underflows to 0 below 2⁻⁷⁵ per entry). ‖Σ_t u_t v_tᵀ‖ ≤ M."""
+    lengths = torch.linalg.vector_norm(u, dim=2, dtype=torch.float64)
+    return (lengths if v is None else lengths * torch.linalg.vector_norm(v, dim=2, dtype=torch.float64)).sum(dim=1)
 
 
 def floored(norms: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
@@ -109,9 +116,24 @@ def gram_products(
 def raised_norm(squares: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     """√(Ŝ + E) rounded up to fp32: at least the exact norm whose square Ŝ estimates with error at most E
     (:func:`gram_products`)."""
-    norms = (squares + bound).clamp_min(0).sqrt()
+    return rounded_up((squares + bound).clamp_min(0).sqrt())
+
+
+def rounded_up(norms: torch.Tensor) -> torch.Tensor:
+    """float64 ``norms`` rounded up to fp32."""
     rounded = norms.float()
     return torch.where(rounded.double() < norms, torch.nextafter(rounded, torch.full_like(rounded, torch.inf)), rounded)
+
+
+def summed_norms(values: torch.Tensor, *, terms: int, masses: torch.Tensor) -> torch.Tensor:
+    """An upper bound (float64) on the exact norm of each example's sum that ``values`` holds (``[B, ·]``, float64,
+    each entry a sum of ``terms`` exact products of fp32 numbers), ``masses`` the sums of those products' magnitudes
+    per example (M): each entry errs by at most γ_terms = terms·u/(1 − terms·u) ≤ 2·terms·u of its products'
+    magnitudes (Higham, §3.1; u = 2⁻⁵³), so the example's sum by at most 2·terms·u·M in norm; the norm is raised by
+    its own rounding (γ of its entries + 4)."""
+    values = values.reshape(values.shape[0], -1)
+    norms = torch.linalg.vector_norm(values, dim=1)
+    return norms * (1 + 2 * (values.shape[1] + 4) * _UNIT) + 2 * terms * _UNIT * masses
 
 
 def linear_norms(
@@ -134,15 +156,16 @@ def linear_norms(
     if layer.weight.requires_grad and 2 * backprops.shape[1] ** 2 <= layer.weight.numel():
         squares, bound, masses, bias_masses = in_chunks(_gram_norms, backprops, inputs)
         norms[layer.weight] = floored(raised_norm(squares, bound), masses)
+    elif layer.weight.requires_grad:
+        weight_norms, masses, bias_masses = in_chunks(_instantiated_norms, backprops, inputs)
+        norms[layer.weight] = floored(rounded_up(weight_norms), masses)
     else:
-        lengths = backprops.norm(dim=2).double()
-        bias_masses = lengths.sum(dim=1)
-        if layer.weight.requires_grad:
-            squares = torch.einsum("btp,btd->bpd", backprops, inputs).square().sum(dim=(1, 2))
-            masses = (lengths * inputs.norm(dim=2).double()).sum(dim=1)
-            norms[layer.weight] = floored(squares.clamp_min(0).sqrt(), masses)
+        bias_masses = mass(backprops)
     if layer.bias is not None and layer.bias.requires_grad:
-        norms[layer.bias] = floored(backprops.sum(dim=1).norm(dim=1), bias_masses)
+        # the sum over positions in float64: its rounding (float64's) is all the bound adds
+        sums = backprops.sum(dim=1, dtype=torch.float64)
+        bias_norms = summed_norms(sums, terms=backprops.shape[1], masses=bias_masses)
+        norms[layer.bias] = floored(rounded_up(bias_norms), bias_masses)
     return norms
 
 
@@ -152,15 +175,33 @@ def embedding_norms(
     """Opacus' per-example gradient norms of an ``nn.Embedding`` (each distinct token's summed output gradients),
     floored at a share of the looked-up positions' mass Σ_t |b_t| (:func:`floored`; positions at ``padding_idx``,
     which get no gradient, left out)."""
-    norms = compute_embedding_norm_sample(layer, activations, backprops)
-    if layer.weight not in norms or backprops.dim() <= 2:
+    if backprops.dim() <= 2:
+        return compute_embedding_norm_sample(layer, activations, backprops)
+    # each token's output gradients summed in float64: its rounding (float64's, bounded by the positions' mass) is all
+    # that separates the norm from the exact one
+    norms = compute_embedding_norm_sample(layer, activations, backprops.double())
+    if layer.weight not in norms:
         return norms
     ids = activations[0].reshape(backprops.shape[0], -1)
     rows = backprops.reshape(ids.shape[0], ids.shape[1], -1)
+    bound = 2 * (ids.shape[1] + rows.shape[2] + 4) * _UNIT * mass(rows)
     if layer.padding_idx is not None:
         rows = rows.masked_fill((ids == layer.padding_idx).unsqueeze(-1), 0.0)
-    norms[layer.weight] = floored(norms[layer.weight], mass(rows))
+    norms[layer.weight] = floored(rounded_up(norms[layer.weight] + bound), mass(rows))
     return norms
+
+
+def _instantiated_norms(backprops: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """An upper bound (float64, :func:`summed_norms`) on ‖Σ_t b_t a_tᵀ‖ per example from the gradient itself, formed
+    in float64 (its products exact, each entry a sum of T of them: in fp32 the bound would be 2T·2⁻²⁴ of the
+    positions' mass, a few percent of the norm over thousands of positions), and the masses Σ_t |b_t||a_t| and
+    Σ_t |b_t|."""
+    wide, narrow = backprops.double(), inputs.double()
+    lengths = wide.norm(dim=2)
+    masses = (lengths * narrow.norm(dim=2)).sum(dim=1)
+    grads = torch.einsum("btp,btd->bpd", wide, narrow)
+    norms = summed_norms(grads, terms=backprops.shape[1], masses=masses)
+    return norms, masses, lengths.sum(dim=1)
 
 
 def _gram_norms(backprops: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

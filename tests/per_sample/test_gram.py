@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pl_dp.per_sample import BookKeeping, GhostClipping
-from pl_dp.per_sample.gram import linear_norms
+from pl_dp.per_sample.gram import embedding_norms, linear_norms
 from pl_dp.per_sample.tied import tied_norm
 from pl_dp.privacy import ClipFunction
 
@@ -117,6 +117,27 @@ def test_a_gram_norm_is_never_below_the_exact_norm_and_is_the_fp32_norm_where_no
     # the cancelling ones: raised by the float64 bound (10⁻⁶ of the terms), or up to the floor (2⁻¹⁰ of them)
     assert bool((norms[:20] <= torch.maximum(exact[:20] + 1e-6 * terms[:20], terms[:20] * 2.0**-10 * 1.001)).all())
     torch.testing.assert_close(norms[20:], exact[20:], rtol=2.5e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["weight", "bias", "embedding"])
+def test_a_sum_over_positions_that_loses_bits_in_fp32_is_never_measured_below_the_exact_norm(kind):
+    """One example of 2¹⁷ positions: +X, then 2¹⁷ − 2 of X·2⁻²⁵ (below half an ulp of X), then −X. Added one after
+    another in fp32 the small ones vanish into X and the sum is 0; exactly it is about X·2⁻⁸, above the mass floor
+    (X·2⁻⁹). Opacus' embedding norm summed them so (norm 0: clipped by the floor, half the true norm), and a bias's
+    fp32 sum lost 1e-4 of them. A linear weight measured by its instantiated gradient (2T² > p·d), a bias and an
+    embedding now sum positions in float64: at least the exact norm."""
+    positions, big = 2**17, 2.0**20
+    b = torch.full((1, positions, 1), big * 2.0**-25)
+    b[0, 0, 0], b[0, -1, 0] = big, -big
+    exact = float(b.double().sum())
+    if kind == "embedding":
+        layer = nn.Embedding(3, 1)
+        norm = embedding_norms(layer, [torch.zeros(1, positions, dtype=torch.long)], b)[layer.weight]
+    else:
+        layer = nn.Linear(1, 1)
+        norm = linear_norms(layer, [torch.ones(1, positions, 1)], b)[getattr(layer, kind)]
+    assert exact > float(b.double().abs().sum()) * 2.0**-10  # the floor alone would not cover it
+    assert exact <= float(norm) <= exact * (1 + 1e-6)
 
 
 def test_examples_taken_in_chunks_are_measured_as_in_one(monkeypatch):
