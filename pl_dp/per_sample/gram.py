@@ -172,22 +172,24 @@ def linear_norms(
 def embedding_norms(
     layer: nn.Embedding, activations: list[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """Opacus' per-example gradient norms of an ``nn.Embedding`` (each distinct token's summed output gradients),
-    floored at a share of the looked-up positions' mass Σ_t |b_t| (:func:`floored`; positions at ``padding_idx``,
-    which get no gradient, left out)."""
+    """Opacus' per-example gradient norms of an ``nn.Embedding`` (each distinct token's summed output gradients), the
+    sums in float64 and raised by their rounding bound, floored at a share of the looked-up positions' mass Σ_t |b_t|
+    (:func:`floored`). Positions at ``padding_idx``, whose row gets no gradient, are left out of both (Opacus counts
+    them: a norm above the gradient's, 1–4 % on padded text)."""
     if backprops.dim() <= 2:
         return compute_embedding_norm_sample(layer, activations, backprops)
-    # each token's output gradients summed in float64: its rounding (float64's, bounded by the positions' mass) is all
-    # that separates the norm from the exact one
-    norms = compute_embedding_norm_sample(layer, activations, backprops.double())
-    if layer.weight not in norms:
-        return norms
     ids = activations[0].reshape(backprops.shape[0], -1)
     rows = backprops.reshape(ids.shape[0], ids.shape[1], -1)
-    bound = 2 * (ids.shape[1] + rows.shape[2] + 4) * _UNIT * mass(rows)
     if layer.padding_idx is not None:
         rows = rows.masked_fill((ids == layer.padding_idx).unsqueeze(-1), 0.0)
-    norms[layer.weight] = floored(rounded_up(norms[layer.weight] + bound), mass(rows))
+    # each token's output gradients summed in float64: its rounding (float64's, bounded by the positions' mass) is all
+    # that separates the norm from the exact one
+    norms = compute_embedding_norm_sample(layer, activations, rows.double())
+    if layer.weight not in norms:
+        return norms
+    masses = mass(rows)
+    bound = 2 * (ids.shape[1] + rows.shape[2] + 4) * _UNIT * masses
+    norms[layer.weight] = floored(rounded_up(norms[layer.weight] + bound), masses)
     return norms
 
 

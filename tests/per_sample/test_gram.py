@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
 from torch import nn
 
 from pl_dp.per_sample import BookKeeping, GhostClipping
@@ -138,6 +139,22 @@ def test_a_sum_over_positions_that_loses_bits_in_fp32_is_never_measured_below_th
         norm = linear_norms(layer, [torch.ones(1, positions, 1)], b)[getattr(layer, kind)]
     assert exact > float(b.double().abs().sum()) * 2.0**-10  # the floor alone would not cover it
     assert exact <= float(norm) <= exact * (1 + 1e-6)
+
+
+def test_an_embeddings_norm_leaves_out_its_padding_positions():
+    """The padding row gets no gradient, so an example's embedding gradient norm leaves its padding positions out:
+    the norms are the exact ones (Opacus' counts the padding positions: a norm above the gradient's, which clips
+    harder than needed)."""
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Embedding(6, 4, padding_idx=0)
+    ids = torch.randint(1, 6, (5, 7), generator=g)
+    ids[:, -3:] = 0
+    b = torch.randn(5, 7, 4, generator=g)
+    exact = torch.stack(
+        [torch.zeros(6, 4, dtype=torch.float64).index_add_(0, ids[i], b[i].double())[1:].norm() for i in range(5)]
+    )
+    torch.testing.assert_close(embedding_norms(layer, [ids], b)[layer.weight].double(), exact, rtol=1e-6, atol=0)
+    assert bool((compute_embedding_norm_sample(layer, [ids], b)[layer.weight] > exact * 1.01).all())
 
 
 def test_examples_taken_in_chunks_are_measured_as_in_one(monkeypatch):
