@@ -90,6 +90,7 @@ from pl_dp.per_sample.raw import RawGradients, children_first, raw_parameter_mod
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
+from pl_dp.step.independence import HALF_PRECISION
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
 from pl_dp.step.passes import ShardedPasses
 from pl_dp.step.shards import half_precision_policies, is_sharded, layout_of, local, sum_over_ranks_
@@ -117,7 +118,35 @@ class MeasuresLinearLayers:
         super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module this mixin comes before
 
 
-class GhostNormModule(MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClipping):
+class RefusesHalfPrecisionCalls:
+    """Mixin for Opacus' norm modules: refuses a trainable layer called in half precision — its inputs or output
+    gradient bf16 or fp16, from an autocast region or a cast inside the net's forward. Its norm would be taken of
+    the rounded values, while its sum is contracted from the fp32 ones: 2.97·C released under book-keeping (an
+    independent review)."""
+
+    layer_names: dict[nn.Module, str]
+
+    def rearrange_grad_samples(
+        self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        low = sorted({str(t.dtype) for t in (*activations, backprops) if t.dtype in HALF_PRECISION})
+        if low:
+            raise RuntimeError(
+                f"cannot clip {getattr(self, 'layer_names', {}).get(module, '?')!r} ({type(module).__name__}): it is "
+                f"called in half precision ({', '.join(low)}: an autocast region or a cast inside the net's "
+                "forward), and its norm would be taken of rounded values while its gradient is not. Compute the "
+                "trainable layers in fp32 (Trainer(precision='bf16-mixed') does, for these modes) or use "
+                "per_sample='hooks'."
+            )
+        return activations, backprops
+
+
+class GhostNormModule(
+    RefusesHalfPrecisionCalls, MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClipping
+):
     """Opacus' fast-gradient-clipping module, recording in eval mode too, and naming a layer it cannot handle.
 
     A ghost-norm layer (Linear, Embedding) called twice in one forward would have its norm overwritten by its
@@ -194,7 +223,9 @@ class PerExampleLayersNormModule(KeepsPerExampleLayers, GhostNormModule):
     """Ghost clipping's norm module, keeping the calls of the layers it measures by per-example gradients."""
 
 
-class ShardedGhostNormModule(MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP):
+class ShardedGhostNormModule(
+    RefusesHalfPrecisionCalls, MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP
+):
     """Opacus' fast-gradient-clipping module for FSDP2, recording in eval mode too: norms are kept on each layer."""
 
 
@@ -228,6 +259,11 @@ class _NormsOnly:
     gradient the second pass sums but not to the norm the first pass measured: its examples would be under-clipped,
     and one of them could move the sum by more than the clip bound. The check reads the graph's structure, so a use
     that only some examples switch on (a mask times the extra term) is found whatever the batch.
+
+    With ``full_precision`` (ghost clipping, whose second backward differentiates Σ_i c_i·ℓ_i through this graph)
+    the walk also refuses a node that computes in half precision — a cast, an autocast region or a bf16 buffer in
+    the forward: its rounding of c_i·g is not c_i times its rounding of g, so the sum would not be made of the
+    gradients the norms were taken of (2·C released through ``.bfloat16().float()``, found by an independent review).
     """
 
     def __init__(
@@ -238,8 +274,10 @@ class _NormsOnly:
         raw: Iterable[nn.Module],
         *,
         mode: str,
+        full_precision: bool = False,
     ):
         self.mode = mode  # the per_sample mode a refusal names
+        self.full_precision = full_precision
         self.active = False
         self.edges: list[GradientEdge] = []
         #: per hooked call: the module, the nodes of its output and the nodes of its inputs (where the call ends)
@@ -316,7 +354,10 @@ class _NormsOnly:
         reaches: dict[Node, bool] = {}  # whether a target lies at the node or below it
         lowest: list[GradientEdge] = []
         leaves: list[torch.Tensor] = []
+        half: set[str] = set()
         for node, children in children_first(root):
+            if self.full_precision and any(m.dtype in HALF_PRECISION for m in node._input_metadata):
+                half.add(type(node).__name__)
             below = any(reaches[n] for n in children)
             if node in targets and not below:
                 lowest += targets[node]
@@ -324,6 +365,13 @@ class _NormsOnly:
             variable = getattr(node, "variable", None)  # an AccumulateGrad node
             if isinstance(variable, torch.Tensor):
                 leaves.append(variable)
+        if half:
+            raise ValueError(
+                f"per_sample={self.mode!r} cannot clip this net: its forward computes in half precision between the "
+                f"loss and its trainable layers ({sorted(half)[:4]}: a cast, an autocast region or a bf16 buffer), and "
+                "the second backward would round each clip weight's product with the gradient otherwise than the "
+                "gradient whose norm set it. Use per_sample='bk' (the default), or compute the forward in fp32."
+            )
         self._refuse_uses_outside_their_layers(reaches)
         return lowest, leaves
 
@@ -467,7 +515,14 @@ class GhostClipping:
         self._gsm.disable_hooks()
         hooked = [m for m in self._gsm.iterate_submodules(net) if type(m) not in OPACUS_RNNS]
         modules = {m: name for name, m in net.named_modules()}
-        self._targets = _NormsOnly(hooked, list(self._tied.modules), modules, self._raw.modules, mode=self.mode)
+        self._targets = _NormsOnly(
+            hooked,
+            list(self._tied.modules),
+            modules,
+            self._raw.modules,
+            mode=self.mode,
+            full_precision=self.second_backward,
+        )
         self._lookups = BroadcastLookups(net)
         self._raw.keep = True
         #: the parameters the second backward sums: those of layers measured by a norm sampler (linear layers,

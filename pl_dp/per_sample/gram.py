@@ -55,7 +55,6 @@ from collections.abc import Callable
 
 import torch
 from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
-from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 
 #: the unit roundoff of float64
@@ -142,14 +141,23 @@ def linear_norms(
     """Per-example gradient norms (fp32) of an ``nn.Linear``, by the cheaper of ghost norm and instantiated gradient.
 
     On ``[B, T, ·]`` inputs a weight's ghost norm needs two T×T Gram matrices per example, the instantiated gradient
-    one p×d matrix (Bu, Wang, Zha & Karypis, 2023, §3.2): for 2T² > p·d the gradient is formed and its norm taken,
-    otherwise ‖Σ_t b_t a_tᵀ‖ from float64 Gram matrices, raised by their rounding error (see the module docstring). The
-    bias's norm is ‖Σ_t b_t‖. Inputs of more dimensions (``[B, H, W, ·]``: a channels-last pointwise layer) are
-    measured as ``[B, T, ·]`` with T their positions, which Opacus' ghost norm returns nothing for; ``[B, ·]`` inputs
-    by Opacus' (|b|·|a|, no sum to cancel). For Hugging Face's ``Conv1D`` too (GPT-2's projections: a linear layer
-    whose weight is stored transposed)."""
-    if backprops.dim() <= 2:
-        return compute_linear_norm_sample(layer, activations, backprops)
+    one p×d matrix (Bu, Wang, Zha & Karypis, 2023, §3.2): for 2T² > p·d the gradient is formed (in float64) and its
+    norm taken, otherwise ‖Σ_t b_t a_tᵀ‖ from float64 Gram matrices; either raised by its rounding bound (see the
+    module docstring). The bias's norm is ‖Σ_t b_t‖ (:func:`bias_norms`). Inputs of more dimensions (``[B, H, W, ·]``:
+    a channels-last pointwise layer) are measured as ``[B, T, ·]`` with T their positions, which Opacus' ghost norm
+    returns nothing for; ``[B, ·]`` inputs by |b|·|a| (no sum to cancel) from float64 lengths (Opacus' fp32 squares
+    underflow to a norm of 0 below 2⁻⁷⁵ an entry). For Hugging Face's ``Conv1D`` too (GPT-2's projections: a linear
+    layer whose weight is stored transposed)."""
+    if backprops.dim() <= 2:  # ‖b aᵀ‖ = |b||a|
+        lengths = torch.linalg.vector_norm(backprops, dim=1, dtype=torch.float64)
+        raised = 1 + 2 * (backprops.shape[1] + activations[0].shape[1] + 4) * _UNIT
+        flat: dict[nn.Parameter, torch.Tensor] = {}
+        if layer.weight.requires_grad:
+            inputs = torch.linalg.vector_norm(activations[0], dim=1, dtype=torch.float64)
+            flat[layer.weight] = rounded_up(lengths * inputs * raised)
+        if layer.bias is not None and layer.bias.requires_grad:
+            flat[layer.bias] = rounded_up(lengths * raised)
+        return flat
     backprops = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
     inputs = activations[0].to(backprops.dtype).reshape(backprops.shape[0], backprops.shape[1], -1)
     norms = {}
@@ -162,11 +170,15 @@ def linear_norms(
     else:
         bias_masses = mass(backprops)
     if layer.bias is not None and layer.bias.requires_grad:
-        # the sum over positions in float64: its rounding (float64's) is all the bound adds
-        sums = backprops.sum(dim=1, dtype=torch.float64)
-        bias_norms = summed_norms(sums, terms=backprops.shape[1], masses=bias_masses)
-        norms[layer.bias] = floored(rounded_up(bias_norms), bias_masses)
+        norms[layer.bias] = bias_norms(backprops, bias_masses)
     return norms
+
+
+def bias_norms(backprops: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
+    """‖Σ_t b_t‖ per example (fp32) of output gradients ``[B, T, p]``: the sum over positions in float64, raised by
+    its rounding bound (:func:`summed_norms`) and rounded up, floored at a share of the mass Σ_t |b_t| (``masses``)."""
+    sums = backprops.sum(dim=1, dtype=torch.float64)
+    return floored(rounded_up(summed_norms(sums, terms=backprops.shape[1], masses=masses)), masses)
 
 
 def embedding_norms(

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from pl_dp.per_sample.gradients import OPACUS_RNNS
-from pl_dp.per_sample.gram import floored, gram_products, in_chunks, mass, raised_norm
+from pl_dp.per_sample.gram import bias_norms, floored, gram_products, in_chunks, mass, raised_norm
 
 
 def tied_parameters(net: nn.Module) -> list[tuple[nn.Parameter, list[tuple[str, nn.Module]]]]:
@@ -167,11 +167,7 @@ class TiedNorms:
             bias = getattr(module, "bias", None)
             if isinstance(bias, nn.Parameter) and bias.requires_grad and id(bias) not in done:
                 out = factors[module][0] if module in factors else None
-                bias._norm_sample = (
-                    torch.zeros(size, device=bias.device)
-                    if out is None
-                    else floored(out.sum(dim=1).norm(dim=1), mass(out))
-                )
+                bias._norm_sample = torch.zeros(size, device=bias.device) if out is None else bias_norms(out, mass(out))
         return []
 
 

@@ -59,8 +59,10 @@ def test_sharded_steps_send_a_few_scalars_beyond_the_gathers(runs, name):
     """Beyond FSDP's own collectives, a zeroth-order step sends q × (clipped sum, count), the number of forwards,
     and for each of its 2q evaluations how many single-example retries the ranks run (0 unless a loss raised):
     8 + 24·q bytes, whatever the model size. A first-order step: the count, the rounds of passes and, for each
-    pass, whether it failed on some rank and whether some rank saw a non-finite norm (8 bytes each): a few scalars
-    a pass, whatever the model size (more passes where a non-finite norm makes the ranks run a pass again). Like
+    pass, whether it failed on some rank, whether some rank refused the net after its first pass and whether some
+    rank saw a non-finite norm (8 bytes each): a few scalars a pass, whatever the model size (more passes where a
+    non-finite norm makes the ranks run a pass again; under 512 bytes a step here, against the 1,104 of the MLP's
+    parameters). Like
     FSDP's reduce-scatter of ghost clipping's second backward, book-keeping's sum over the ranks of each parameter's
     clipped sum (:class:`~pl_dp.per_sample.ShardedBookKeeping`) is the model-sized exchange of any sharded step,
     not counted here."""
@@ -70,7 +72,7 @@ def test_sharded_steps_send_a_few_scalars_beyond_the_gathers(runs, name):
     if queries is not None and name != "pazo_p":
         assert rank0[name]["pl_dp_bytes_per_step"] == 8 + 24 * queries
     else:
-        assert rank0[name]["pl_dp_bytes_per_step"] <= 256
+        assert rank0[name]["pl_dp_bytes_per_step"] <= 512
 
 
 def test_ranks_with_their_own_seeds_share_rank_0s(runs):

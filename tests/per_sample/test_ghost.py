@@ -259,3 +259,42 @@ def test_a_frozen_half_precision_base_is_refused_by_ghost_clipping_and_clipped_e
         sums, _, _ = engine.clipped_sum(batch, ClipFunction("constant", 1.0))
         largest = max(largest, float(torch.cat([s.reshape(-1) for s in sums]).norm()))
     assert 0.99 < largest <= 1.0 + 1e-6
+
+
+class _CastBetweenLayers(nn.Module):
+    """fp32 parameters only, but the forward rounds the layer's output through bf16 (or runs it under autocast)."""
+
+    def __init__(self, autocast: bool = False) -> None:
+        super().__init__()
+        self.autocast = autocast
+        self.layer, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.head(self.layer(x)).float()
+        return self.head(self.layer(x).bfloat16().float())
+
+
+def test_half_precision_arithmetic_inside_the_forward_is_refused_where_it_breaks_the_bound():
+    """A cast through bf16 between layers, or an autocast region inside the forward: ghost clipping's second backward
+    would round c·g otherwise than the g its norm was taken of (2·C released, an independent review) — refused,
+    naming the nodes. Book-keeping sums the very output gradients its norms come from: it clips the cast net at C,
+    and refuses by name the layers called under autocast (their inputs and output gradients bf16: 2.97·C released)."""
+    torch.manual_seed(0)
+    batch = (torch.randn(6, 8), torch.randn(6, 4) * 10)  # inputs, and the output gradients the loss plants
+
+    def planted(net, batch):
+        return (net(batch[0]) * batch[1]).sum(1)
+
+    clip = ClipFunction("constant", 1.0)
+    for autocast in (False, True):
+        with pytest.raises(ValueError, match=r"computes in half precision .*Backward"):
+            GhostClipping(_CastBetweenLayers(autocast), planted).clipped_sum(batch, clip)
+    for i in range(6):
+        sums, norms, _ = BookKeeping(_CastBetweenLayers(), planted).clipped_sum(
+            tuple(t[i : i + 1] for t in batch), clip
+        )
+        assert float(norms[0]) > 1 and float(torch.cat([s.reshape(-1) for s in sums]).norm()) <= 1 + 1e-6
+    with pytest.raises(RuntimeError, match=r"cannot clip '\w+' \(Linear\): it is called in half precision"):
+        BookKeeping(_CastBetweenLayers(autocast=True), planted).clipped_sum(batch, clip)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
+from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 
 from pl_dp.per_sample import BookKeeping, GhostClipping
@@ -139,6 +140,17 @@ def test_a_sum_over_positions_that_loses_bits_in_fp32_is_never_measured_below_th
         norm = linear_norms(layer, [torch.ones(1, positions, 1)], b)[getattr(layer, kind)]
     assert exact > float(b.double().abs().sum()) * 2.0**-10  # the floor alone would not cover it
     assert exact <= float(norm) <= exact * (1 + 1e-6)
+
+
+def test_a_linear_norm_on_one_position_per_example_does_not_underflow():
+    """On ``[B, d]`` inputs the norm is |b|·|a|: Opacus' takes the squares in fp32, which underflow to 0 for entries
+    below 2⁻⁷⁵ (an independent review released 3.9·C at C = 10⁻³); float64 lengths give the exact norm."""
+    layer = nn.Linear(64, 16)
+    b, a = torch.full((2, 16), 2.0**-75), torch.full((2, 64), 2.0**60)
+    exact = b.double().norm(dim=1) * a.double().norm(dim=1)
+    assert float(compute_linear_norm_sample(layer, [a], b)[layer.weight].max()) == 0.0
+    norms = linear_norms(layer, [a], b)[layer.weight].double()
+    assert bool((norms >= exact).all()) and bool((norms <= exact * (1 + 1e-6)).all())
 
 
 def test_an_embeddings_norm_leaves_out_its_padding_positions():
