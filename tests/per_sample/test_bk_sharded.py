@@ -208,7 +208,7 @@ def test_each_rank_keeps_its_block_of_the_one_process_clipped_sum_and_no_gradien
     results = two_ranks.results(RANKS)
     assert results[f"{name}: engine"] == "ShardedBookKeeping"
     alone = torch.tensor(results[f"{name}: one process norms"])
-    assert float(alone.max()) > 2  # the clip bound C = 1 is reached
+    assert float(alone.max()) > 1.2  # the clip bound C = 1 is reached
     for rank in (0, 1):
         torch.testing.assert_close(
             torch.tensor(results[f"{name}: norms on rank {rank}"]), alone[4 * rank : 4 * rank + 4]
