@@ -90,7 +90,6 @@ from pl_dp.per_sample.raw import RawGradients, children_first, raw_parameter_mod
 from pl_dp.per_sample.tied import TiedNorms, tied_parameters, unsupported_ties
 from pl_dp.privacy.clip_functions import ClipFunction
 from pl_dp.step.batches import batch_size_of, fill_rows, select_examples
-from pl_dp.step.independence import HALF_PRECISION
 from pl_dp.step.losses import PerSampleLoss, check_per_sample
 from pl_dp.step.passes import ShardedPasses
 from pl_dp.step.shards import half_precision_policies, is_sharded, layout_of, local, sum_over_ranks_
@@ -118,11 +117,16 @@ class MeasuresLinearLayers:
         super().__init__(module, **kwargs)  # type: ignore[call-arg]  # the Opacus module this mixin comes before
 
 
+def narrow(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a floating-point type narrower than fp32 (bf16, fp16, the float8 types)."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits < 32
+
+
 class RefusesHalfPrecisionCalls:
     """Mixin for Opacus' norm modules: refuses a trainable layer called in half precision — its inputs or output
-    gradient bf16 or fp16, from an autocast region or a cast inside the net's forward. Its norm would be taken of
-    the rounded values, while its sum is contracted from the fp32 ones: 2.97·C released under book-keeping (an
-    independent review)."""
+    gradient narrower than fp32 (bf16, fp16, float8), from an autocast region or a cast inside the net's forward. Its
+    norm would be taken of the rounded values, while its sum is contracted from the fp32 ones: 2.97·C released under
+    book-keeping (an independent review)."""
 
     layer_names: dict[nn.Module, str]
 
@@ -132,7 +136,7 @@ class RefusesHalfPrecisionCalls:
         activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
-        low = sorted({str(t.dtype) for t in (*activations, backprops) if t.dtype in HALF_PRECISION})
+        low = sorted({str(t.dtype) for t in (*activations, backprops) if narrow(t.dtype)})
         if low:
             raise RuntimeError(
                 f"cannot clip {getattr(self, 'layer_names', {}).get(module, '?')!r} ({type(module).__name__}): it is "
@@ -261,9 +265,13 @@ class _NormsOnly:
     that only some examples switch on (a mask times the extra term) is found whatever the batch.
 
     With ``full_precision`` (ghost clipping, whose second backward differentiates Σ_i c_i·ℓ_i through this graph)
-    the walk also refuses a node that computes in half precision — a cast, an autocast region or a bf16 buffer in
-    the forward: its rounding of c_i·g is not c_i times its rounding of g, so the sum would not be made of the
-    gradients the norms were taken of (2·C released through ``.bfloat16().float()``, found by an independent review).
+    the walk also refuses a node whose gradient is below fp32 (bf16, fp16, float8) — a cast, an autocast region or a
+    bf16 buffer in the forward: its rounding of c_i·g is not c_i times its rounding of g, so the sum would not be made
+    of the gradients the norms were taken of (2·C released through ``.bfloat16().float()``, 1.74·C through a float8
+    cast; independent reviews). What a node does inside its backward is not seen: an opaque node — a custom
+    ``autograd.Function`` or a ``torch.compile``'d region — that rounds in lower precision while declaring fp32
+    gradients moved one example's release to 1.001·C; book-keeping, whose sums are made of the output gradients its
+    norms are taken of, is exact there.
     """
 
     def __init__(
@@ -356,7 +364,7 @@ class _NormsOnly:
         leaves: list[torch.Tensor] = []
         half: set[str] = set()
         for node, children in children_first(root):
-            if self.full_precision and any(m.dtype in HALF_PRECISION for m in node._input_metadata):
+            if self.full_precision and any(narrow(m.dtype) for m in node._input_metadata):
                 half.add(type(node).__name__)
             below = any(reaches[n] for n in children)
             if node in targets and not below:
@@ -367,10 +375,11 @@ class _NormsOnly:
                 leaves.append(variable)
         if half:
             raise ValueError(
-                f"per_sample={self.mode!r} cannot clip this net: its forward computes in half precision between the "
-                f"loss and its trainable layers ({sorted(half)[:4]}: a cast, an autocast region or a bf16 buffer), and "
-                "the second backward would round each clip weight's product with the gradient otherwise than the "
-                "gradient whose norm set it. Use per_sample='bk' (the default), or compute the forward in fp32."
+                f"per_sample={self.mode!r} cannot clip this net: its graph computes below fp32 ({sorted(half)[:4]}: a "
+                "cast, an autocast region or a bf16 buffer in the forward; found at this batch, the graph is checked "
+                "at every one), and the second backward would round each clip weight's product with the gradient "
+                "otherwise than the gradient whose norm set it. Use per_sample='bk' (the default), or compute the "
+                "forward in fp32."
             )
         self._refuse_uses_outside_their_layers(reaches)
         return lowest, leaves

@@ -264,23 +264,24 @@ def test_a_frozen_half_precision_base_is_refused_by_ghost_clipping_and_clipped_e
 class _CastBetweenLayers(nn.Module):
     """fp32 parameters only, but the forward rounds the layer's output through bf16 (or runs it under autocast)."""
 
-    def __init__(self, autocast: bool = False) -> None:
+    def __init__(self, autocast: bool = False, cast: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        self.autocast = autocast
+        self.autocast, self.cast = autocast, cast
         self.layer, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.autocast:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return self.head(self.layer(x)).float()
-        return self.head(self.layer(x).bfloat16().float())
+        return self.head(self.layer(x).to(self.cast).float())
 
 
 def test_half_precision_arithmetic_inside_the_forward_is_refused_where_it_breaks_the_bound():
-    """A cast through bf16 between layers, or an autocast region inside the forward: ghost clipping's second backward
-    would round c·g otherwise than the g its norm was taken of (2·C released, an independent review) — refused,
-    naming the nodes. Book-keeping sums the very output gradients its norms come from: it clips the cast net at C,
-    and refuses by name the layers called under autocast (their inputs and output gradients bf16: 2.97·C released)."""
+    """A cast through bf16 (or float8) between layers, or an autocast region inside the forward: ghost clipping's
+    second backward would round c·g otherwise than the g its norm was taken of (2·C released, 1.74·C through float8;
+    independent reviews) — refused, naming the nodes. Book-keeping sums the very output gradients its norms come
+    from: it clips the cast net at C, and refuses by name the layers called under autocast (their inputs and output
+    gradients bf16: 2.97·C released)."""
     torch.manual_seed(0)
     batch = (torch.randn(6, 8), torch.randn(6, 4) * 10)  # inputs, and the output gradients the loss plants
 
@@ -288,9 +289,9 @@ def test_half_precision_arithmetic_inside_the_forward_is_refused_where_it_breaks
         return (net(batch[0]) * batch[1]).sum(1)
 
     clip = ClipFunction("constant", 1.0)
-    for autocast in (False, True):
-        with pytest.raises(ValueError, match=r"computes in half precision .*Backward"):
-            GhostClipping(_CastBetweenLayers(autocast), planted).clipped_sum(batch, clip)
+    for net in (_CastBetweenLayers(), _CastBetweenLayers(autocast=True), _CastBetweenLayers(cast=torch.float8_e4m3fn)):
+        with pytest.raises(ValueError, match=r"its graph computes below fp32 .*Backward"):
+            GhostClipping(net, planted).clipped_sum(batch, clip)
     for i in range(6):
         sums, norms, _ = BookKeeping(_CastBetweenLayers(), planted).clipped_sum(
             tuple(t[i : i + 1] for t in batch), clip
