@@ -136,7 +136,8 @@ class RefusesHalfPrecisionCalls:
         activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
-        low = sorted({str(t.dtype) for t in (*activations, backprops) if narrow(t.dtype)})
+        tensors = [t for t in (*activations, backprops) if isinstance(t, torch.Tensor)]
+        low = sorted({str(t.dtype) for t in tensors if narrow(t.dtype)})
         if low:
             raise RuntimeError(
                 f"cannot clip {getattr(self, 'layer_names', {}).get(module, '?')!r} ({type(module).__name__}): it is "
