@@ -12,12 +12,14 @@ convolutions), whose positions a second backward would add across examples unflo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from pl_dp.per_sample.gram import rows_per_chunk
 
 #: what the book keeps of one call of a layer: the layer, its inputs, its output gradient (batch first)
 Entry = tuple[nn.Module, list[torch.Tensor], torch.Tensor]
@@ -80,7 +82,11 @@ def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[st
 def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tensor) -> dict[str, torch.Tensor]:
     """Σ_i c_i·g_i of one kept call's trainable parameters (fp32), by their names in the layer (as
     :func:`per_example_gradients`), ``weights`` the clip weights c_i (see the module docstring): a contraction for
-    ``nn.Linear`` and ``nn.Embedding``, the weighted per-example gradients otherwise.
+    ``nn.Linear`` and ``nn.Embedding``, the weighted per-example gradients otherwise. The contractions add every
+    example's positions in float64 (each product of fp32 numbers exact) and round the total to fp32 once: in fp32 the
+    rounding of one example's own positions, whose scaled sizes the mass floor bounds only by 2¹⁰·C, grows with their
+    number (T·2⁻¹⁴·C; a review moved the release by 2·C with 2¹⁷ positions of a linear layer and 31·C with 2²⁰ of
+    an embedding), where float64's stays below 2⁻⁴³·T·C.
     The contraction is for those exact classes only, as their norm samplers are: a subclass's ``forward`` may do more
     after the layer's own (scale its output, as muP read-outs and BART's scaled embeddings do), which the kept
     output gradient has already gone through — its sum comes from the per-example gradients its norm was taken of."""
@@ -89,27 +95,40 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
         raise RuntimeError(f"a kept call of {type(module).__name__} has {backprops.shape[0]} rows, not one per example")
     transposed = transposed_linear(module)
     kind = layer_type(module)
-    if kind is nn.Linear or transposed:  # the rows' weights c_i scale the narrower of the two factors
-        out = backprops.float().reshape(-1, backprops.shape[-1])
+    if kind is nn.Linear or transposed:
+        out = backprops.reshape(-1, backprops.shape[-1])
+        inputs = activations[0].reshape(out.shape[0], -1)
         rows = weights if out.shape[0] == len(weights) else weights.repeat_interleave(out.shape[0] // len(weights))
-        inputs = activations[0].float().reshape(out.shape[0], -1)
-        sums = {}
-        if module.bias is not None and module.bias.requires_grad:
-            sums["bias"] = rows @ out
-        if module.weight.requires_grad:
-            if out.shape[1] <= inputs.shape[1]:
-                out = out * rows[:, None]
-            else:
-                inputs = inputs * rows[:, None]
-            sums["weight"] = inputs.T @ out if transposed else out.T @ inputs
-        return sums
+        bias, weight = module.bias is not None and module.bias.requires_grad, module.weight.requires_grad
+        totals: dict[str, torch.Tensor] = {}
+        step = rows_per_chunk(out.shape[1] + inputs.shape[1], out.device)
+        for start in range(0, max(out.shape[0], 1), step):  # in float64 (see the docstring), a chunk of rows at a time
+            part, given, scale = (t[start : start + step].double() for t in (out, inputs, rows))
+            if bias:
+                _accumulate(totals, "bias", scale @ part)
+            if weight:  # the rows' weights c_i scale the narrower of the two factors
+                if part.shape[1] <= given.shape[1]:
+                    part = part * scale[:, None]
+                else:
+                    given = given * scale[:, None]
+                _accumulate(totals, "weight", given.T @ part if transposed else part.T @ given)
+        return {name: total.float() for name, total in totals.items()}
     if kind is nn.Embedding:  # autograd's own lookup backward (padding_idx row left at zero), which reads no weight
-        scaled = backprops.float() * weights.view(-1, *[1] * (backprops.dim() - 1))
-        ids = activations[0]
+        ids = activations[0].reshape(backprops.shape[0], -1)
+        scaled = backprops.reshape(ids.shape[0], ids.shape[1], -1)
         padding = -1 if module.padding_idx is None else module.padding_idx
-        grad = torch.ops.aten.embedding_dense_backward(
-            scaled.reshape(*ids.shape, -1), ids, module.num_embeddings, padding, False
-        )
-        return {"weight": grad}
+        total: torch.Tensor | None = None
+        step = rows_per_chunk(ids.shape[1] * scaled.shape[2], scaled.device)
+        for start in range(0, max(ids.shape[0], 1), step):  # an empty batch: one chunk of no rows, sums of zeros
+            part = scaled[start : start + step].double() * weights[start : start + step].double()[:, None, None]
+            grad = torch.ops.aten.embedding_dense_backward(
+                part, ids[start : start + step], module.num_embeddings, padding, False
+            )
+            total = grad if total is None else total.add_(grad)
+        return {"weight": cast(torch.Tensor, total).float()}  # at least one chunk
     grads = per_example_gradients(samplers, entry)
     return {name: torch.einsum("b,b...->...", weights, g.float()) for name, g in grads.items()}
+
+
+def _accumulate(totals: dict[str, torch.Tensor], name: str, part: torch.Tensor) -> None:
+    totals[name] = part if name not in totals else totals[name].add_(part)

@@ -68,13 +68,16 @@ _CHUNK = {"cpu": 2**20}
 _CHUNK_ELSEWHERE = 2**26
 
 
+def rows_per_chunk(per_row: int, device: torch.device) -> int:
+    """How many rows of ``per_row`` values each a float64 copy takes at a time on ``device`` (:data:`_CHUNK`)."""
+    return max(1, _CHUNK.get(device.type, _CHUNK_ELSEWHERE) // max(per_row, 1))
+
+
 def in_chunks(compute: Callable[..., tuple[torch.Tensor, ...]], *factors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``compute(*factors)`` — a tuple of per-example values, such as (Ŝ, E) (:func:`gram_products`) — over chunks of
     examples (the factors' first dimension), each chunk's float64 copies within the device's budget, put back
     together."""
-    per_example = sum(f[0].numel() for f in factors)
-    budget = _CHUNK.get(factors[0].device.type, _CHUNK_ELSEWHERE)
-    rows = max(1, budget // max(per_example, 1))
+    rows = rows_per_chunk(sum(f[0].numel() for f in factors), factors[0].device)
     parts = [compute(*(f[start : start + rows] for f in factors)) for start in range(0, factors[0].shape[0], rows)]
     return tuple(torch.cat(values) for values in zip(*parts))
 

@@ -169,6 +169,27 @@ def test_an_embeddings_norm_leaves_out_its_padding_positions():
     assert bool((compute_embedding_norm_sample(layer, [ids], b)[layer.weight] > exact * 1.01).all())
 
 
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_book_keeping_adds_one_examples_many_positions_without_rounding_past_the_clip(kind):
+    """One example of 2¹⁷ positions: +1, pairs (+2⁻²⁴(1 + 2⁻⁸), −2⁻²⁴(1 − 2⁻⁸)), −1; added in fp32 one after another,
+    every + rounds up to an ulp and every − vanishes, so an fp32 contraction of its clipped positions released 2·C
+    (linear) and 3.98·C (embedding) at clip weight ½ (an independent review). Book-keeping's contractions add in
+    float64: the release is the example's clipped gradient, within C."""
+    positions, unit = 2**17, 2.0**-23
+    planted = torch.empty(positions, dtype=torch.float64)
+    planted[1:-1:2], planted[2:-1:2] = unit / 2 * (1 + 2.0**-8), -unit / 2 * (1 - 2.0**-8)
+    planted[0], planted[-1] = 1.0, -1.0
+    planted = planted.float().reshape(1, positions, 1)
+    if kind == "embedding":
+        net, inputs = _Layer(nn.Embedding(3, 1)), torch.ones(1, positions, dtype=torch.long)
+    else:
+        net, inputs = _Layer(nn.Linear(1, 1, bias=False)), torch.ones(1, positions, 1)
+    engine = BookKeeping(net, _planted_loss)
+    clip = float(engine.per_example_norms((inputs, planted))[0]) / 2  # clip weight ½: the example can scale itself
+    sums, _, _ = engine.clipped_sum((inputs, planted), ClipFunction("constant", clip))
+    assert float(torch.cat([s.reshape(-1) for s in sums]).norm()) <= clip * (1 + 1e-6)
+
+
 def test_examples_taken_in_chunks_are_measured_as_in_one(monkeypatch):
     """The float64 copies are bounded by taking examples in chunks: with chunks of one to three examples, a linear
     layer's norms and a tied weight's (an embedding with a padding row and a linear head) are those of one chunk."""
