@@ -504,8 +504,7 @@ class GhostClipping:
                 "under a half-precision MixedPrecisionPolicy: the norms would be taken of half-precision gradients "
                 "and the clipped sum rounded or reduced in half precision, which lets one example move it by more "
                 "than the clip bound (16·C under ghost clipping, found by an independent review). Shard without a "
-                "half-precision "
-                "mp_policy (pl_dp shards the net itself when its configure_model does not); under "
+                "half-precision mp_policy (pl_dp shards the net itself when its configure_model does not); under "
                 "Trainer(precision='bf16-mixed') the passes turn autocast off and run in fp32."
             )
         refuse_unsupported_layers(net, self.mode)
@@ -705,15 +704,22 @@ class GhostClipping:
         with torch.enable_grad(), _full_precision(self.params[0].device):  # autocast would reach the backward's ops
             grads = torch.autograd.grad((weights * losses).sum(), direct, allow_unused=True) if direct else ()
         sums: dict[int, torch.Tensor] = {id(p): g.float() for p, g in zip(direct, grads) if g is not None}
+        self._add_book_sums(sums, book, weights)
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
-            parts = [
-                self._of_trained(entry[0], weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights)) for entry in book
-            ]
-            parts.append({p: torch.einsum("b,b...->...", weights, g) for p, g in raw.items()})
-        for part in parts:
-            for p, total in part.items():
+            for p, g in raw.items():
+                total = torch.einsum("b,b...->...", weights, g)
                 sums[id(p)] = total if id(p) not in sums else sums[id(p)].add_(total)
         return [sums.get(id(p), torch.zeros_like(p, dtype=torch.float32)) for p in self.params]
+
+    def _add_book_sums(self, sums: dict[int, torch.Tensor], book: list[Entry], weights: torch.Tensor) -> None:
+        """Add each kept call's Σ_i c_i·g_i (fp32, autocast off; :func:`~pl_dp.per_sample.book.weighted_sum`) into
+        ``sums``, by the ``id`` of the trained parameter it is of."""
+        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+            for entry in book:
+                for p, total in self._of_trained(
+                    entry[0], weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights)
+                ).items():
+                    sums[id(p)] = total if id(p) not in sums else sums[id(p)].add_(total)
 
     def _calls_not_on_the_batch(self, size: int, *, fewer: bool = False) -> list[str]:
         """The kept layers called on a tensor whose first dimension is not the batch's (``fewer``: smaller than the
@@ -910,11 +916,7 @@ class ShardedGhostClipping(GhostClipping):
                 handle.remove()
             self._reached = []
         from_book: dict[int, torch.Tensor] = {}
-        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
-            for entry in book if zeroed is None else ():
-                kept = weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights.detach().float())
-                for p, total in self._of_trained(entry[0], kept).items():
-                    from_book[id(p)] = total if id(p) not in from_book else from_book[id(p)].add_(total)
+        self._add_book_sums(from_book, book if zeroed is None else [], weights.detach().float())
         del book
         sums = []
         for p in self.params:  # the second backward's gradient of a parameter summed from the book is not used
