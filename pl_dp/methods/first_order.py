@@ -52,17 +52,16 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
             hyperparameters then record what optimizes: ``optimizer: "net"`` and the net optimizer's ``lr``, and for
             the loggers also ``net_optimizer`` (its class and settings), ``net_lr_schedulers`` and ``net_hparams``.
         momentum, weight_decay: optimizer options.
-        per_sample: a registered per-sample mode (:mod:`pl_dp.per_sample.modes`): ``"bk"`` (the default:
-            book-keeping, Bu et al. 2023 — ghost clipping's per-example norms and the clipped sum from the same
-            single backward pass; the fastest exact mode measured, from a 5k-parameter MLP, where the modes tie, to
-            BERT-base on a GPU; on a net sharded by FSDP2 too; see :mod:`pl_dp.per_sample.bk`), ``"ghost"`` (ghost
-            clipping, Li et al. 2022: per-example gradient norms from Opacus' GradSampleModuleFastGradientClipping,
-            then a second backward of Σ_i c_i·ℓ_i gives the clipped sum; the least memory, on one process or
-            sharded; see :mod:`pl_dp.per_sample.ghost`), ``"hooks"`` (Opacus' GradSampleModule: every per-example
-            gradient formed — B times the trainable parameters in memory; its passes run under the trainer's
-            autocast) or ``"functorch"`` (``torch.func.vmap``: layers Opacus' hooks do not support). ``"bk"`` and
-            ``"ghost"`` compute in fp32 even under a mixed-precision trainer. Same clipping rules, noise and
-            accounting in every mode.
+        per_sample: a registered per-sample mode (:mod:`pl_dp.per_sample.modes`): ``"bk"`` (the default: book-keeping,
+            Bu et al. 2023 — ghost clipping's per-example norms and the clipped sum from the same single backward pass;
+            the fastest exact mode measured, from a 5k-parameter MLP, where the modes tie, to BERT-base on a GPU; on a
+            net sharded by FSDP2 too; see :mod:`pl_dp.per_sample.bk`), ``"ghost"`` (ghost clipping, Li et al. 2022:
+            per-example gradient norms from Opacus' GradSampleModuleFastGradientClipping, then the same backward again,
+            whose output gradients are contracted with the clip weights; the least memory, on one process or sharded;
+            see :mod:`pl_dp.per_sample.ghost`), ``"hooks"`` (Opacus' GradSampleModule: every per-example gradient formed
+            — B times the trainable parameters in memory; its passes run under the trainer's autocast) or
+            ``"functorch"`` (``torch.func.vmap``: layers Opacus' hooks do not support). ``"bk"`` and ``"ghost"`` compute
+            in fp32 even under a mixed-precision trainer. Same clipping rules, noise and accounting in every mode.
         clip_quantile: adaptive clipping (AdaMix's rule, with constant clipping only): the threshold
             R_t follows the ``clip_quantile`` quantile of per-example gradient norms by the geometric
             update R ← R·exp(−η_C·(b̃ − γ)) of Andrew et al. 2021, where b̃ is the *privatized*
@@ -421,8 +420,8 @@ class DPSGD(FirstOrderModule, shardable=True):
     The default ``per_sample="bk"`` releases this sum without forming any per-example gradient, from one backward
     pass (book-keeping, Bu, Wang, Zha & Karypis 2023, "Differentially Private Optimization on Large Model at Small
     Cost", Alg. 1); ``per_sample="ghost"`` (ghost clipping, Li et al. 2022, "Large Language Models Can Be Strong
-    Differentially Private Learners") with a second backward instead of the book, at about the memory of a
-    non-private step.
+    Differentially Private Learners") runs that backward again instead of keeping the book, at about the memory of
+    a non-private step.
     """
 
     def private_step(self, batch: Any, batch_size: int, mechanism: SubsampledGaussian) -> StepResult:

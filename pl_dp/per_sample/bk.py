@@ -1,9 +1,9 @@
 """Book-keeping (BK) clipping: DP-SGD's clipped sum Σ_i c(‖g_i‖)·g_i in one backward pass.
 
-Bu, Wang, Zha & Karypis, 2023, "Differentially Private Optimization on Large Model at Small Cost" (ICML; the
-``fastDP`` library), Alg. 1. Ghost clipping (:mod:`pl_dp.per_sample.ghost`) runs a second backward, of Σ_i c_i·ℓ_i,
-to get the clipped sum. Every trainable layer's weight gradient is a contraction of what that layer saw in the
-first one: for a linear layer with inputs a_{i,t} and output gradients b_{i,t} (example i, position t),
+Bu, Wang, Zha & Karypis, 2023, "Differentially Private Optimization on Large Model at Small Cost" (ICML; the ``fastDP``
+library), Alg. 1. Ghost clipping (:mod:`pl_dp.per_sample.ghost`) runs its first backward again to get the clipped sum
+(sharded, a backward of Σ_i c_i·ℓ_i). Every trainable layer's weight gradient is a contraction of what that layer saw in
+the first one: for a linear layer with inputs a_{i,t} and output gradients b_{i,t} (example i, position t),
 
     Σ_i c_i·g_i = Σ_{i,t} (c_i·b_{i,t}) a_{i,t}ᵀ,
 
@@ -95,6 +95,7 @@ class BookKeeping(GhostClipping):
 
     mode = "bk"
     second_backward = False
+    weighted_backward = False
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, **first_pass: Any) -> None:
         """``first_pass``: what the class of the first pass takes beyond the net and loss (a sharded net's

@@ -4,9 +4,9 @@ their weighted sum Σ_i c_i·g_i computed from it.
 Bu, Wang, Zha & Karypis, 2023, "Differentially Private Optimization on Large Model at Small Cost" (ICML), Alg. 1:
 a layer's weight gradient is a contraction of what it saw in the forward and backward, so once the clip weights
 c_i are known its clipped sum needs no second backward. :mod:`pl_dp.per_sample.bk` computes every layer's sum this
-way; :mod:`pl_dp.per_sample.ghost` the sums of the layers it measures by per-example gradients (LayerNorm, RMSNorm,
-convolutions), whose positions a second backward would add across examples unfloored
-(:mod:`pl_dp.per_sample.gram`).
+way from what it kept; :mod:`pl_dp.per_sample.ghost` the sums of the layers it measures by per-example gradients
+(LayerNorm, RMSNorm, convolutions) from what it kept, and, on one process, the others' from each call's output
+gradient as its second backward computes it again.
 """
 
 from __future__ import annotations

@@ -18,29 +18,38 @@ layer, reduced to its norm at once. :class:`GhostClipping` runs, per (micro-)bat
    of integer ids) and no parameter, so the weight-gradient matmuls are pruned (:class:`_NormsOnly`);
 2. the weights c_i = c(‖g_i‖) of the clipping rule in use (constant, automatic/Auto-S, DP-PSAC — the same
    :class:`~pl_dp.privacy.ClipFunction` as per-example gradients), 0 for a non-finite norm;
-3. a second backward, of Σ_i c_i·ℓ_i through the kept graph, whose parameter gradients are Σ_i c_i·g_i: the
-   clipped sum itself, for the parameters of the layers measured by a norm sampler (linear layers, embeddings, tied
-   weights: norms floored at a share of their positions' mass, :mod:`pl_dp.per_sample.gram`). The layers measured by
-   per-example gradients (LayerNorm, RMSNorm, convolutions, leaf modules of raw parameters) and the raw parameters
-   beside layers get their sums from those per-example gradients, as in book-keeping
-   (:class:`KeepsPerExampleLayers`): the second backward would add their positions across examples, where an
-   example whose positions are huge and cancel (norm 0) absorbed the others' contributions (63·C through a
-   LayerNorm in a batch of 64, found by an independent review).
+3. a second backward: the first one again — of Σ_i ℓ_i, to the same targets, through the kept graph, no parameter
+   gradient — whose hooks take each call of a layer measured by a norm sampler (linear layers, embeddings, tied
+   weights: norms floored at a share of their positions' mass, :mod:`pl_dp.per_sample.gram`) with its output
+   gradient, recomputed by the same operations as the one its norm was taken of, and contract it at once with the
+   call's inputs and the clip weights (:func:`~pl_dp.per_sample.book.weighted_sum`, as book-keeping does: float64,
+   rounded once). The layers measured by per-example gradients (LayerNorm, RMSNorm, convolutions, leaf modules of
+   raw parameters) and the raw parameters beside layers get their sums from those per-example gradients, kept from
+   the first pass (:class:`KeepsPerExampleLayers`). Up to pl_dp 0.2 the second backward was of Σ_i c_i·ℓ_i and its
+   parameter gradients were the sum: its arithmetic rounded c_i·g_i otherwise than g_i (1.011·C through a frozen
+   bf16 layer, 2·C through a bf16 cast between layers), its weight-gradient matmuls added an example's positions in
+   fp32 (2–4·C for one example of 2¹⁷ positions planted to round one way), and it added the positions of the layers
+   measured by per-example gradients across examples (63·C through a LayerNorm in a batch of 64) — all found by
+   independent reviews.
 
-Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation and the
-inputs and output gradients of the layers measured by per-example gradients (LayerNorm's are small);
-time is about one forward, one backward and the input-gradient half of another (plus the norms' own work).
-Up to pl_dp 0.2 the first pass also computed, and dropped, every parameter gradient: about half of a backward
-(``benchmarks/ghost_first_pass.py``). Examples whose norm is not finite are dropped: the two passes are
-run again on the other examples (a zero weight alone would not do: 0·NaN is NaN in the second backward), in a batch
-of the same shape (filled with copies of one of them, at weight 0), and they are counted. ``rows`` sums only some
-rows of a batch, the others at weight 0: the copies that fill a micro-batch to a fixed shape, the examples the
-fit-start probe does not watch. Both passes run in fp32 with autocast disabled, whatever the trainer's precision,
-so that each weight is applied to the very gradient whose norm it was computed from; every parameter must be fp32,
-frozen ones included: the second backward would carry the clip weights through a half-precision layer's arithmetic,
-which rounds c_i·g_i otherwise than g_i (1.011·C released through a frozen bf16 layer). Book-keeping, whose sums come
-from the first backward itself, takes a half-precision frozen base (LoRA adapters over a bf16 model), which computes
-in bf16 and keeps one batch shape like any half-precision run.
+So each example's part of the release is c_i times the very gradient whose norm set c_i, as in book-keeping,
+wherever the two backwards compute the same output gradients: on a CPU, and on a GPU whose backward kernels are
+deterministic (``torch.use_deterministic_algorithms(True)``; some CUDA kernels — atomic adds in index and scatter
+backwards, some attention backwards — may add in another order each time, and then the two backwards differ by
+their rounding). Book-keeping (``per_sample="bk"``, the default) needs no such assumption: its sums are made of the
+first backward's own output gradients.
+
+Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation or
+contraction and the inputs and output gradients of the layers measured by per-example gradients (LayerNorm's are
+small); time is about one forward, one backward, the input-gradient half of another and the contractions (plus the
+norms' own work). Up to pl_dp 0.2 the first pass also computed, and dropped, every parameter gradient: about half
+of a backward (``benchmarks/ghost_first_pass.py``). Examples whose norm is not finite are dropped: the two passes
+are run again on the other examples (a zero weight alone would not do: 0·NaN is NaN), in a batch of the same shape
+(filled with copies of one of them, at weight 0), and they are counted. ``rows`` sums only some rows of a batch,
+the others at weight 0: the copies that fill a micro-batch to a fixed shape, the examples the fit-start probe does
+not watch. Both passes run in fp32 with autocast disabled, whatever the trainer's precision; trainable parameters
+must be fp32, and a half-precision frozen base (LoRA adapters over a bf16 model) computes in bf16 and keeps one
+batch shape like any half-precision run.
 
 A parameter tied across modules (a language model's output projection reusing its input embedding: GPT-2, OPT,
 Llama-style models) gets the norm of the *sum* of its uses' gradients, cross term included
@@ -64,7 +73,7 @@ order), of which each rank keeps its block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -224,8 +233,45 @@ class KeepsPerExampleLayers(KeepsBook):
         return layer_type(module) not in self.NORM_SAMPLERS
 
 
-class PerExampleLayersNormModule(KeepsPerExampleLayers, GhostNormModule):
-    """Ghost clipping's norm module, keeping the calls of the layers it measures by per-example gradients."""
+class SumsInASecondBackward(KeepsPerExampleLayers):
+    """What makes the norm module of one-process ghost clipping keep, per hooked call of a layer it measures by a
+    norm sampler (``nn.Linear``, Hugging Face's ``Conv1D``, ``nn.Embedding``), that call's inputs (:attr:`inputs`:
+    those autograd keeps for the second backward anyway), and, in the second backward (:attr:`sink` set), hand each
+    such call's ``(layer, inputs, output gradient)`` to the sink instead of measuring it. The second backward is the
+    first one again, so that output gradient is the very one the call's norm was taken of."""
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self.inputs: dict[nn.Module, list[torch.Tensor]] = {}
+        #: what takes each call's ``(layer, inputs, output gradient)`` in the second backward
+        self.sink: Callable[[Entry], None] | None = None
+
+    def rearrange_grad_samples(
+        self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        activations, backprops = super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        if not self.keeps(module):
+            self.inputs[module] = activations
+        return activations, backprops
+
+    def capture_backprops_hook(
+        self, module: nn.Module, _forward_input: Any, forward_output: Any, loss_reduction: str, batch_first: bool
+    ) -> None:
+        if self.sink is None:
+            super().capture_backprops_hook(  # type: ignore[misc]  # the Opacus module mixed in after this
+                module, _forward_input, forward_output, loss_reduction, batch_first
+            )
+            return
+        inputs = self.inputs.pop(module, None)
+        if inputs is not None:
+            self.sink((module, inputs, forward_output[0].detach()))
+
+
+class PerExampleLayersNormModule(SumsInASecondBackward, GhostNormModule):
+    """Ghost clipping's norm module: keeping the calls of the layers it measures by per-example gradients, and the
+    inputs of the others for the second backward."""
 
 
 class ShardedGhostNormModule(
@@ -259,20 +305,21 @@ class _NormsOnly:
     recorded too, so that a gathered parameter the loss reaches is named.
 
     The same walk checks that every use of a trainable parameter lies *inside* a call of a module that holds it —
-    between the call's output and its inputs, where its hooks measure it. A weight read again elsewhere (``fc(x) + x
-    @ fc.weight.T``, a head tied by ``F.linear(h, embedding.weight)``, a loss that reads a weight) adds to the
-    gradient the second pass sums but not to the norm the first pass measured: its examples would be under-clipped,
-    and one of them could move the sum by more than the clip bound. The check reads the graph's structure, so a use
+    between the call's output and its inputs, where its hooks measure it. A weight read again elsewhere (``fc(x) + x @
+    fc.weight.T``, a head tied by ``F.linear(h, embedding.weight)``, a loss that reads a weight) adds to the gradient
+    but not to what the hooks measure: a sum taken from autograd's parameter gradients (sharded ghost clipping's) would
+    under-clip its examples, by which one of them could move the sum by more than the clip bound, and a sum contracted
+    in the hooks would silently leave that part of the gradient out. The check reads the graph's structure, so a use
     that only some examples switch on (a mask times the extra term) is found whatever the batch.
 
-    With ``full_precision`` (ghost clipping, whose second backward differentiates Σ_i c_i·ℓ_i through this graph)
-    the walk also refuses a node whose gradient is below fp32 (bf16, fp16, float8) — a cast, an autocast region or a
-    bf16 buffer in the forward: its rounding of c_i·g is not c_i times its rounding of g, so the sum would not be made
-    of the gradients the norms were taken of (2·C released through ``.bfloat16().float()``, 1.74·C through a float8
+    With ``full_precision`` (sharded ghost clipping, whose second backward differentiates Σ_i c_i·ℓ_i through this
+    graph) the walk also refuses a node whose gradient is below fp32 (bf16, fp16, float8) — a cast, an autocast region
+    or a bf16 buffer in the forward: its rounding of c_i·g is not c_i times its rounding of g, so the sum would not be
+    made of the gradients the norms were taken of (2·C released through ``.bfloat16().float()``, 1.74·C through a float8
     cast; independent reviews). What a node does inside its backward is not seen: an opaque node — a custom
     ``autograd.Function`` or a ``torch.compile``'d region — that rounds in lower precision while declaring fp32
-    gradients moved one example's release to 1.001·C; book-keeping, whose sums are made of the output gradients its
-    norms are taken of, is exact there.
+    gradients moved one example's release to 1.001·C; book-keeping and one-process ghost clipping, whose sums are made
+    of the output gradients their norms are taken of, are exact there.
     """
 
     def __init__(
@@ -376,11 +423,11 @@ class _NormsOnly:
                 leaves.append(variable)
         if half:
             raise ValueError(
-                f"per_sample={self.mode!r} cannot clip this net: its graph computes below fp32 ({sorted(half)[:4]}: a "
-                "cast, an autocast region or a bf16 buffer in the forward; found at this batch, the graph is checked "
-                "at every one), and the second backward would round each clip weight's product with the gradient "
-                "otherwise than the gradient whose norm set it. Use per_sample='bk' (the default), or compute the "
-                "forward in fp32."
+                f"per_sample={self.mode!r} cannot clip this sharded net: its graph computes below fp32 "
+                f"({sorted(half)[:4]}: a cast, an autocast region or a bf16 buffer in the forward; found at this batch,"
+                " the graph is checked at every one), and the second backward would round each clip weight's product "
+                "with the gradient otherwise than the gradient whose norm set it. Use per_sample='bk' (the default), "
+                "or compute the forward in fp32."
             )
         self._refuse_uses_outside_their_layers(reaches)
         return lowest, leaves
@@ -458,6 +505,9 @@ class GhostClipping:
     #: whether the first pass keeps its graph for a second backward (book-keeping has none: autograd frees the graph
     #: as the first backward goes)
     second_backward = True
+    #: whether the second backward is of Σ_i c_i·ℓ_i, carrying the clip weights through the net's backward (sharded
+    #: ghost clipping's, which FSDP2 reduce-scatters), rather than the first backward again
+    weighted_backward = False
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss) -> None:
         self.net = net
@@ -489,13 +539,14 @@ class GhostClipping:
                 "per_sample='hooks'."
             )
         frozen = [f"{n} ({p.dtype})" for n, p in net.named_parameters() if p.dtype not in full]
-        if frozen and self.second_backward:
+        if frozen and self.weighted_backward:
             raise ConfigError(
-                f"per_sample={self.mode!r} cannot clip a net with half-precision parameters, frozen ones included "
-                f"({frozen[:3]}{' …' if len(frozen) > 3 else ''}): its second backward carries the clip weights "
-                "through their half-precision arithmetic, which rounds c_i·g_i otherwise than the g_i whose norm set "
-                "c_i (one example released 1.011·C through a frozen bf16 layer). Use per_sample='bk' (the default), "
-                "whose sums come from the very backward its norms do, or load the frozen parameters in fp32."
+                f"per_sample={self.mode!r} cannot clip a sharded net with half-precision parameters, frozen ones "
+                f"included ({frozen[:3]}{' …' if len(frozen) > 3 else ''}): its second backward carries the clip "
+                "weights through their half-precision arithmetic, which rounds c_i·g_i otherwise than the g_i whose "
+                "norm set c_i (one example released 1.011·C through a frozen bf16 layer). Use per_sample='bk' (the "
+                "default), whose sums come from the very backward its norms do, or load the frozen parameters in fp32 "
+                "(one process's ghost clipping sums the output gradients its norms are taken of, and takes them)."
             )
         policies = half_precision_policies(net)
         if policies:
@@ -530,18 +581,12 @@ class GhostClipping:
             modules,
             self._raw.modules,
             mode=self.mode,
-            full_precision=self.second_backward,
+            full_precision=self.weighted_backward,
         )
         self._lookups = BroadcastLookups(net)
         self._raw.keep = True
-        #: the parameters the second backward sums: those of layers measured by a norm sampler (linear layers,
-        #: embeddings: norms floored at a share of their positions' mass, :mod:`.gram`) and the tied ones
-        self._by_backward = {
-            id(p)
-            for m in net.modules()
-            if layer_type(m) in self._gsm.NORM_SAMPLERS or m in self._tied.modules
-            for p in m.parameters(recurse=False)
-        }
+        #: where the first pass's backward went (its root's gradient edge and targets), for the second to go again
+        self._again: tuple[torch.Tensor, list[Any]] | None = None
 
     def _check_layout(self) -> None:
         sharded = is_sharded(self.params)
@@ -633,6 +678,8 @@ class GhostClipping:
             retain = self.second_backward or self._raw.needs_graph
             grads = torch.autograd.grad(total, lowest + raw, retain_graph=retain, allow_unused=True)
             self._raw.output_grads = list(grads[len(lowest) :])
+            if self.second_backward and not self.weighted_backward:
+                self._again = (total, lowest + raw)
         return leaves
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -692,18 +739,28 @@ class GhostClipping:
         return norms, losses
 
     def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
-        """Second pass, hooks off: the gradient of Σ_i c_i·ℓ_i through the kept graph is Σ_i c_i·g_i, for the
-        parameters of layers measured by a norm sampler and the tied ones; every other parameter's sum is made of the
-        per-example gradients its norm came from (the first pass's book, the raw parameters' gradients), as in
-        book-keeping: the second backward would add those layers' positions across examples, and an example whose
-        positions are huge and cancel (norm 0) would absorb the others' contributions (63·C through a LayerNorm,
-        found by an independent review)."""
-        book, raw = self._take_book()
+        """Second pass: the first pass's backward again, of Σ_i ℓ_i to the same targets (no parameter gradient),
+        whose hooks hand each call of a layer measured by a norm sampler, and each use of a tied weight, with its
+        output gradient — the one its norm was taken of, computed again by the same operations — to be contracted
+        with the clip weights at once (:func:`~pl_dp.per_sample.book.weighted_sum`: float64, rounded once); every
+        other parameter's sum is made of the per-example gradients its norm came from (the first pass's book, the
+        raw parameters' gradients). Each example's part of the release is thus c_i times the very gradient whose
+        norm set c_i, as in book-keeping. A backward of Σ_i c_i·ℓ_i (up to pl_dp 0.2) rounded c_i·g_i otherwise
+        than g_i inside the net's backward, and added an example's positions in fp32 in the weight-gradient
+        matmuls: an example of 2¹⁷ positions planted to round one way moved the release by 2–4·C."""
         weights = weights.detach().float()
-        direct = [p for p in self.params if id(p) in self._by_backward]
-        with torch.enable_grad(), _full_precision(self.params[0].device):  # autocast would reach the backward's ops
-            grads = torch.autograd.grad((weights * losses).sum(), direct, allow_unused=True) if direct else ()
-        sums: dict[int, torch.Tensor] = {id(p): g.float() for p, g in zip(direct, grads) if g is not None}
+        sums: dict[int, torch.Tensor] = {}
+        again, self._again = self._again, None
+        if again is not None:
+            total, targets = again
+            self._gsm.sink = self._tied.sink = lambda entry: self._add_book_sums(sums, [entry], weights)
+            try:
+                with torch.enable_grad(), _full_precision(self.params[0].device):
+                    torch.autograd.grad(total, targets, allow_unused=True)
+            finally:
+                self._gsm.sink = self._tied.sink = None
+            del total, targets, again
+        book, raw = self._take_book()
         self._add_book_sums(sums, book, weights)
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
             for p, g in raw.items():
@@ -761,7 +818,9 @@ class GhostClipping:
     def _take_book(self) -> tuple[list[Entry], dict[nn.Parameter, torch.Tensor]]:
         """What the first pass kept for the sums made of per-example gradients (taken: it is not kept after)."""
         book, raw = getattr(self._gsm, "book", []), self._raw.grads
-        self._gsm.book, self._raw.grads = [], {}
+        self._gsm.book, self._raw.grads, self._again = [], {}, None
+        if isinstance(self._gsm, SumsInASecondBackward):
+            self._gsm.inputs = {}
         return book, raw
 
 
@@ -773,6 +832,8 @@ class ShardedGhostClipping(GhostClipping):
     (:class:`~pl_dp.step.passes.ShardedPasses`: the guard that keeps the ranks' forwards in step, the padding
     example). Parameters tied across modules are refused.
     """
+
+    weighted_backward = True
 
     def __init__(self, net: nn.Module, loss_fn: PerSampleLoss, *, passes: ShardedPasses) -> None:
         if tied_parameters(net):
@@ -799,6 +860,14 @@ class ShardedGhostClipping(GhostClipping):
         super().__init__(net, loss_fn)
         self._targets.watch_gathered()
         self._layouts = {p: layout_of(name, p) for name, p in zip(self.names, self.params)}
+        #: the parameters the second backward sums: those of layers measured by a norm sampler (linear layers,
+        #: embeddings: norms floored at a share of their positions' mass, :mod:`.gram`)
+        self._by_backward = {
+            id(p)
+            for m in net.modules()
+            if layer_type(m) in self._gsm.NORM_SAMPLERS
+            for p in m.parameters(recurse=False)
+        }
 
     def _norm_module(self, options: dict[str, Any]) -> GradSampleModuleFastGradientClipping:
         return PerExampleLayersShardedNormModule(self.net, **options)

@@ -29,6 +29,7 @@ than C when one example is added or removed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,6 +86,8 @@ class TiedNorms:
     forward (a layer reused in one forward is refused, as for Opacus' ghost norms). With :attr:`keep` set,
     :meth:`finish` also leaves each use's input and output gradient in :attr:`uses` (book-keeping's clipped sum is
     computed from them, :mod:`pl_dp.per_sample.bk`); they are dropped at the next :meth:`start` or :meth:`clear`.
+    With :attr:`sink` set, a backward run again through the last forward's graph (ghost clipping's second one) hands
+    each use's input and output gradient to the sink, and records nothing.
     """
 
     def __init__(self, net: nn.Module) -> None:
@@ -99,6 +102,9 @@ class TiedNorms:
         #: whether :meth:`finish` keeps each use's ``(module, [input], output gradient)`` in :attr:`uses`
         self.keep = False
         self.uses: list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]] = []
+        #: what takes each use's ``(module, [input], output gradient)`` when the backward runs again (ghost clipping's
+        #: second one), in place of the record
+        self.sink: Callable[[tuple[nn.Module, list[torch.Tensor], torch.Tensor]], None] | None = None
         self._handles = [m.register_forward_hook(self._record) for m in self.modules]
 
     def __bool__(self) -> bool:
@@ -135,7 +141,10 @@ class TiedNorms:
         records.append(entry)
 
         def keep(grad: torch.Tensor) -> None:
-            entry[1] = grad.detach()
+            if self.sink is not None:  # ghost clipping's second backward: this use's output gradient again
+                self.sink((module, [entry[0]], grad.detach()))
+            else:
+                entry[1] = grad.detach()
 
         output.register_hook(keep)
 

@@ -169,8 +169,9 @@ def test_an_embeddings_norm_leaves_out_its_padding_positions():
     assert bool((compute_embedding_norm_sample(layer, [ids], b)[layer.weight] > exact * 1.01).all())
 
 
+@pytest.mark.parametrize("mode", ENGINES)
 @pytest.mark.parametrize("kind", ["linear", "embedding"])
-def test_book_keeping_adds_one_examples_many_positions_without_rounding_past_the_clip(kind):
+def test_one_examples_many_positions_are_added_without_rounding_past_the_clip(kind, mode):
     """One example of 2¹⁷ positions: +1, pairs (+2⁻²⁴(1 + 2⁻⁸), −2⁻²⁴(1 − 2⁻⁸)), −1; added in fp32 one after another,
     every + rounds up to an ulp and every − vanishes, so an fp32 contraction of its clipped positions released 2·C
     (linear) and 3.98·C (embedding) at clip weight ½ (an independent review). Book-keeping's contractions add in
@@ -184,7 +185,7 @@ def test_book_keeping_adds_one_examples_many_positions_without_rounding_past_the
         net, inputs = _Layer(nn.Embedding(3, 1)), torch.ones(1, positions, dtype=torch.long)
     else:
         net, inputs = _Layer(nn.Linear(1, 1, bias=False)), torch.ones(1, positions, 1)
-    engine = BookKeeping(net, _planted_loss)
+    engine = ENGINES[mode](net, _planted_loss)
     clip = float(engine.per_example_norms((inputs, planted))[0]) / 2  # clip weight ½: the example can scale itself
     sums, _, _ = engine.clipped_sum((inputs, planted), ClipFunction("constant", clip))
     assert float(torch.cat([s.reshape(-1) for s in sums]).norm()) <= clip * (1 + 1e-6)
