@@ -32,12 +32,17 @@ layer, reduced to its norm at once. :class:`GhostClipping` runs, per (micro-)bat
    measured by per-example gradients across examples (63·C through a LayerNorm in a batch of 64) — all found by
    independent reviews.
 
-So each example's part of the release is c_i times the very gradient whose norm set c_i, as in book-keeping,
-wherever the two backwards compute the same output gradients: on a CPU, and on a GPU whose backward kernels are
-deterministic (``torch.use_deterministic_algorithms(True)``; some CUDA kernels — atomic adds in index and scatter
-backwards, some attention backwards — may add in another order each time, and then the two backwards differ by
-their rounding). Book-keeping (``per_sample="bk"``, the default) needs no such assumption: its sums are made of the
-first backward's own output gradients.
+So each example's part of the release is c_i times the very gradient whose norm set c_i, as in book-keeping, when
+the two backwards compute the same output gradients. Both run under ``torch.use_deterministic_algorithms(True)``
+(on the CPU too: the backward of indexing with repeated indices adds with atomics across threads otherwise, through
+which an independent review released 7.6e7·C; on a CUDA device this needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8``,
+refused without it), and the second starts from the random state the first started from (a backward that draws —
+stochastic rounding in a custom ``autograd.Function``, dropout recomputed by an activation checkpoint without
+``preserve_rng_state`` — draws the same numbers: 1.008·C and 2.05·C released before). What this cannot make
+repeat is a backward that reads anything else (a clock, Python's or NumPy's random state, a counter it updates):
+book-keeping (``per_sample="bk"``, the default) needs no such assumption, its sums being made of its one backward's
+own output gradients. A hooked layer whose input the forward changes in place after the call is refused in both
+modes (:class:`RefusesInputsChangedInPlace`).
 
 Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation or
 contraction and the inputs and output gradients of the layers measured by per-example gradients (LayerNorm's are
@@ -68,11 +73,16 @@ forward that raised between two layers first issues the other layers' all-gather
 :class:`~pl_dp.step.seal.ForwardsInStep`). Tied parameters are refused when sharded. Sharded, the layers measured
 by per-example gradients are kept out of the second backward's sums as on one process: each rank makes their sums
 of its examples from its book, and they are added over the ranks one parameter at a time (every rank in the same
-order), of which each rank keeps its block.
+order), of which each rank keeps its block. Both backwards run deterministically, the second from the first's random
+state, as on one process; the second, of Σ_i c_i·ℓ_i, still carries the clip weights through the net's arithmetic and
+adds an example's positions in fp32, hence the refusals of half precision above and the advice to prefer
+book-keeping for long sequences on a sharded net.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -158,8 +168,46 @@ class RefusesHalfPrecisionCalls:
         return activations, backprops
 
 
+class RefusesInputsChangedInPlace:
+    """Mixin for Opacus' norm modules: refuses a hooked layer whose input the forward changed in place after the
+    layer's call (``out = fc(x); x.mul_(5)`` on an ``x`` that needs no gradient). Its hooks keep the input as the
+    call saw it by reference, and the passes, which compute no weight gradient, never unpack autograd's saved copy,
+    whose version check would raise: norm and sum would silently be those of the changed values (a sum 5× the
+    gradient, found by an independent review). The version counter, shared by the kept tensor, tells."""
+
+    layer_names: dict[nn.Module, str]
+
+    def capture_activations_hook(self, module: nn.Module, forward_input: Any, forward_output: Any) -> None:
+        kept = len(getattr(module, "activations", None) or ())
+        super().capture_activations_hook(module, forward_input, forward_output)  # type: ignore[misc]
+        if len(getattr(module, "activations", None) or ()) > kept:
+            for t in module.activations[-1]:
+                if isinstance(t, torch.Tensor):
+                    t._pl_dp_version = t._version  # type: ignore[attr-defined]
+
+    def rearrange_grad_samples(
+        self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        if any(
+            isinstance(t, torch.Tensor) and getattr(t, "_pl_dp_version", t._version) != t._version for t in activations
+        ):
+            raise RuntimeError(
+                f"cannot clip {getattr(self, 'layer_names', {}).get(module, '?')!r} ({type(module).__name__}): the "
+                "forward changed its input in place after the layer used it, so its norm and sum would be taken of "
+                "the changed values, not of those the layer computed with. Modify a copy (x = x.clone()) instead."
+            )
+        return activations, backprops
+
+
 class GhostNormModule(
-    RefusesHalfPrecisionCalls, MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClipping
+    RefusesInputsChangedInPlace,
+    RefusesHalfPrecisionCalls,
+    MeasuresLinearLayers,
+    RecordsInEvalMode,
+    GradSampleModuleFastGradientClipping,
 ):
     """Opacus' fast-gradient-clipping module, recording in eval mode too, and naming a layer it cannot handle.
 
@@ -275,7 +323,11 @@ class PerExampleLayersNormModule(SumsInASecondBackward, GhostNormModule):
 
 
 class ShardedGhostNormModule(
-    RefusesHalfPrecisionCalls, MeasuresLinearLayers, RecordsInEvalMode, GradSampleModuleFastGradientClippingFSDP
+    RefusesInputsChangedInPlace,
+    RefusesHalfPrecisionCalls,
+    MeasuresLinearLayers,
+    RecordsInEvalMode,
+    GradSampleModuleFastGradientClippingFSDP,
 ):
     """Opacus' fast-gradient-clipping module for FSDP2, recording in eval mode too: norms are kept on each layer."""
 
@@ -319,7 +371,8 @@ class _NormsOnly:
     cast; independent reviews). What a node does inside its backward is not seen: an opaque node — a custom
     ``autograd.Function`` or a ``torch.compile``'d region — that rounds in lower precision while declaring fp32
     gradients moved one example's release to 1.001·C; book-keeping and one-process ghost clipping, whose sums are made
-    of the output gradients their norms are taken of, are exact there.
+    of the output gradients their norms are taken of (the latter's computed again, deterministically and from the
+    same random state), are exact there.
     """
 
     def __init__(
@@ -585,8 +638,9 @@ class GhostClipping:
         )
         self._lookups = BroadcastLookups(net)
         self._raw.keep = True
-        #: where the first pass's backward went (its root's gradient edge and targets), for the second to go again
-        self._again: tuple[torch.Tensor, list[Any]] | None = None
+        #: where the first pass's backward went (its root, its targets, the random state it started from), for the
+        #: second to go again
+        self._again: tuple[torch.Tensor, list[Any], tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def _check_layout(self) -> None:
         sharded = is_sharded(self.params)
@@ -620,6 +674,7 @@ class GhostClipping:
         nonfinite = (~finite & counted).sum()
         if self._any_nonfinite(finite):  # 0·NaN is NaN: the others' sum is computed again without them
             del losses
+            self._take_book()  # and this pass's graph
             keep = finite.nonzero().squeeze(1)
             if keep.numel():
                 part, kept = _finite_rows(batch, keep, counted, size)
@@ -676,10 +731,12 @@ class GhostClipping:
         raw = self._raw.plan(root, losses.shape[0])
         if lowest or raw:
             retain = self.second_backward or self._raw.needs_graph
-            grads = torch.autograd.grad(total, lowest + raw, retain_graph=retain, allow_unused=True)
+            state = _random_state(total.device) if self.second_backward else None
+            with _repeatable(total.device) if self.second_backward else contextlib.nullcontext():
+                grads = torch.autograd.grad(total, lowest + raw, retain_graph=retain, allow_unused=True)
             self._raw.output_grads = list(grads[len(lowest) :])
-            if self.second_backward and not self.weighted_backward:
-                self._again = (total, lowest + raw)
+            if state is not None:
+                self._again = (total, lowest + raw, state)
         return leaves
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -752,14 +809,15 @@ class GhostClipping:
         sums: dict[int, torch.Tensor] = {}
         again, self._again = self._again, None
         if again is not None:
-            total, targets = again
+            total, targets, state = again
             self._gsm.sink = self._tied.sink = lambda entry: self._add_book_sums(sums, [entry], weights)
             try:
-                with torch.enable_grad(), _full_precision(self.params[0].device):
+                _set_random_state(state, total.device)
+                with torch.enable_grad(), _full_precision(total.device), _repeatable(total.device):
                     torch.autograd.grad(total, targets, allow_unused=True)
             finally:
                 self._gsm.sink = self._tied.sink = None
-            del total, targets, again
+            del total, targets, state, again
         book, raw = self._take_book()
         self._add_book_sums(sums, book, weights)
         with torch.autocast(device_type=self.params[0].device.type, enabled=False):
@@ -966,19 +1024,23 @@ class ShardedGhostClipping(GhostClipping):
     def _weighted_sum(
         self, losses: torch.Tensor, weights: torch.Tensor, zeroed: list[torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
-        """Second pass, sharded: ``backward`` of Σ_i c_i·ℓ_i, whose reduce-scatter leaves this rank its shard of
-        Σ_i c_i·g_i over every rank's examples, for the parameters of the layers measured by a norm sampler (the
-        gradients of the leaves ``zeroed`` are set to 0 first). The other parameters' sums are made of the
-        per-example gradients their norms came from (the first pass's book; zeros for ``zeroed``, the padding
-        example's, which may be non-finite), summed over the ranks one parameter at a time in the parameters'
-        order, of which this rank keeps its block — as one process does, and for the same reason (see
-        :meth:`GhostClipping._weighted_sum`)."""
+        """Second pass, sharded: ``backward`` of Σ_i c_i·ℓ_i (deterministic algorithms, from the first's random state,
+        as on one process), whose reduce-scatter leaves this rank its shard of Σ_i c_i·g_i over every rank's examples,
+        for the parameters of the layers measured by a norm sampler (the gradients of the leaves ``zeroed`` are set to 0
+        first). The other parameters' sums are made of the per-example gradients their norms came from (the first pass's
+        book; zeros for ``zeroed``, the padding example's, which may be non-finite), summed over the ranks one parameter
+        at a time in the parameters' order, of which this rank keeps its block — as one process does, and for the same
+        reason (see :meth:`GhostClipping._weighted_sum`)."""
+        again, self._again = self._again, None
         book, _ = self._take_book()
         for p in self.params:
             p.grad = None
         handles = [leaf.register_hook(torch.zeros_like) for leaf in zeroed or () if leaf.requires_grad]
         try:
-            with torch.enable_grad(), _full_precision(self.params[0].device):
+            device = self.params[0].device
+            if again is not None:  # from the random state the first backward started from, as on one process
+                _set_random_state(again[2], device)
+            with torch.enable_grad(), _full_precision(device), _repeatable(device):
                 (weights.detach() * losses).sum().backward()
         finally:
             for handle in handles:
@@ -1040,3 +1102,48 @@ def _finite_rows(batch: Any, keep: torch.Tensor, counted: torch.Tensor, size: in
 def _full_precision(device: torch.device) -> torch.autocast:
     """Autocast off: the passes compute in the parameters' precision (fp32) under a mixed-precision trainer."""
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+#: the settings of ``CUBLAS_WORKSPACE_CONFIG`` under which cuBLAS computes alike every time (PyTorch's reproducibility
+#: notes)
+_DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+@contextlib.contextmanager
+def _repeatable(device: torch.device) -> Iterator[None]:
+    """Run a backward under ``torch.use_deterministic_algorithms(True)``, so that running it again computes the same
+    values: on the CPU too, where ``index_put_`` with ``accumulate`` (the backward of indexing with repeated indices)
+    otherwise adds with atomic operations across threads, in another order each time — through it an independent
+    review released 7.6e7·C under ghost clipping. On a CUDA device cuBLAS computes alike only under a
+    ``CUBLAS_WORKSPACE_CONFIG`` set before the process starts: refused without it (a ``ConfigError``, the same at
+    every batch), as an operation with no deterministic implementation is refused by torch."""
+    if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in _DETERMINISTIC_CUBLAS:
+        raise ConfigError(
+            "per_sample='ghost' runs its first backward again and sums the output gradients the second computes, "
+            "which must be the first's: on a CUDA device that needs deterministic cuBLAS, set "
+            "CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the process starts. Or use per_sample='bk' "
+            "(the default), whose sums come from its one backward."
+        )
+    enabled, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Torch's random state (the CPU generator's, and ``device``'s on a CUDA device) before a backward that will be
+    run again: a backward that draws — stochastic rounding in a custom ``autograd.Function``, an activation checkpoint
+    that recomputes dropout without ``preserve_rng_state`` — draws the same numbers the second time (2.05·C released
+    through such a checkpoint before, an independent review)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_random_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -297,3 +297,140 @@ def test_half_precision_arithmetic_inside_the_forward_is_refused_where_it_breaks
             assert float(norms[0]) > 1 and float(torch.cat([s.reshape(-1) for s in sums]).norm()) <= 1 + 1e-6
     with pytest.raises(RuntimeError, match=r"cannot clip '\w+' \(Linear\): it is called in half precision"):
         engine_class(_CastBetweenLayers(autocast=True), planted).clipped_sum(batch, clip)
+
+
+def _release_norm(engine, batch, clip: float) -> float:
+    sums, _, _ = engine.clipped_sum(batch, ClipFunction("constant", clip))
+    return float(torch.cat([s.reshape(-1) for s in sums]).norm())
+
+
+class _GathersRepeatedly(nn.Module):
+    """One output indexed 2¹⁷ times: its backward adds 2¹⁷ output gradients into one place (``index_put_`` with
+    ``accumulate``), with atomic adds across threads on the CPU unless deterministic algorithms are on."""
+
+    def __init__(self, positions: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1, 1, bias=False)
+        self.register_buffer("index", torch.zeros(positions, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)[:, self.index, 0]
+
+
+@pytest.mark.parametrize("engine_class", [GhostClipping, BookKeeping])
+def test_a_backward_that_adds_in_another_order_each_time_moves_the_release_by_at_most_the_clip(engine_class):
+    """Planted output gradients +2⁴⁰, ones, −2⁴⁰ over 2¹⁷ positions of one example: in fp32 the total is 0 or
+    thousands depending on the order of the adds, which two CPU threads' atomics change from one backward to the next.
+    Ghost clipping took its norm from one backward and its sum from another: 7.6e7·C released (an independent
+    review). Its backwards now run under deterministic algorithms; book-keeping has one backward."""
+    positions, threads = 2**17, torch.get_num_threads()
+    planted = torch.ones(1, positions)
+    planted[0, 0], planted[0, -1] = 2.0**40, -(2.0**40)
+
+    def loss(net, batch):
+        return (net(batch[0]) * batch[1]).sum(1)
+
+    torch.set_num_threads(2)
+    try:
+        for _ in range(3):
+            net = _GathersRepeatedly(positions)
+            nn.init.constant_(net.fc.weight, 1.0)
+            assert _release_norm(engine_class(net, loss), (torch.ones(1, 1, 1), planted), 1e-3) <= 1e-3 * (1 + 1e-6)
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.are_deterministic_algorithms_enabled()  # restored
+
+
+class _StochasticRounding(torch.autograd.Function):
+    """The identity, whose backward rounds its gradient to bf16 stochastically (declared fp32): it draws."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        noise = torch.randint(0, 1 << 16, grad.shape, dtype=torch.int32)
+        return ((grad.view(torch.int32) + noise) & ~0xFFFF).view(torch.float32)
+
+
+class _CheckpointsDropout(nn.Module):
+    """Dropout inside an activation checkpoint that does not restore the random state: each backward recomputes the
+    region with other masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def region(self, h: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(h), 0.9, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.region, self.a(x), use_reentrant=False, preserve_rng_state=False)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("engine_class", [GhostClipping, BookKeeping])
+def test_a_backward_that_draws_random_numbers_moves_the_release_by_at_most_the_clip(engine_class):
+    """Stochastic rounding in a custom backward (1.0078·C released) and dropout recomputed by a checkpoint without
+    ``preserve_rng_state`` (2.05·C): ghost clipping's second backward drew other numbers than its first (independent
+    review). It now starts from the random state the first started from."""
+
+    class Rounded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(1, 1, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _StochasticRounding.apply(self.fc(x))
+
+    def planted(net, batch):
+        return (net(batch[0]) * batch[1]).sum(1)
+
+    largest = 0.0
+    for seed in range(20):
+        torch.manual_seed(0)
+        net = Rounded()
+        nn.init.constant_(net.fc.weight, 1.0)
+        torch.manual_seed(seed)  # half-way between two bf16 numbers: each draw rounds it up or down
+        batch = (torch.ones(1, 1), torch.tensor([[1 + 2**-8]]))
+        largest = max(largest, _release_norm(engine_class(net, planted), batch, 1e-3) / 1e-3)
+        torch.manual_seed(seed)
+        batch = (torch.randn(1, 16) * 3, torch.randint(0, 3, (1,)))
+        largest = max(largest, _release_norm(engine_class(_CheckpointsDropout(), cross_entropy), batch, 1e-2) / 1e-2)
+    assert largest <= 1 + 1e-6
+
+
+class _ChangesItsInputInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        out = self.fc(x)
+        x.mul_(5.0)  # after fc used it
+        return out + self.fc2(x)
+
+
+@pytest.mark.parametrize("engine_class", [GhostClipping, BookKeeping])
+def test_a_layer_whose_input_is_changed_in_place_after_its_call_is_refused(engine_class):
+    """The passes compute no weight gradient, so autograd never checks the input it saved; the hooks' copy shares
+    its storage: norm and sum were silently those of the changed input (5× the gradient, independent review)."""
+    batch = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    with pytest.raises(RuntimeError, match=r"cannot clip 'fc' \(Linear\): the forward changed its input in place"):
+        engine_class(_ChangesItsInputInPlace(), cross_entropy).clipped_sum(batch, ClipFunction("constant", 1.0))
+
+
+def test_ghost_clipping_on_a_cuda_device_needs_deterministic_cublas(monkeypatch):
+    """Its second backward must compute what its first did: on a CUDA device cuBLAS does only under
+    ``CUBLAS_WORKSPACE_CONFIG``, refused without it (checked before any CUDA call)."""
+    from pl_dp.per_sample.ghost import _repeatable
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG=:4096:8"), _repeatable(torch.device("cuda")):
+        pass
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    with _repeatable(torch.device("cuda")):
+        assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()

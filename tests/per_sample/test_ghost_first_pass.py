@@ -12,6 +12,7 @@ from torch import nn
 
 from pl_dp.nets import CausalLM, HFClassifier, TinyTransformerClassifier
 from pl_dp.per_sample import GhostClipping, PerSampleGradients
+from pl_dp.per_sample.ghost import _random_state
 from pl_dp.privacy import ClipFunction
 from pl_dp.step.batches import select_examples
 from pl_dp.step.losses import causal_lm, cross_entropy
@@ -25,7 +26,7 @@ class FullFirstPass(GhostClipping):
     def _first_backward(self, losses):
         total = losses.sum()
         grads = torch.autograd.grad(total, self.params, retain_graph=True, allow_unused=True)
-        self._again = (total, self.params)
+        self._again = (total, self.params, _random_state(total.device))
         return [p for p, g in zip(self.params, grads) if g is not None]
 
 
