@@ -11,7 +11,7 @@ gradient as its second backward computes it again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -64,6 +64,52 @@ class KeepsBook:
         return activations, backprops
 
 
+def record_versions(tensors: Iterable[Any]) -> None:
+    """Remember the version of each tensor a layer's call is measured from (autograd's in-place counter, which a
+    detached tensor shares with the one it was detached from), for :func:`refuse_changed_inputs`."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t._pl_dp_version = t._version  # type: ignore[attr-defined]
+
+
+def refuse_changed_inputs(tensors: Iterable[Any], layer: str) -> None:
+    """Raise if a tensor :func:`record_versions` saw was changed in place since: by the forward after the layer's call
+    (``out = fc(x); x.mul_(5)``), by the loss (token ids masked in place), or by a backward that overwrites a tensor it
+    kept. The passes compute no weight gradient, so autograd never unpacks its saved copy and its own version check
+    never runs: a norm or sum taken of the changed values would be silently wrong (a sum 5× the gradient), or the
+    norm of one and the sum of the other (2.5·C released under book-keeping, a custom backward overwriting the next
+    layer's input; independent reviews). Whether it happens depends on the net's code, not on the examples."""
+    if any(isinstance(t, torch.Tensor) and getattr(t, "_pl_dp_version", t._version) != t._version for t in tensors):
+        raise RuntimeError(
+            f"cannot clip {layer}: its input was changed in place after the layer used it (in the forward, the loss "
+            "or a custom backward), so its per-example norm or clipped sum would be taken of the changed values, not "
+            "of those the layer computed with. Change a copy (x = x.clone()) instead."
+        )
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor``'s bits read as integers (int64): the same for two tensors of the same bits, and for two
+    that differ only by a rare coincidence — what tells ghost clipping's second backward from its first."""
+    flat = tensor.detach().contiguous().view(-1)
+    return flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).sum(
+        dtype=torch.int64
+    )
+
+
+def refuse_another_gradient(grad: torch.Tensor, first: torch.Tensor, layer: str) -> None:
+    """Raise if the output gradient ``grad`` of a second backward is not the one whose :func:`fingerprint` the first
+    took: a backward that changes what it reads (a custom ``autograd.Function`` that keeps a tensor on ``ctx`` and
+    overwrites it: 1.73·C released), or that draws from a generator torch's random state does not hold (Python's,
+    NumPy's, a module's own ``torch.Generator``: 1.008·C; independent reviews)."""
+    if not torch.equal(fingerprint(grad), first):
+        raise RuntimeError(
+            f"per_sample='ghost' cannot clip {layer}: the backward run again computed another output gradient than "
+            "the first (a custom backward that changes what it reads, or draws from a generator other than torch's "
+            "own), and the sum would not be made of the gradient the norm was taken of. Use per_sample='bk' (the "
+            "default), whose sums come from its one backward."
+        )
+
+
 def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[str, torch.Tensor]:
     """The per-example gradients ``[B, *p.shape]`` of one kept call's trainable parameters, by their names in the
     layer, from Opacus' sampler of its layer (``samplers``: its registry; ``torch.func`` for a leaf module of raw
@@ -71,6 +117,7 @@ def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[st
     FSDP2 swaps a layer's parameters between the shards that are trained and the gathered copies (which it keeps
     after the backward under ``set_reshard_after_backward(False)``)."""
     module, activations, backprops = entry
+    refuse_changed_inputs(activations, f"a {type(module).__name__}")
     sampler = samplers.get(layer_type(module), ft_compute_per_sample_gradient)
     names = {id(p): name for name, p in module.named_parameters(recurse=False)}
     grads = {names[id(p)]: g for p, g in sampler(module, activations, backprops).items() if p.requires_grad}
@@ -91,6 +138,7 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
     after the layer's own (scale its output, as muP read-outs and BART's scaled embeddings do), which the kept
     output gradient has already gone through — its sum comes from the per-example gradients its norm was taken of."""
     module, activations, backprops = entry
+    refuse_changed_inputs(activations, f"a {type(module).__name__}")
     if backprops.shape[0] != len(weights):  # refused with the layer named after the first pass; never broadcast
         raise RuntimeError(f"a kept call of {type(module).__name__} has {backprops.shape[0]} rows, not one per example")
     transposed = transposed_linear(module)

@@ -38,11 +38,14 @@ the two backwards compute the same output gradients. Both run under ``torch.use_
 which an independent review released 7.6e7·C; on a CUDA device this needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8``,
 refused without it), and the second starts from the random state the first started from (a backward that draws —
 stochastic rounding in a custom ``autograd.Function``, dropout recomputed by an activation checkpoint without
-``preserve_rng_state`` — draws the same numbers: 1.008·C and 2.05·C released before). What this cannot make
-repeat is a backward that reads anything else (a clock, Python's or NumPy's random state, a counter it updates):
-book-keeping (``per_sample="bk"``, the default) needs no such assumption, its sums being made of its one backward's
-own output gradients. A hooked layer whose input the forward changes in place after the call is refused in both
-modes (:class:`RefusesInputsChangedInPlace`).
+``preserve_rng_state`` — draws the same numbers: 1.008·C and 2.05·C released before). A backward that still
+computes otherwise the second time — one that changes what it reads (a custom ``autograd.Function`` that keeps a
+tensor on ``ctx`` and overwrites it: 1.73·C released), or draws from a generator torch's state does not hold
+(Python's, NumPy's, a module's own ``torch.Generator``) — is refused: each call's output gradient in the second
+backward must have the bits of the first's (:func:`~pl_dp.per_sample.book.fingerprint`, one integer sum per call).
+Book-keeping (``per_sample="bk"``, the default) needs none of this, its sums being made of its one backward's own
+output gradients. A layer whose input is changed in place after the call is refused in both modes
+(:func:`~pl_dp.per_sample.book.refuse_changed_inputs`).
 
 Memory is that of a non-private step (the forward graph and one gradient) plus one layer's norm computation or
 contraction and the inputs and output gradients of the layers measured by per-example gradients (LayerNorm's are
@@ -95,7 +98,17 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pl_dp.errors import ConfigError
-from pl_dp.per_sample.book import Entry, KeepsBook, layer_type, transposed_linear, weighted_sum
+from pl_dp.per_sample.book import (
+    Entry,
+    KeepsBook,
+    fingerprint,
+    layer_type,
+    record_versions,
+    refuse_another_gradient,
+    refuse_changed_inputs,
+    transposed_linear,
+    weighted_sum,
+)
 from pl_dp.per_sample.gradients import (
     OPACUS_RNNS,
     BroadcastLookups,
@@ -169,11 +182,9 @@ class RefusesHalfPrecisionCalls:
 
 
 class RefusesInputsChangedInPlace:
-    """Mixin for Opacus' norm modules: refuses a hooked layer whose input the forward changed in place after the
-    layer's call (``out = fc(x); x.mul_(5)`` on an ``x`` that needs no gradient). Its hooks keep the input as the
-    call saw it by reference, and the passes, which compute no weight gradient, never unpack autograd's saved copy,
-    whose version check would raise: norm and sum would silently be those of the changed values (a sum 5× the
-    gradient, found by an independent review). The version counter, shared by the kept tensor, tells."""
+    """Mixin for Opacus' norm modules: refuses a hooked layer whose input was changed in place after the layer's
+    call (``out = fc(x); x.mul_(5)`` on an ``x`` that needs no gradient), when its norm is taken; the sums check again
+    (:func:`~pl_dp.per_sample.book.refuse_changed_inputs`)."""
 
     layer_names: dict[nn.Module, str]
 
@@ -181,9 +192,7 @@ class RefusesInputsChangedInPlace:
         kept = len(getattr(module, "activations", None) or ())
         super().capture_activations_hook(module, forward_input, forward_output)  # type: ignore[misc]
         if len(getattr(module, "activations", None) or ()) > kept:
-            for t in module.activations[-1]:
-                if isinstance(t, torch.Tensor):
-                    t._pl_dp_version = t._version  # type: ignore[attr-defined]
+            record_versions(module.activations[-1])
 
     def rearrange_grad_samples(
         self, *, module: nn.Module, backprops: torch.Tensor, loss_reduction: str, batch_first: bool
@@ -191,14 +200,8 @@ class RefusesInputsChangedInPlace:
         activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
-        if any(
-            isinstance(t, torch.Tensor) and getattr(t, "_pl_dp_version", t._version) != t._version for t in activations
-        ):
-            raise RuntimeError(
-                f"cannot clip {getattr(self, 'layer_names', {}).get(module, '?')!r} ({type(module).__name__}): the "
-                "forward changed its input in place after the layer used it, so its norm and sum would be taken of "
-                "the changed values, not of those the layer computed with. Modify a copy (x = x.clone()) instead."
-            )
+        name = getattr(self, "layer_names", {}).get(module, "?")
+        refuse_changed_inputs(activations, f"{name!r} ({type(module).__name__})")
         return activations, backprops
 
 
@@ -286,11 +289,13 @@ class SumsInASecondBackward(KeepsPerExampleLayers):
     norm sampler (``nn.Linear``, Hugging Face's ``Conv1D``, ``nn.Embedding``), that call's inputs (:attr:`inputs`:
     those autograd keeps for the second backward anyway), and, in the second backward (:attr:`sink` set), hand each
     such call's ``(layer, inputs, output gradient)`` to the sink instead of measuring it. The second backward is the
-    first one again, so that output gradient is the very one the call's norm was taken of."""
+    first one again, so that output gradient is the very one the call's norm was taken of: refused if not (its bits'
+    :func:`~pl_dp.per_sample.book.fingerprint` from the first backward)."""
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         super().__init__(module, **kwargs)
-        self.inputs: dict[nn.Module, list[torch.Tensor]] = {}
+        #: per call: its inputs and the :func:`~pl_dp.per_sample.book.fingerprint` of its output gradient
+        self.inputs: dict[nn.Module, tuple[list[torch.Tensor], torch.Tensor]] = {}
         #: what takes each call's ``(layer, inputs, output gradient)`` in the second backward
         self.sink: Callable[[Entry], None] | None = None
 
@@ -301,7 +306,7 @@ class SumsInASecondBackward(KeepsPerExampleLayers):
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
         if not self.keeps(module):
-            self.inputs[module] = activations
+            self.inputs[module] = (activations, fingerprint(backprops))
         return activations, backprops
 
     def capture_backprops_hook(
@@ -312,9 +317,11 @@ class SumsInASecondBackward(KeepsPerExampleLayers):
                 module, _forward_input, forward_output, loss_reduction, batch_first
             )
             return
-        inputs = self.inputs.pop(module, None)
-        if inputs is not None:
-            self.sink((module, inputs, forward_output[0].detach()))
+        kept = self.inputs.pop(module, None)
+        if kept is not None:
+            grad = forward_output[0].detach()
+            refuse_another_gradient(grad, kept[1], f"{self.layer_names.get(module, '?')!r} ({type(module).__name__})")
+            self.sink((module, kept[0], grad))
 
 
 class PerExampleLayersNormModule(SumsInASecondBackward, GhostNormModule):

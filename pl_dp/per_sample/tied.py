@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_dp.per_sample.book import fingerprint, record_versions, refuse_another_gradient, refuse_changed_inputs
 from pl_dp.per_sample.gradients import OPACUS_RNNS
 from pl_dp.per_sample.gram import bias_norms, floored, gram_products, in_chunks, mass, raised_norm
 
@@ -138,10 +139,12 @@ class TiedNorms:
                 "weight and is called more than once in one forward. Use per_sample='hooks'."
             )
         entry = [args[0].detach(), None]
+        record_versions(entry[:1])
         records.append(entry)
 
         def keep(grad: torch.Tensor) -> None:
             if self.sink is not None:  # ghost clipping's second backward: this use's output gradient again
+                refuse_another_gradient(grad, entry[2], f"{self.modules[module]!r} ({type(module).__name__})")
                 self.sink((module, [entry[0]], grad.detach()))
             else:
                 entry[1] = grad.detach()
@@ -158,12 +161,14 @@ class TiedNorms:
             if not records or records[0][1] is None:
                 continue  # not used by the loss: its parameters get no gradient from it
             inputs, grad = records[0]
+            refuse_changed_inputs([inputs], f"{self.modules[module]!r} ({type(module).__name__})")
             if inputs.shape[0] != size or grad.shape[0] != size:
                 not_per_example.append(self.modules[module])
                 continue
             factors[module] = _factors(module, inputs, grad)
             if self.keep:
                 self.uses.append((module, [inputs], grad))
+            records[0][1:] = [None, fingerprint(grad)]  # for a second backward to be checked against
         self._records = {}
         if not_per_example:
             return not_per_example

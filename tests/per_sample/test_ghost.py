@@ -418,7 +418,9 @@ def test_a_layer_whose_input_is_changed_in_place_after_its_call_is_refused(engin
     """The passes compute no weight gradient, so autograd never checks the input it saved; the hooks' copy shares
     its storage: norm and sum were silently those of the changed input (5× the gradient, independent review)."""
     batch = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
-    with pytest.raises(RuntimeError, match=r"cannot clip 'fc' \(Linear\): the forward changed its input in place"):
+    with pytest.raises(
+        RuntimeError, match=r"cannot clip 'fc' \(Linear\): its input was changed in place after the layer used it"
+    ):
         engine_class(_ChangesItsInputInPlace(), cross_entropy).clipped_sum(batch, ClipFunction("constant", 1.0))
 
 
@@ -434,3 +436,68 @@ def test_ghost_clipping_on_a_cuda_device_needs_deterministic_cublas(monkeypatch)
     with _repeatable(torch.device("cuda")):
         assert torch.are_deterministic_algorithms_enabled()
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+class _CubeOverwrittenByItsBackward(torch.autograd.Function):
+    """x³, keeping its output on ``ctx`` (no version check) and computing 3x² in that very buffer in its backward:
+    correct for one backward, but what it kept is changed once it has run."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.out = x**3
+        return ctx.out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * ctx.out.abs_().pow_(2 / 3).mul_(3)
+
+
+class _OverwritesInItsBackward(nn.Module):
+    def __init__(self, direct: bool) -> None:
+        super().__init__()
+        self.direct, self.fc1, self.fc2 = direct, nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cubed = _CubeOverwrittenByItsBackward.apply(self.fc1(x))
+        return self.fc2(cubed if self.direct else cubed * 1.0)
+
+
+class _TiedIdsMaskedInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def _masks_the_ids_in_place(net, batch):
+    logits, labels = net(batch[0]), batch[0]
+    labels[labels == 7] = 0  # in place, on the embedding's input, after the forward
+    return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(1)
+
+
+@pytest.mark.parametrize("engine_class", [GhostClipping, BookKeeping])
+def test_what_the_passes_kept_and_see_changed_is_refused(engine_class):
+    """Independent review: a custom backward that overwrites the next layer's input released 2.5·C under
+    book-keeping (norm taken in the hook, sum contracted after the buffer changed) and, one operation further
+    away, 1.73·C under ghost clipping (its second backward read the changed buffer); token ids masked in place by
+    the loss gave a tied embedding's norm and sum of the masked ids, silently. Each is refused now (book-keeping is
+    exact on the second net: its one backward's own output gradients)."""
+    torch.manual_seed(0)
+    batch = (torch.randn(1, 4) * 0.5, torch.randint(0, 3, (1,)))
+    clip = ClipFunction("constant", 1e-2)
+    refusal = "changed in place after the layer used it" if engine_class is BookKeeping else "modified inplace"
+    with pytest.raises(RuntimeError, match=refusal):  # ghost: autograd's own check, as its second backward reads it
+        engine_class(_OverwritesInItsBackward(direct=True), cross_entropy).clipped_sum(batch, clip)
+    if engine_class is GhostClipping:
+        with pytest.raises(RuntimeError, match=r"cannot clip 'fc1' \(Linear\): the backward run again computed"):
+            engine_class(_OverwritesInItsBackward(direct=False), cross_entropy).clipped_sum(batch, clip)
+    else:
+        assert _release_norm(engine_class(_OverwritesInItsBackward(direct=False), cross_entropy), batch, 1e-2) <= (
+            1e-2 * (1 + 1e-6)
+        )
+    ids = torch.tensor([[1, 7, 7, 3, 7]])
+    with pytest.raises(RuntimeError, match=r"cannot clip 'embed' \(Embedding\): its input was changed in place"):
+        engine_class(_TiedIdsMaskedInPlace(), _masks_the_ids_in_place).clipped_sum((ids,), clip)
