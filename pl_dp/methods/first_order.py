@@ -54,10 +54,11 @@ class FirstOrderModule(PrivateModule[SubsampledGaussian]):
         momentum, weight_decay: optimizer options.
         per_sample: a registered per-sample mode (:mod:`pl_dp.per_sample.modes`): ``"bk"`` (the default: book-keeping,
             Bu et al. 2023 — ghost clipping's per-example norms and the clipped sum from the same single backward pass;
-            the fastest exact mode measured, from a 5k-parameter MLP, where the modes tie, to BERT-base on a GPU; on a
+            the fastest exact mode measured, or within 13 % of it, from a 5k-parameter MLP to BERT-base on a GPU; on a
             net sharded by FSDP2 too; see :mod:`pl_dp.per_sample.bk`), ``"ghost"`` (ghost clipping, Li et al. 2022:
             per-example gradient norms from Opacus' GradSampleModuleFastGradientClipping, then the same backward again,
-            whose output gradients are contracted with the clip weights; the least memory, on one process or sharded;
+            whose output gradients are contracted with the clip weights; about book-keeping's memory at 1.2–1.3× its
+            time, on one process or sharded;
             see :mod:`pl_dp.per_sample.ghost`), ``"hooks"`` (Opacus' GradSampleModule: every per-example gradient formed
             — B times the trainable parameters in memory; its passes run under the trainer's autocast) or
             ``"functorch"`` (``torch.func.vmap``: layers Opacus' hooks do not support). ``"bk"`` and ``"ghost"`` compute
