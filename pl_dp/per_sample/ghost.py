@@ -292,6 +292,8 @@ class SumsInASecondBackward(KeepsPerExampleLayers):
     first one again, so that output gradient is the very one the call's norm was taken of: refused if not (its bits'
     :func:`~pl_dp.per_sample.book.fingerprint` from the first backward)."""
 
+    layer_names: dict[nn.Module, str]
+
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         super().__init__(module, **kwargs)
         #: per call: its inputs and the :func:`~pl_dp.per_sample.book.fingerprint` of its output gradient
