@@ -135,11 +135,13 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
 
         else:
 
-            def chunk_values(chunk: int, size: int) -> torch.Tensor:
+            def chunk_values(chunk: int, size: int | torch.Size | tuple[int, ...]) -> torch.Tensor:
                 generator = self._generator(device, b"noise", self._step, draw, chunk)
                 return torch.empty(size, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
 
         if block is None and numel <= _CHUNK:  # one chunk is the whole draw (a secure chunk is float64 on the CPU)
+            if not self.secure:  # drawn in its shape: the same values, in the same order, as a flat chunk's
+                return chunk_values(0, out_shape)
             return chunk_values(0, numel).to(device=device, dtype=dtype).view(out_shape)
         out = torch.empty(count, device=device, dtype=dtype)
         for chunk in range(start // _CHUNK, -(-(start + count) // _CHUNK) if count else 0):

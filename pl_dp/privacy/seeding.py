@@ -102,8 +102,9 @@ _MT_OFFSET, _MT_WORDS = 24, 624
 @functools.cache
 def _cpu_state_template() -> bytes:
     """A torch CPU generator state whose layout is checked against the Mersenne Twister's own seeding (the words of
-    ``manual_seed(5489)``), so that :func:`secret_cpu_generator` never writes a state it misreads."""
-    state = bytes(torch.Generator().manual_seed(5489).get_state().tolist())
+    ``manual_seed(5489)``), so that :func:`secret_cpu_generator` never writes a state it misreads; returned with
+    initial seed 0 and ``left`` = 1 (the next draw twists the words :func:`secret_cpu_state` writes)."""
+    state = bytearray(torch.Generator().manual_seed(5489).get_state().tolist())
     words = [5489]
     for i in range(1, _MT_WORDS):
         words.append((1812433253 * (words[-1] ^ (words[-1] >> 30)) + i) & 0xFFFFFFFF)
@@ -112,7 +113,8 @@ def _cpu_state_template() -> bytes:
             "this torch build's CPU generator state has an unknown layout, so pl_dp cannot seed it with a full-entropy "
             "secret: use secure_rng=True (SHAKE-256 noise) on this build."
         )
-    return state
+    struct.pack_into("<Qii", state, 0, 0, 1, 1)  # initial seed 0, left = 1, seeded
+    return bytes(state)
 
 
 def secret_cpu_state(material: bytes) -> torch.Tensor:
@@ -125,8 +127,7 @@ def secret_cpu_state(material: bytes) -> torch.Tensor:
     state = bytearray(_cpu_state_template())
     words = np.frombuffer(state, dtype="<u8", count=_MT_WORDS, offset=_MT_OFFSET)  # a view: writes go to state
     words[:] = np.frombuffer(hashlib.shake_256(material).digest(4 * _MT_WORDS), dtype="<u4")
-    struct.pack_into("<Qii", state, 0, 0, 1, 1)  # initial seed 0; left = 1: the next draw twists these words
-    return torch.frombuffer(state, dtype=torch.uint8).clone()
+    return torch.frombuffer(state, dtype=torch.uint8)  # which keeps state alive, no one else holding it
 
 
 def secret_cpu_generator(material: bytes) -> torch.Generator:
