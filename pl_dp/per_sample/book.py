@@ -64,6 +64,14 @@ class KeepsBook:
         return activations, backprops
 
 
+def reads_inputs(module: nn.Module) -> bool:
+    """Whether the per-example norms and sums of ``module``'s trainable parameters read its inputs: not for a linear
+    layer (``nn.Linear``, Hugging Face's ``Conv1D``) that trains its bias alone (BitFit), whose bias gradient is the sum
+    of its output gradients — and for whose frozen weight autograd saves no input, so a forward may change it."""
+    trained = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+    return trained != ["bias"] or not (layer_type(module) is nn.Linear or transposed_linear(module))
+
+
 def record_versions(tensors: Iterable[Any]) -> None:
     """Remember the version of each tensor a layer's call is measured from (autograd's in-place counter, which a
     detached tensor shares with the one it was detached from), for :func:`refuse_changed_inputs`."""
@@ -78,7 +86,8 @@ def refuse_changed_inputs(tensors: Iterable[Any], layer: str) -> None:
     kept. The passes compute no weight gradient, so autograd never unpacks its saved copy and its own version check
     never runs: a norm or sum taken of the changed values would be silently wrong (a sum 5× the gradient), or the
     norm of one and the sum of the other (2.5·C released under book-keeping, a custom backward overwriting the next
-    layer's input; independent reviews). Whether it happens depends on the net's code, not on the examples."""
+    layer's input; independent reviews). Whether it happens depends on the net's code, not on the examples. The
+    callers skip the layers whose sums do not read their inputs (:func:`reads_inputs`)."""
     if any(isinstance(t, torch.Tensor) and getattr(t, "_pl_dp_version", t._version) != t._version for t in tensors):
         raise RuntimeError(
             f"cannot clip {layer}: its input was changed in place after the layer used it (in the forward, the loss "
@@ -118,7 +127,8 @@ def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[st
     FSDP2 swaps a layer's parameters between the shards that are trained and the gathered copies (which it keeps
     after the backward under ``set_reshard_after_backward(False)``)."""
     module, activations, backprops = entry
-    refuse_changed_inputs(activations, f"a {type(module).__name__}")
+    if reads_inputs(module):
+        refuse_changed_inputs(activations, f"a {type(module).__name__}")
     sampler = samplers.get(layer_type(module), ft_compute_per_sample_gradient)
     names = {id(p): name for name, p in module.named_parameters(recurse=False)}
     grads = {names[id(p)]: g for p, g in sampler(module, activations, backprops).items() if p.requires_grad}
@@ -139,7 +149,8 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
     after the layer's own (scale its output, as muP read-outs and BART's scaled embeddings do), which the kept
     output gradient has already gone through — its sum comes from the per-example gradients its norm was taken of."""
     module, activations, backprops = entry
-    refuse_changed_inputs(activations, f"a {type(module).__name__}")
+    if reads_inputs(module):
+        refuse_changed_inputs(activations, f"a {type(module).__name__}")
     if backprops.shape[0] != len(weights):  # refused with the layer named after the first pass; never broadcast
         raise RuntimeError(f"a kept call of {type(module).__name__} has {backprops.shape[0]} rows, not one per example")
     transposed = transposed_linear(module)

@@ -103,6 +103,7 @@ from pl_dp.per_sample.book import (
     KeepsBook,
     fingerprint,
     layer_type,
+    reads_inputs,
     record_versions,
     refuse_another_gradient,
     refuse_changed_inputs,
@@ -200,8 +201,9 @@ class RefusesInputsChangedInPlace:
         activations, backprops = super().rearrange_grad_samples(  # type: ignore[misc]
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
-        name = getattr(self, "layer_names", {}).get(module, "?")
-        refuse_changed_inputs(activations, f"{name!r} ({type(module).__name__})")
+        if reads_inputs(module):
+            name = getattr(self, "layer_names", {}).get(module, "?")
+            refuse_changed_inputs(activations, f"{name!r} ({type(module).__name__})")
         return activations, backprops
 
 

@@ -424,6 +424,42 @@ def test_a_layer_whose_input_is_changed_in_place_after_its_call_is_refused(engin
         engine_class(_ChangesItsInputInPlace(), cross_entropy).clipped_sum(batch, ClipFunction("constant", 1.0))
 
 
+class _BiasOnlyOnAChangedInput(nn.Module):
+    """A linear layer whose bias only is trained (BitFit), called on an input that needs no gradient and is changed in
+    place after the call — legal in autograd, which saves no input for a frozen weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.fc.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        hidden = self.fc(x)
+        x.mul_(5.0)
+        return self.head(torch.tanh(hidden) + x)
+
+
+@pytest.mark.parametrize("engine_class", [GhostClipping, BookKeeping])
+def test_a_layer_training_only_its_bias_may_have_its_input_changed_in_place(engine_class):
+    """Its bias's gradient reads no input, so neither does its norm or sum (BitFit under in-place residual adds was
+    refused, a false positive): the clipped sum equals the one of the per-example gradients autograd computes."""
+    torch.manual_seed(0)
+    net = _BiasOnlyOnAChangedInput()
+    batch = (torch.randn(6, 8), torch.randint(0, 3, (6,)))
+    clip = ClipFunction("constant", 0.5)
+    reference, expected, _ = PerSampleGradients(copy.deepcopy(net), cross_entropy, "functorch").clipped_sum(batch, clip)
+    engine = engine_class(net, cross_entropy)
+    sums, norms, _ = engine.clipped_sum(batch, clip)
+    torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-7)
+    for total, wanted in zip(sums, reference):
+        torch.testing.assert_close(total, wanted, rtol=1e-5, atol=1e-6)
+    engine.close()
+    net.fc.weight.requires_grad_(True)  # now fc's sum reads the changed input
+    with pytest.raises(RuntimeError, match=r"cannot clip 'fc' \(Linear\): its input was changed in place"):
+        engine_class(net, cross_entropy).clipped_sum(batch, clip)
+
+
 def test_ghost_clipping_on_a_cuda_device_needs_deterministic_cublas(monkeypatch):
     """Its second backward must compute what its first did: on a CUDA device cuBLAS does only under
     ``CUBLAS_WORKSPACE_CONFIG``, refused without it (checked before any CUDA call)."""
