@@ -135,14 +135,13 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
 
         else:
 
-            def chunk_values(chunk: int, size: int | torch.Size | tuple[int, ...]) -> torch.Tensor:
-                generator = self._generator(device, b"noise", self._step, draw, chunk)
-                return torch.empty(size, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
+            def chunk_values(chunk: int, size: int) -> torch.Tensor:
+                return self._torch_chunk(draw, chunk, (size,), std, device, dtype)
 
-        if block is None and numel <= _CHUNK:  # one chunk is the whole draw (a secure chunk is float64 on the CPU)
+        if block is None and numel <= _CHUNK:  # one chunk is the whole draw
             if not self.secure:  # drawn in its shape: the same values, in the same order, as a flat chunk's
-                return chunk_values(0, out_shape)
-            return chunk_values(0, numel).to(device=device, dtype=dtype).view(out_shape)
+                return self._torch_chunk(draw, 0, tuple(out_shape), std, device, dtype)
+            return chunk_values(0, numel).to(device=device, dtype=dtype).view(out_shape)  # float64 on the CPU
         out = torch.empty(count, device=device, dtype=dtype)
         for chunk in range(start // _CHUNK, -(-(start + count) // _CHUNK) if count else 0):
             low = chunk * _CHUNK
@@ -150,6 +149,13 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
             first, end = max(start, low), min(start + count, low + values.numel())
             out[first - start : end - start] = values[first - low : end - low]
         return out.view(out_shape)
+
+    def _torch_chunk(
+        self, draw: int, chunk: int, shape: tuple[int, ...], std: float, device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Chunk ``chunk`` of draw ``draw`` from torch's generator (:meth:`_generator`), of ``shape``."""
+        generator = self._generator(device, b"noise", self._step, draw, chunk)
+        return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
 
     def _refuse_replay(self, draw: int) -> None:
         """Refuse a draw of an unseeded key for a training step (≥ 0) at or before its latest one.
