@@ -36,7 +36,7 @@ from torch.utils.data._utils.collate import default_collate
 from pl_dp.errors import ConfigError, PrivacyConfigError
 from pl_dp.privacy.seeding import CopiesDrawTheirOwnSecret, derive_seed, entropy_seed, secret_cpu_generator
 from pl_dp.privacy.units import PrivacyUnit, UserIndex
-from pl_dp.step.batches import example_structure
+from pl_dp.step.batches import example_structure, stacks_tensor_rows
 from pl_dp.step.seal import sealed
 
 
@@ -466,14 +466,8 @@ class EmptySafeCollate:
         # a plain TensorDataset's examples are rows of the same tensors: one structure by construction
         self._one_structure = type(dataset) is TensorDataset
         #: whether the batch of a plain TensorDataset's examples is its tensors' rows stacked, so that
-        #: :class:`SealedReads` may read them at once: ``default_collate``, or a collate whose own class (not a
-        #: parent's: a subclass may batch otherwise) has ``stacks_equal_rows`` and says so, over dense tensors of
-        #: one length (a nested tensor cannot be indexed by rows; a shorter tensor has rows that fail to read)
-        declared = "stacks_equal_rows" in type(collate_fn).__dict__
-        stacks = collate_fn is default_collate or (declared and bool(getattr(collate_fn, "stacks_equal_rows", False)))
-        tensors = dataset.tensors if self._one_structure else ()  # type: ignore[attr-defined]
-        dense = all(t.layout == torch.strided and not t.is_nested and len(t) == len(dataset) for t in tensors)
-        self.stacks_rows = self._one_structure and stacks and dense
+        #: :class:`SealedReads` may read them at once (:func:`~pl_dp.step.batches.stacks_tensor_rows`)
+        self.stacks_rows = stacks_tensor_rows(dataset, collate_fn)
 
     def expect(self, example: Any) -> None:
         """From now on only examples of ``example``'s structure are batched, and an empty batch is ``example``'s

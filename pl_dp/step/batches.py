@@ -8,11 +8,12 @@ whatever a loader yields.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 
 def batch_size_of(batch: Any) -> int:
@@ -117,3 +118,18 @@ def example_structure(example: Any) -> Any:
     if isinstance(example, (list, tuple)):
         return (type(example).__name__, tuple(example_structure(v) for v in example))
     return (type(example).__name__,)
+
+
+def stacks_tensor_rows(dataset: Dataset, collate_fn: Callable[[list], Any]) -> bool:
+    """Whether ``collate_fn``'s batch of examples of ``dataset`` is the list of its tensors' rows stacked, so that the
+    rows may be read at once (one indexing per tensor) in place of collating examples read one by one: a plain
+    ``TensorDataset`` (rows of the same tensors: one structure, rows that cannot fail to read) of dense tensors of
+    its length (a nested tensor cannot be indexed by rows; a shorter tensor has rows that fail to read), and
+    ``default_collate`` or a collate whose own class (not a parent's: a subclass may batch otherwise) has
+    ``stacks_equal_rows`` and says so (:class:`~pl_dp.data.collate.PaddingCollate` without a fixed length)."""
+    if type(dataset) is not TensorDataset:
+        return False
+    declared = "stacks_equal_rows" in type(collate_fn).__dict__
+    stacks = collate_fn is default_collate or (declared and bool(getattr(collate_fn, "stacks_equal_rows", False)))
+    tensors = dataset.tensors
+    return stacks and all(t.layout == torch.strided and not t.is_nested and len(t) == len(dataset) for t in tensors)

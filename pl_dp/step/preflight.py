@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import TensorDataset, default_collate
 
 from pl_dp.errors import DataError
-from pl_dp.step.batches import batch_size_of, example_structure
+from pl_dp.step.batches import batch_size_of, example_structure, stacks_tensor_rows
 from pl_dp.step.independence import NetState, refuse_varying_batch_shapes
 from pl_dp.step.losses import PerSampleLoss, causal_lm, check_per_sample, cross_entropy
 from pl_dp.step.seal import isolate_failures, sealed
@@ -99,15 +99,17 @@ def check_private_set(
     ``collate`` is the private loader's ``collate_fn``, ``transfer`` moves a batch to the net's device, and
     ``chunk_size`` examples are batched at a time (the run's expected batch size, so memory is that of a step).
     ``values=False`` checks reading, structure and batching only — no finiteness, no forward pass.
-    Each chunk is batched together with the first good example (the *reference*), so examples of different chunks
-    are known to batch together too. When every example of the first batch scored makes the loss raise, the fault
-    is the net's or the loss's, not a record's: that error is raised as it is (e.g. the per-example loss contract
-    of :func:`~pl_dp.step.losses.check_per_sample`). The net is left as it was found (train/eval flags,
-    buffers: :class:`~pl_dp.step.independence.NetState`), and so are the random generators. With ``one_shape`` (why
-    the run must keep one batch shape: half precision, a two-point step) every example is also batched alone, and a
-    collate that gives two examples batches of different shapes is refused
-    (:func:`~pl_dp.step.independence.refuse_varying_batch_shapes`; about 35 µs an example here) — unless the
-    dataset is a ``TensorDataset`` (rows of one shape) and the collate's shapes follow its examples' shapes alone
+    Each chunk is batched together with the first good example (the *reference*), so examples of different chunks are
+    known to batch together too — except a plain ``TensorDataset`` whose collate stacks its rows
+    (:func:`~pl_dp.step.batches.stacks_tensor_rows`), whose examples are rows of the same tensors: each chunk's rows are
+    read at once, as the private loader reads them, and batch together by construction. When every example of the first
+    batch scored makes the loss raise, the fault is the net's or the loss's, not a record's: that error is raised as it
+    is (e.g. the per-example loss contract of :func:`~pl_dp.step.losses.check_per_sample`). The net is left as it was
+    found (train/eval flags, buffers: :class:`~pl_dp.step.independence.NetState`), and so are the random generators.
+    With ``one_shape`` (why the run must keep one batch shape: half precision, a two-point step) every example is also
+    batched alone, and a collate that gives two examples batches of different shapes is refused
+    (:func:`~pl_dp.step.independence.refuse_varying_batch_shapes`; about 35 µs an example here) — unless the dataset is
+    a ``TensorDataset`` (rows of one shape) and the collate's shapes follow its examples' shapes alone
     (:func:`_shapes_follow_shapes`: a collate that trims padding by value would not).
     """
     start = time.perf_counter()
@@ -118,18 +120,24 @@ def check_private_set(
     structure: Any = None  # what every example must be shaped like (a collate batches by the first example's)
     shaped: Any = None  # one_shape: the example whose batch's shapes every other's must have (the first read)
     same_shapes = isinstance(dataset, TensorDataset) and _shapes_follow_shapes(collate)
+    # a plain TensorDataset whose collate stacks its rows: read, structured and batched alike by construction
+    at_once = stacks_tensor_rows(dataset, collate) and (one_shape is None or same_shapes)
     state = NetState(net)  # a forward that writes a buffer is the probe's to refuse; here it is undone
     try:
         with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # whether a record warns is private
             net.eval()
             for first in range(0, size, chunk_size):
-                loaded = _load(dataset, list(range(first, min(size, first + chunk_size))), problems)
-                if structure is None and loaded:  # the first chunk's most common structure
-                    found = [example_structure(example) for _, example in loaded]
-                    structure = max(found, key=found.count)
-                loaded = _of_structure(loaded, structure, problems)
-                rows = ([reference] if reference is not None else []) + loaded
-                rows, batch = _batch(collate, rows, reference, problems, values)
+                indices = list(range(first, min(size, first + chunk_size)))
+                if at_once:
+                    rows, batch = _tensor_rows(dataset, indices, problems, values)
+                else:
+                    loaded = _load(dataset, indices, problems)
+                    if structure is None and loaded:  # the first chunk's most common structure
+                        found = [example_structure(example) for _, example in loaded]
+                        structure = max(found, key=found.count)
+                    loaded = _of_structure(loaded, structure, problems)
+                    rows = ([reference] if reference is not None else []) + loaded
+                    rows, batch = _batch(collate, rows, reference, problems, values)
                 if batch is None:
                     continue
                 if one_shape is not None and not same_shapes:  # every batch of one shape (of those that batch)
@@ -149,8 +157,25 @@ def check_private_set(
         state.reset()
     if problems:
         raise DataError(_message(problems, size))
-    example = None if reference is None else reference[1]
+    example = None if reference is None else reference[1] if not at_once else dataset[reference[0]]
     return PreflightReport(size, -(-size // chunk_size), time.perf_counter() - start, example)
+
+
+def _tensor_rows(
+    dataset: TensorDataset, indices: list[int], problems: dict[int, str], values: bool
+) -> tuple[list[tuple[int, Any]], Any]:
+    """The rows ``indices`` (consecutive) of a plain ``TensorDataset``'s tensors, read at once, and their batch as a
+    collate that stacks them makes it (:func:`~pl_dp.step.batches.stacks_tensor_rows`), with ``values`` without the
+    rows that hold a NaN or an infinity (problems). Each row is ``(index, None)``: no example is read one by one."""
+    stacked = [tensor[indices[0] : indices[-1] + 1].contiguous() for tensor in dataset.tensors]  # as stacking does
+    rows: list[tuple[int, Any]] = [(i, None) for i in indices]
+    nonfinite = _nonfinite_rows(stacked, len(rows)) if values else []
+    for position in nonfinite:
+        problems[indices[position]] = _nonfinite_problem(dataset[indices[position]])
+    if not nonfinite:
+        return rows, stacked
+    kept = [position for position in range(len(rows)) if position not in set(nonfinite)]
+    return [rows[position] for position in kept], [tensor[kept] for tensor in stacked] if kept else None
 
 
 def _of_structure(loaded: list[tuple[int, Any]], structure: Any, problems: dict[int, str]) -> list[tuple[int, Any]]:
@@ -211,16 +236,19 @@ def _batch(
     nonfinite = _nonfinite_rows(batch, len(rows)) if values else []
     for position in nonfinite:
         i, example = rows[position]
-        where = nonfinite_field(example)
-        problems[i] = (
-            f"a value in {where} is NaN or infinite"
-            if where is not None
-            else "its row of the batch holds NaN or infinite values (made by the collate_fn)"
-        )
+        problems[i] = _nonfinite_problem(example)
     if nonfinite:
         rows = [row for position, row in enumerate(rows) if position not in set(nonfinite)]
         batch = collate([example for _, example in rows]) if rows else None
     return rows, batch
+
+
+def _nonfinite_problem(example: Any) -> str:
+    """What is wrong with ``example``, whose row of a batch holds a NaN or an infinity."""
+    where = nonfinite_field(example)
+    if where is None:
+        return "its row of the batch holds NaN or infinite values (made by the collate_fn)"
+    return f"a value in {where} is NaN or infinite"
 
 
 def _batchable(

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.errors import DataError
@@ -58,6 +58,36 @@ def test_every_bad_example_is_named_by_index_with_what_is_wrong():
     lines = [line.strip("- ").strip() for line in message.splitlines() if line.startswith("  - ")]
     assert [line[: len(e)] for line, e in zip(lines, expected)] == expected
     assert "preflight=False" in message
+
+
+def test_a_tensor_datasets_rows_read_at_once_are_checked_as_its_examples_read_one_by_one(monkeypatch):
+    """A plain TensorDataset under a collate that stacks its rows is read a chunk at a time, as the private loader
+    reads it: the same examples named for the same faults, the same good example reported, as through a collate the
+    pass cannot see inside (read and batched example by example)."""
+    x, y = blobs(40).tensors
+    x[7, 2], x[25, 0] = float("inf"), float("nan")
+    y[12] = 10  # the net has 3 classes
+    net = nn.Linear(4, 3)
+    messages = []
+    for collate in (default_collate, lambda examples: default_collate(examples)):
+        with pytest.raises(DataError) as error:
+            check_private_set(TensorDataset(x, y), collate, net, cross_entropy, chunk_size=8)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    assert "3 of its 40 examples unusable" in messages[0] and "example 25: a value in [0] is NaN" in messages[0]
+    clean = TensorDataset(*blobs(40).tensors)
+    reports = [
+        check_private_set(clean, collate, net, cross_entropy, chunk_size=16)
+        for collate in (default_collate, lambda examples: default_collate(examples))
+    ]
+    assert [(r.examples, r.chunks) for r in reports] == [(40, 3)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(reports[0].reference, reports[1].reference))
+    assert check_private_set(clean, default_collate, net, cross_entropy, 16, values=False).reference is not None
+    reads = []
+    read = TensorDataset.__getitem__
+    monkeypatch.setattr(TensorDataset, "__getitem__", lambda self, i: reads.append(i) or read(self, i))
+    check_private_set(clean, default_collate, net, cross_entropy, chunk_size=16)
+    assert reads == [0]  # the good example reported, not 40 reads
 
 
 def test_a_clean_set_passes_and_the_net_is_left_as_found():
