@@ -409,6 +409,8 @@ class _NormsOnly:
         self._names = names
         #: modules whose raw parameters :class:`~pl_dp.per_sample.raw.RawGradients` checks and measures
         self._raw = frozenset(raw)
+        #: the modules whose parameters the walk checks are used inside their calls only
+        self._holders = [m for m in names if m not in self._raw]
 
     def watch_gathered(self) -> None:
         """Record the parameters each layer's forward sees (sharded by FSDP2: its gathered ones, not the shards)."""
@@ -472,19 +474,23 @@ class _NormsOnly:
             if all(e.output_nr != edge.output_nr for e in found):
                 found.append(edge)
         reaches: dict[Node, bool] = {}  # whether a target lies at the node or below it
+        graph: dict[Node, list[Node]] = {}  # each node's children
         lowest: list[GradientEdge] = []
         leaves: list[torch.Tensor] = []
         half: set[str] = set()
         for node, children in children_first(root):
+            graph[node] = children
             if self.full_precision and any(narrow(m.dtype) for m in node._input_metadata):
                 half.add(type(node).__name__)
             below = any(reaches[n] for n in children)
-            if node in targets and not below:
+            target = node in targets
+            if target and not below:
                 lowest += targets[node]
-            reaches[node] = below or node in targets
-            variable = getattr(node, "variable", None)  # an AccumulateGrad node
-            if isinstance(variable, torch.Tensor):
-                leaves.append(variable)
+            reaches[node] = below or target
+            if not children:
+                variable = getattr(node, "variable", None)  # an AccumulateGrad node (a leaf of the graph)
+                if isinstance(variable, torch.Tensor):
+                    leaves.append(variable)
         if half:
             raise ValueError(
                 f"per_sample={self.mode!r} cannot clip this sharded net: its graph computes below fp32 "
@@ -493,15 +499,16 @@ class _NormsOnly:
                 "with the gradient otherwise than the gradient whose norm set it. Use per_sample='bk' (the default), "
                 "or compute the forward in fp32."
             )
-        self._refuse_uses_outside_their_layers(reaches)
+        self._refuse_uses_outside_their_layers(graph)
         return lowest, leaves
 
-    def _refuse_uses_outside_their_layers(self, graph: dict[Node, bool]) -> None:
-        """Raise naming the trainable parameters that a node of ``graph`` outside every call of their holders uses."""
+    def _refuse_uses_outside_their_layers(self, graph: dict[Node, list[Node]]) -> None:
+        """Raise naming the trainable parameters that a node of ``graph`` (each node's children) outside every call
+        of their holders uses."""
         holders: dict[int, set[nn.Module]] = {}
-        for module in self._names.keys() - self._raw:
-            for p in module.parameters(recurse=False):
-                if p.requires_grad:
+        for module in self._holders:
+            for p in module._parameters.values():
+                if p is not None and p.requires_grad:
                     holders.setdefault(id(p), set()).add(module)
         for key, (_, module) in self.gathered.items():
             holders.setdefault(key, set()).add(module)
@@ -515,10 +522,13 @@ class _NormsOnly:
                     continue
                 seen.add(node)
                 inside.setdefault(node, set()).add(module)
-                stack += [n for n, _ in node.next_functions if n is not None and n not in ends and n not in seen]
+                children = graph.get(node)
+                if children is None:  # a call's part of the graph the loss does not reach
+                    children = [n for n, _ in node.next_functions if n is not None]
+                stack += [n for n in children if n not in ends and n not in seen]
         outside: set[str] = set()
-        for node in graph:
-            for child, _ in node.next_functions:
+        for node, children in graph.items():
+            for child in children:
                 variable = getattr(child, "variable", None)
                 owners = holders.get(id(variable), set()) if isinstance(variable, torch.Tensor) else set()
                 if owners and not inside.get(node, set()) & owners:

@@ -271,19 +271,23 @@ def _product(node: Node, reaching: set[Node], size: int) -> Product | None:
 
 def children_first(root: Node) -> Iterator[tuple[Node, list[Node]]]:
     """Every node of the autograd graph of ``root`` once, after all of its children, with its children (an iterative
-    post-order walk: a graph can be deeper than Python's recursion limit)."""
+    post-order walk: a graph can be deeper than Python's recursion limit). A node's children are read once: when it
+    comes back to the top of the stack, every child pushed above it has been walked (the graph has no cycle)."""
     done: set[Node] = set()
+    expanded: dict[Node, list[Node]] = {}
     stack = [root]
     while stack:
         node = stack[-1]
         if node in done:
             stack.pop()
             continue
-        children = [n for n, _ in node.next_functions if n is not None]
-        pending = [n for n in children if n not in done]
-        if pending:
-            stack += pending
-            continue
+        children = expanded.get(node)
+        if children is None:
+            children = expanded[node] = [n for n, _ in node.next_functions if n is not None]
+            pending = [n for n in children if n not in done]
+            if pending:
+                stack += pending
+                continue
         stack.pop()
         done.add(node)
         yield node, children
