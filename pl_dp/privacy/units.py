@@ -16,11 +16,12 @@ is 1 / its population), and the report, the W&B config and the checkpoint read i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Union
 
 import numpy as np
+import torch
 
 from pl_dp.errors import ConfigError, DataError, PrivacyConfigError
 
@@ -74,12 +75,26 @@ class UserIndex:
     """
 
     def __init__(self, user_ids: Sequence[Hashable]) -> None:
+        user_ids = [_compared_value(user) for user in user_ids]
         missing = sum(1 for user in user_ids if _missing(user))
         if missing:
             raise DataError(
-                f"{missing} private example(s) name no user (None, NaN or an empty string): they would all be pooled "
-                "into one user, or each counted as a user of its own, and a person among them protected as neither. "
-                "Give every example its user id (or drop the examples that have none) before training."
+                f"{missing} private example(s) name no user (None, NaN, pandas' NA or NaT, an empty string, or "
+                f"{sorted(_MISSING_TEXTS - {''})} as text): they would all be pooled into one user, or each counted "
+                "as a user of its own, and a person among them protected as neither. Give every example its user id "
+                "(or drop the examples that have none) before training."
+            )
+        by_identity = sorted({type(user).__name__ for user in user_ids if type(user).__hash__ is object.__hash__})
+        if by_identity:
+            raise ConfigError(
+                f"user ids of type {by_identity} are told apart by object identity, not by value: two equal ids would "
+                "be two users, and a person with several examples protected as several people. Give each example's "
+                "user id as a string or an integer."
+            )
+        if len({isinstance(user, str) for user in user_ids}) > 1:
+            raise ConfigError(
+                "the user ids mix strings and numbers: '7' and 7 would be two users, and a person whose id is written "
+                "both ways protected as two people. Give every user id in one type (e.g. all as strings)."
             )
         numbers: dict[Hashable, int] = {}
         try:
@@ -103,6 +118,11 @@ class UserIndex:
         """The index of ``num_examples`` examples whose users ``user_of`` names (a sequence, or index → user id)."""
         if callable(user_of):
             return cls([user_of(index) for index in range(num_examples)])
+        if isinstance(user_of, Mapping):  # its iteration gives its keys, not the ids
+            raise ConfigError(
+                "user_of must be a sequence of user ids (one per private example, in the examples' order) or a "
+                "callable index -> user id, not a mapping: for a dict index -> id, pass user_of=ids.__getitem__."
+            )
         if isinstance(user_of, (str, bytes)) or len(user_of) != num_examples:
             found = "a string" if isinstance(user_of, (str, bytes)) else f"{len(user_of)} user ids"
             raise ConfigError(
@@ -121,8 +141,33 @@ class UserIndex:
         return self.order[self.offsets[users] + rng.integers(0, self.counts[users])]
 
 
+#: what a missing id becomes as text (``str(None)``, a float or pandas column's empty cell written out)
+_MISSING_TEXTS = frozenset({"", "none", "nan", "<na>", "nat", "null"})
+
+
+def _compared_value(user: Any) -> Any:
+    """The value a user id is compared by: a tensor's or an array's one element (a tensor is hashed by its identity,
+    so a column of ids read as tensors made each example a user of its own: found by review), a NumPy scalar's Python
+    value; the id itself otherwise."""
+    if isinstance(user, (torch.Tensor, np.ndarray)):
+        if (user.size if isinstance(user, np.ndarray) else user.numel()) != 1:
+            raise ConfigError(
+                f"a user id must be one value, got a {type(user).__name__} of shape {tuple(user.shape)}: give one user "
+                "id per example."
+            )
+        return user.item()
+    return user.item() if isinstance(user, np.generic) else user
+
+
 def _missing(user: Hashable) -> bool:
-    """Whether a user id names nobody: None, NaN (a float column's empty cell) or an empty string."""
-    if isinstance(user, (float, np.floating)):
+    """Whether a user id names nobody: None, NaN (a float column's empty cell), pandas' NA and NaT, an empty string or
+    one of :data:`_MISSING_TEXTS` (how a missing id reads once written as text)."""
+    if isinstance(user, float):
         return math.isnan(user)
-    return user is None or (isinstance(user, str) and not user.strip())
+    if isinstance(user, str):
+        return user.strip().lower() in _MISSING_TEXTS
+    if type(user).__module__.split(".")[0] == "pandas":  # pd.NA, pd.NaT (nullable and datetime columns)
+        import pandas
+
+        return bool(pandas.isna(user))
+    return user is None

@@ -2,6 +2,7 @@
 moves a release by at most C (black box: two runs, D and D′ without all of one user's examples)."""
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from dp_accounting import NeighboringRelation
@@ -59,15 +60,17 @@ def _released_sum(private, *, user_of, batch_size, method=DPSGD):
     return (before - after) * model.expected_batch_size / LR
 
 
-def test_removing_all_of_one_users_examples_moves_the_release_by_at_most_c_and_example_level_by_many():
+@pytest.mark.parametrize("ids_as", [list, torch.tensor, np.array], ids=["list", "tensor", "ndarray"])
+def test_removing_all_of_one_users_examples_moves_the_release_by_at_most_c_and_example_level_by_many(ids_as):
     """D: 30 users with one example each and one user with 20 (all with a gradient far above C); D′: D without the
     heavy user. User-level sampling: the heavy user is one row, so the release moves by C (not more). Example-level
     sampling of the same data: all 20 of their examples are in the batch, and the release moves by about 20·C —
-    what per-user bounding prevents (the test fails when it is removed)."""
+    what per-user bounding prevents (the test fails when it is removed). The user ids as a list, a tensor or an array
+    (a column read as tensors, whose elements hash by identity, made each example a user: 20·C, found by review)."""
     others = blobs(30)
     heavy = TensorDataset(torch.full((HEAVY, 4), 50.0), torch.zeros(HEAVY, dtype=torch.long))  # ‖g‖ ≫ C, aligned
     with_user = ConcatDataset([others, heavy])
-    ids = list(range(30)) + [30] * HEAVY
+    ids = ids_as(list(range(30)) + [30] * HEAVY)
     without = _released_sum(others, user_of=list(range(30)), batch_size=30)
     user_level = _released_sum(with_user, user_of=ids, batch_size=31)
     moved = (user_level - without).norm().item()

@@ -4,6 +4,7 @@ unit the ledger records, δ's default and the report's words."""
 import collections
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -125,12 +126,41 @@ def test_a_run_that_released_example_level_steps_refuses_a_user_level_sampler():
         restored.observe_sampler(UserPoissonBatchSampler(index, 0.25, seed=1), noise_seeded=False)
 
 
-@pytest.mark.parametrize("missing", [None, float("nan"), np.float32("nan"), "", "  "])
+@pytest.mark.parametrize(
+    "missing",
+    [None, float("nan"), np.float32("nan"), "", "  ", pd.NA, pd.NaT, np.datetime64("NaT"), "nan", "None", "<NA>"],
+    ids=repr,
+)
 def test_an_example_that_names_no_user_is_refused(missing):
-    """Found by review: None, "" and NaN pooled into one user (NaN objects, unequal to themselves, into one user
-    each) — a person among them was protected as neither. Refused, with a count and no id."""
+    """Found by reviews: None, "" and NaN pooled into one user (NaN objects, unequal to themselves, into one user
+    each) — a person among them was protected as neither; so did pandas' NA and NaT (a nullable column's empty cell:
+    2·C moved) and a missing id written out as text ("nan", "None", "<NA>"). Refused, with a count and no id."""
     with pytest.raises(DataError, match=r"1 private example\(s\) name no user"):
-        UserIndex(["ann", missing, "bob"])
+        UserIndex(["ann", missing, "bob"] if not isinstance(missing, (float, np.floating)) else [1.0, missing, 2.0])
+
+
+def test_user_ids_are_compared_by_value():
+    """A column of ids read as tensors (a datasets.Dataset in torch format) holds 0-d tensors, which hash by identity:
+    each example was a user of its own (a user of 20 examples moved the release by 20·C; review). Tensors and NumPy
+    values are compared by their value; ids compared by identity, ids of two types ('7' and 7) and a mapping are
+    refused."""
+    expected = [3, 2, 1]
+    ids = [5, 4, 5, 9, 4, 5]
+    for given in (torch.tensor(ids), list(torch.tensor(ids)), np.array(ids), [np.int64(i) for i in ids]):
+        assert UserIndex.of(given, 6).counts.tolist() == expected
+    assert UserIndex.of(lambda i: torch.tensor(ids[i]), 6).counts.tolist() == expected
+    with pytest.raises(ConfigError, match="one value, got a Tensor of shape"):
+        UserIndex([torch.tensor([1, 2]), torch.tensor([3, 4])])
+    with pytest.raises(ConfigError, match="not a mapping"):
+        UserIndex.of(dict(enumerate(ids)), 6)
+
+    class Person:
+        pass
+
+    with pytest.raises(ConfigError, match=r"of type \['Person'\] are told apart by object identity"):
+        UserIndex([Person() for _ in ids])
+    with pytest.raises(ConfigError, match="mix strings and numbers"):
+        UserIndex(["7", 7, "8"])
 
 
 def test_one_user_is_refused_and_few_users_warn_about_the_default_delta():
