@@ -15,8 +15,8 @@ is 1 / its population), and the report, the W&B config and the checkpoint read i
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import numbers
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Union
 
@@ -84,7 +84,7 @@ class UserIndex:
                 "as a user of its own, and a person among them protected as neither. Give every example its user id "
                 "(or drop the examples that have none) before training."
             )
-        by_identity = sorted({type(user).__name__ for user in user_ids if type(user).__hash__ is object.__hash__})
+        by_identity = sorted({name for user in user_ids for name in _identity_hashed(user)})
         if by_identity:
             raise ConfigError(
                 f"user ids of type {by_identity} are told apart by object identity, not by value: two equal ids would "
@@ -147,8 +147,9 @@ _MISSING_TEXTS = frozenset({"", "none", "nan", "<na>", "nat", "null"})
 
 def _compared_value(user: Any) -> Any:
     """The value a user id is compared by: a tensor's or an array's one element (a tensor is hashed by its identity,
-    so a column of ids read as tensors made each example a user of its own: found by review), a NumPy scalar's Python
-    value; the id itself otherwise."""
+    so a column of ids read as tensors made each example a user of its own: found by review), a NumPy or Arrow
+    scalar's Python value, a tuple's or a frozenset's elements' (a composite id of tensors split its user too); the id
+    itself otherwise."""
     if isinstance(user, (torch.Tensor, np.ndarray)):
         if (user.size if isinstance(user, np.ndarray) else user.numel()) != 1:
             raise ConfigError(
@@ -156,18 +157,45 @@ def _compared_value(user: Any) -> Any:
                 "id per example."
             )
         return user.item()
-    return user.item() if isinstance(user, np.generic) else user
+    if isinstance(user, np.generic):
+        return user.item()
+    if _package(user) == "pyarrow" and hasattr(user, "as_py"):  # a datasets column in Arrow format
+        return _compared_value(user.as_py())
+    if isinstance(user, tuple):
+        values = [_compared_value(part) for part in user]
+        return type(user)(*values) if hasattr(user, "_fields") else tuple(values)  # a namedtuple, or a tuple
+    if isinstance(user, frozenset):
+        return frozenset(_compared_value(part) for part in user)
+    return user
 
 
-def _missing(user: Hashable) -> bool:
-    """Whether a user id names nobody: None, NaN (a float column's empty cell), pandas' NA and NaT, an empty string or
-    one of :data:`_MISSING_TEXTS` (how a missing id reads once written as text)."""
-    if isinstance(user, float):
-        return math.isnan(user)
-    if isinstance(user, str):
-        return user.strip().lower() in _MISSING_TEXTS
-    if type(user).__module__.split(".")[0] == "pandas":  # pd.NA, pd.NaT (nullable and datetime columns)
+def _identity_hashed(user: Any) -> Iterator[str]:
+    """The names of the types in ``user`` (a composite id's parts too) whose objects are told apart by identity."""
+    if isinstance(user, (tuple, frozenset)):
+        for part in user:
+            yield from _identity_hashed(part)
+    elif type(user).__hash__ is object.__hash__:
+        yield type(user).__name__
+
+
+def _missing(user: Any) -> bool:
+    """Whether a user id names nobody (or a composite id has a part that does): None, NaN (a float column's empty
+    cell), pandas' NA and NaT, an empty string or one of :data:`_MISSING_TEXTS` (how a missing id reads once written
+    as text), as ``str`` or ``bytes``."""
+    if isinstance(user, (tuple, frozenset)):
+        return any(_missing(part) for part in user)
+    if isinstance(user, numbers.Number) and not isinstance(user, numbers.Rational):  # NaN is unequal to itself
+        return bool(user != user)
+    if isinstance(user, (str, bytes)):
+        text = user.decode(errors="replace") if isinstance(user, bytes) else user
+        return text.strip().lower() in _MISSING_TEXTS
+    if _package(user) == "pandas":  # pd.NA, pd.NaT (nullable and datetime columns)
         import pandas
 
         return bool(pandas.isna(user))
     return user is None
+
+
+def _package(value: Any) -> str:
+    """The top-level package that defines ``value``'s type."""
+    return type(value).__module__.split(".")[0]

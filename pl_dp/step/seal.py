@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import operator
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -253,7 +254,9 @@ def isolate_failures(
 
 
 #: the entries of a module's ``__dict__`` that are not plain attributes (parameters, buffers, submodules, mode)
-_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "training"})
+#: what every ``nn.Module`` keeps in its ``__dict__`` (the registries, its hooks' dicts): no cache of a forward's
+_MODULE_STATE = frozenset(torch.nn.Module().__dict__)
 
 
 class PlainAttributes:
@@ -268,31 +271,38 @@ class PlainAttributes:
     """
 
     def __init__(self, net: torch.nn.Module) -> None:
-        self.attributes = [
-            (module, {key: value for key, value in module.__dict__.items() if key not in _REGISTRIES})
-            for module in net.modules()
+        self.attributes = [(module, module.__dict__.copy()) for module in net.modules()]
+        #: each list, dict and set held in a plain attribute, with a copy of its contents
+        self.contents = [
+            (value, copy.copy(value))
+            for _, attributes in self.attributes
+            for key in attributes.keys() - _MODULE_STATE  # a few keys a module: its own attributes
+            if type(value := attributes[key]) in (list, dict, set)
         ]
-        self.contents = {
-            (id(module), key): copy.copy(value)
-            for module, attributes in self.attributes
-            for key, value in attributes.items()
-            if type(value) in (list, dict, set)
-        }
 
     def restore(self) -> None:
-        for module, attributes in self.attributes:
+        for module, saved in self.attributes:
             current = module.__dict__
-            if len(current) != len(attributes) + sum(key in current for key in _REGISTRIES):
-                for key in [key for key in current if key not in attributes and key not in _REGISTRIES]:
-                    del current[key]
-            for key, value in attributes.items():
-                if current.get(key) is not value:
+            if _same_entries(current, saved):  # nothing added, removed or reassigned: most modules, checked in C
+                continue
+            for key in [key for key in current if key not in saved and key not in _REGISTRIES]:
+                del current[key]
+            for key, value in saved.items():
+                if key not in _REGISTRIES and current.get(key) is not value:
                     current[key] = value
-                saved = self.contents.get((id(module), key))
-                if saved is None:
-                    continue
+        for value, saved in self.contents:
+            if isinstance(value, list):
+                if len(value) != len(saved) or not all(map(operator.is_, value, saved)):
+                    value[:] = saved
+            elif not isinstance(value, dict) or not _same_entries(value, saved):  # a set's elements: refilled
                 value.clear()
-                if isinstance(value, list):
-                    value.extend(saved)
-                else:
-                    value.update(saved)
+                value.update(saved)
+
+
+def _same_entries(current: dict, saved: dict) -> bool:
+    """Whether two dicts hold the same key objects mapping to the same value objects, in the same order."""
+    return (
+        len(current) == len(saved)
+        and all(map(operator.is_, current.keys(), saved.keys()))
+        and all(map(operator.is_, current.values(), saved.values()))
+    )

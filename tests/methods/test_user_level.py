@@ -60,13 +60,21 @@ def _released_sum(private, *, user_of, batch_size, method=DPSGD):
     return (before - after) * model.expected_batch_size / LR
 
 
-@pytest.mark.parametrize("ids_as", [list, torch.tensor, np.array], ids=["list", "tensor", "ndarray"])
+def _tensor_pairs(ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A composite id of 0-d tensors per example ((organisation, user), read from a column in torch format)."""
+    return [(torch.tensor(0), torch.tensor(i)) for i in ids]
+
+
+@pytest.mark.parametrize(
+    "ids_as", [list, torch.tensor, np.array, _tensor_pairs], ids=["list", "tensor", "ndarray", "tensor-pairs"]
+)
 def test_removing_all_of_one_users_examples_moves_the_release_by_at_most_c_and_example_level_by_many(ids_as):
     """D: 30 users with one example each and one user with 20 (all with a gradient far above C); D′: D without the
     heavy user. User-level sampling: the heavy user is one row, so the release moves by C (not more). Example-level
     sampling of the same data: all 20 of their examples are in the batch, and the release moves by about 20·C —
     what per-user bounding prevents (the test fails when it is removed). The user ids as a list, a tensor or an array
-    (a column read as tensors, whose elements hash by identity, made each example a user: 20·C, found by review)."""
+    (a column read as tensors, whose elements hash by identity, made each example a user: 20·C, found by review) or
+    as pairs of tensors (the same, one level down: 20·C, a second review)."""
     others = blobs(30)
     heavy = TensorDataset(torch.full((HEAVY, 4), 50.0), torch.zeros(HEAVY, dtype=torch.long))  # ‖g‖ ≫ C, aligned
     with_user = ConcatDataset([others, heavy])

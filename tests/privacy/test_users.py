@@ -2,9 +2,11 @@
 unit the ledger records, δ's default and the report's words."""
 
 import collections
+import decimal
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -128,7 +130,8 @@ def test_a_run_that_released_example_level_steps_refuses_a_user_level_sampler():
 
 @pytest.mark.parametrize(
     "missing",
-    [None, float("nan"), np.float32("nan"), "", "  ", pd.NA, pd.NaT, np.datetime64("NaT"), "nan", "None", "<NA>"],
+    [None, float("nan"), np.float32("nan"), "", "  ", pd.NA, pd.NaT, np.datetime64("NaT"), "nan", "None", "<NA>"]
+    + [b"", b"None", decimal.Decimal("NaN"), complex("nan"), pa.array([None], pa.int64())[0], ("org", None)],
     ids=repr,
 )
 def test_an_example_that_names_no_user_is_refused(missing):
@@ -136,7 +139,7 @@ def test_an_example_that_names_no_user_is_refused(missing):
     each) — a person among them was protected as neither; so did pandas' NA and NaT (a nullable column's empty cell:
     2·C moved) and a missing id written out as text ("nan", "None", "<NA>"). Refused, with a count and no id."""
     with pytest.raises(DataError, match=r"1 private example\(s\) name no user"):
-        UserIndex(["ann", missing, "bob"] if not isinstance(missing, (float, np.floating)) else [1.0, missing, 2.0])
+        UserIndex([missing] if not isinstance(missing, str) else ["ann", missing, "bob"])
 
 
 def test_user_ids_are_compared_by_value():
@@ -149,6 +152,15 @@ def test_user_ids_are_compared_by_value():
     for given in (torch.tensor(ids), list(torch.tensor(ids)), np.array(ids), [np.int64(i) for i in ids]):
         assert UserIndex.of(given, 6).counts.tolist() == expected
     assert UserIndex.of(lambda i: torch.tensor(ids[i]), 6).counts.tolist() == expected
+    Author = collections.namedtuple("Author", "org uid")
+    composite = [  # (organisation, user) ids, as tuples, namedtuples, frozensets and Arrow scalars
+        [(torch.tensor(1), torch.tensor(i)) for i in ids],
+        [Author("org", torch.tensor(i)) for i in ids],
+        [frozenset({torch.tensor(i)}) for i in ids],
+        list(pa.array(ids)),
+    ]
+    for given in composite:
+        assert UserIndex(given).counts.tolist() == expected
     with pytest.raises(ConfigError, match="one value, got a Tensor of shape"):
         UserIndex([torch.tensor([1, 2]), torch.tensor([3, 4])])
     with pytest.raises(ConfigError, match="not a mapping"):
@@ -159,6 +171,8 @@ def test_user_ids_are_compared_by_value():
 
     with pytest.raises(ConfigError, match=r"of type \['Person'\] are told apart by object identity"):
         UserIndex([Person() for _ in ids])
+    with pytest.raises(ConfigError, match=r"of type \['Person'\] are told apart by object identity"):
+        UserIndex([("org", Person()) for _ in ids])
     with pytest.raises(ConfigError, match="mix strings and numbers"):
         UserIndex(["7", 7, "8"])
 

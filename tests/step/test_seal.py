@@ -3,6 +3,7 @@ a failing example is isolated by bisection and the rest of the batch is computed
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import warnings
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pl_dp.step.seal import isolate_failures, sealed
+from pl_dp.step.seal import PlainAttributes, isolate_failures, sealed
 from tests import background
 from tests.distributed import two_ranks
 
@@ -97,6 +98,54 @@ def test_a_warning_turned_into_an_error_still_raises():
         warnings.simplefilter("error")
         with sealed():
             _warn("as an error")
+
+
+class _Cached(torch.nn.Module):
+    """A module with plain attributes of every kind a forward may grow or change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+        self.inner.seen = [1, 2]  # in a submodule
+        self.table, self.first, self.second = torch.zeros(1), "a", "b"
+        self.cache, self.lengths, self.tags = {"k": 1}, [3], {"x"}
+
+
+def test_plain_attributes_are_put_back_as_they_were_and_registries_left_alone():
+    """What a forward stores on the net from a private batch is undone after the step (a pickle of the net would
+    carry it): added attributes removed, reassigned or deleted ones put back (the same objects, by key: two values
+    swapped between keys too), lists, dicts and sets refilled in place; parameters, buffers, submodules and the
+    training flag are not touched."""
+    net = _Cached()
+    before = {key: value for key, value in net.__dict__.items()}
+    lists = (net.cache, net.lengths, net.tags, net.inner.seen)
+    contents = [copy.copy(value) for value in lists]
+    attributes = PlainAttributes(net)
+    net.table = torch.zeros(37)  # grown to the longest record
+    net.added = "from the batch"
+    del net.__dict__["first"]
+    net.__dict__["first"], net.__dict__["second"] = "b", "a"  # swapped, keys re-inserted in another order
+    net.cache["long"] = 37
+    net.lengths.append(37)
+    net.tags.add("y")
+    net.inner.seen[0] = 99
+    net.register_buffer("state", torch.ones(1))  # registries: not the restore's to undo
+    net.eval()
+    attributes.restore()
+    assert "added" not in net.__dict__ and net.table is before["table"]
+    assert (net.first, net.second) == ("a", "b")
+    for value, saved in zip(lists, contents):
+        assert value == saved
+    assert (net.cache, net.lengths, net.tags, net.inner.seen) == lists  # the same objects, refilled
+    assert all(a is b for a, b in zip((net.cache, net.lengths, net.tags, net.inner.seen), lists))
+    assert hasattr(net, "state") and not net.training
+    net.train()
+    attributes = PlainAttributes(net)
+    last = list(net.__dict__)[-1]
+    value = net.__dict__[last]
+    net.__dict__["renamed"] = net.__dict__.pop(last)  # the same values in the same order, one under another key
+    attributes.restore()
+    assert net.__dict__[last] is value and "renamed" not in net.__dict__
 
 
 def _losses_failing_on(bad: set[int]):
