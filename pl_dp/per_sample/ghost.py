@@ -762,6 +762,13 @@ class GhostClipping:
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
+        frozen = [name for name, p in zip(self.names, self.params) if not p.requires_grad]
+        if frozen:  # the hooks would measure the others only, and the sums be of the others
+            raise ConfigError(
+                f"per_sample={self.mode!r} was built to train {frozen[:3]}{' …' if len(frozen) > 3 else ''}, which are "
+                "frozen now: freeze or unfreeze parameters before a fit starts (its engine is built then), not during "
+                "it."
+            )
         self._take_book()  # what an earlier pass kept and no sum took
         for p in self.params:
             p._norm_sample = None

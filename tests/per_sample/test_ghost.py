@@ -460,6 +460,16 @@ def test_a_layer_training_only_its_bias_may_have_its_input_changed_in_place(engi
         engine_class(net, cross_entropy).clipped_sum(batch, clip)
 
 
+@pytest.mark.parametrize("engine_class", [GhostClipping, BookKeeping])
+def test_a_parameter_frozen_after_the_engine_was_built_is_named(engine_class):
+    """Book-keeping raised a bare KeyError (its sums lacked the weight its turns expected; review)."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    engine = engine_class(net, cross_entropy)
+    net[0].weight.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"was built to train \['0.weight'\], which are frozen now"):
+        engine.clipped_sum((torch.randn(3, 4), torch.randint(0, 3, (3,))), ClipFunction("constant", 1.0))
+
+
 def test_ghost_clipping_on_a_cuda_device_needs_deterministic_cublas(monkeypatch):
     """Its second backward must compute what its first did: on a CUDA device cuBLAS does only under
     ``CUBLAS_WORKSPACE_CONFIG``, refused without it (checked before any CUDA call)."""
