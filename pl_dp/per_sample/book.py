@@ -12,7 +12,7 @@ gradient as its second backward computes it again.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
@@ -173,19 +173,20 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
                     given = given * scale[:, None]
                 _accumulate(totals, "weight", given.T @ part if transposed else part.T @ given)
         return {name: total.float() for name, total in totals.items()}
-    if kind is nn.Embedding:  # autograd's own lookup backward (padding_idx row left at zero), which reads no weight
+    if kind is nn.Embedding:  # the rows of the tokens looked up, each its positions' scaled output gradients added
         ids = activations[0].reshape(backprops.shape[0], -1)
         scaled = backprops.reshape(ids.shape[0], ids.shape[1], -1)
-        padding = -1 if module.padding_idx is None else module.padding_idx
-        total: torch.Tensor | None = None
+        tokens, row_of = torch.unique(ids, return_inverse=True)  # only the rows looked up: not a [V, d] float64 table
+        rows = torch.zeros(len(tokens), scaled.shape[2], dtype=torch.float64, device=scaled.device)
         step = rows_per_chunk(ids.shape[1] * scaled.shape[2], scaled.device)
-        for start in range(0, max(ids.shape[0], 1), step):  # an empty batch: one chunk of no rows, sums of zeros
+        for start in range(0, ids.shape[0], step):
             part = scaled[start : start + step].double() * weights[start : start + step].double()[:, None, None]
-            grad = torch.ops.aten.embedding_dense_backward(
-                part, ids[start : start + step], module.num_embeddings, padding, False
-            )
-            total = grad if total is None else total.add_(grad)
-        return {"weight": cast(torch.Tensor, total).float()}  # at least one chunk
+            rows.index_add_(0, row_of[start : start + step].reshape(-1), part.reshape(-1, part.shape[2]))
+        if module.padding_idx is not None:  # autograd leaves the padding row at zero
+            rows[tokens == module.padding_idx] = 0
+        total = torch.zeros(module.num_embeddings, scaled.shape[2], dtype=torch.float32, device=scaled.device)
+        total[tokens] = rows.float()
+        return {"weight": total}
     grads = per_example_gradients(samplers, entry)
     return {name: torch.einsum("b,b...->...", weights, g.float()) for name, g in grads.items()}
 
