@@ -362,8 +362,10 @@ def probe_independence(
     also runs the method's own release (:class:`Release`) in eval mode on the reference batch (twice: the jitter),
     with the outlier in place of the middle example, added at the end and inserted first (which moves every other
     example one row down), and refuses when the watched examples' part of a release moved by more than
-    ``RELEASE_TOLERANCE``·C (1 %, plus ``NOISE_MARGIN`` times the jitter), in the largest release. A record's presence
-    then moves a release by at most (1 + RELEASE_TOLERANCE)·C. Two things make the check reach past the probe's own
+    ``RELEASE_TOLERANCE``·C (1 %, less ``NOISE_MARGIN`` times the jitter), in the largest release; a jitter that
+    would take more than half of that tolerance is refused itself (a computation that is not reproducible had the
+    jitter widen the tolerance without limit: 2.3·C of mixing passed, found by review). A record's presence then moves
+    a release by at most (1 + RELEASE_TOLERANCE)·C. Two things make the check reach past the probe's own
     examples: ``longest`` (the private collate padding to the most positions a record may have, the data module's
     ``max_length``, when the run's pads each batch to its longest) adds the variant of the reference batch padded to
     that length — a record as long as any moves the others' rounding so, whatever the probe's examples' lengths; and
@@ -629,8 +631,19 @@ class _Probe:
             return _release_shift(a, b, size / len(watched), release.per_example)
 
         jitter = shift(base, self._released(release, self.reference, outlier, watched)[0])
-        tolerance = RELEASE_TOLERANCE + NOISE_MARGIN * jitter
         extrapolated = f" (extrapolated to the expected batch of {size:.0f})" if size > len(watched) else ""
+        if 2 * NOISE_MARGIN * jitter > RELEASE_TOLERANCE:  # the noise would eat more than half of the tolerance
+            return [
+                f"in eval mode, on a probe batch of {self.size} {source} examples, computing {release.what} of the "
+                f"same batch twice moved it by more than {RELEASE_TOLERANCE / (2 * NOISE_MARGIN):.2%} of the clip "
+                f"bound{extrapolated}: the computation is not reproducible (an operation that adds in another "
+                "order each time, as CUDA's atomic index_add_ and scatter_add_ do, or randomness the step does not "
+                "seed), and the probe cannot tell one example's influence on the others from that noise. Make it "
+                "reproducible "
+                "(torch.use_deterministic_algorithms(True) before the fit; on CUDA with "
+                "CUBLAS_WORKSPACE_CONFIG=:4096:8)"
+            ]
+        tolerance = RELEASE_TOLERANCE - NOISE_MARGIN * jitter  # a move, measured through that noise, within the bound
         found = []
         for variant, (rows, collate) in variants.items():
             changed, changed_batch = self._released(release, rows, outlier, watched, collate)

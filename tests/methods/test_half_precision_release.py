@@ -24,6 +24,7 @@ Nets and data that cannot meet this are refused at fit start, before any private
 """
 
 import json
+import random
 
 import pytest
 import torch
@@ -147,6 +148,31 @@ def test_dpzero_refuses_a_gated_batch_context_branch_at_fit_start():
     with pytest.raises(IndependenceError):
         shift = _shift(model, data, outlier, "32-true")
         pytest.fail(f"trained; one outlier moved the release by {shift:.3f}·C")
+    assert model.private_steps == 0
+
+
+def _jittery_cross_entropy(net: nn.Module, batch) -> torch.Tensor:
+    """Per-example cross-entropy times 1 ± 1e-5 drawn from Python's generator, which no step seeds: a computation
+    that is not reproducible, as one that adds with CUDA's atomics in another order each time."""
+    inputs, targets = batch
+    losses = nn.functional.cross_entropy(net(inputs), targets, reduction="none")
+    return losses * (1 + 1e-5 * torch.tensor([random.uniform(-1, 1) for _ in range(len(targets))]))
+
+
+@pytest.mark.parametrize("gate", [0.0, 1e-3])
+def test_a_release_that_is_not_reproducible_is_refused_at_fit_start(gate):
+    """The probe compared the others' move with 1 % of C plus ten times the jitter between two identical passes: a
+    computation that is not reproducible widened it without limit, and a gated batch-context branch moved the release
+    by 2.3·C through the probe (independent review). A jitter taking half the tolerance is refused itself, with or
+    without mixing."""
+    net = GatedBatchContext()
+    with torch.no_grad():
+        net.gate.fill_(gate)
+    data = PrivatePublicDataModule(blobs(64), batch_size=64)
+    model = _dpzero(net, loss=_jittery_cross_entropy)
+    with pytest.raises(IndependenceError, match="twice moved it by more than 0.05% of the clip bound"):
+        shift = _shift(model, data, (torch.full((4,), 300.0), torch.tensor(IGNORE_INDEX)), "32-true")
+        pytest.fail(f"trained; one record whose own contribution is 0 moved the release by {shift:.3f}·C")
     assert model.private_steps == 0
 
 
