@@ -254,49 +254,62 @@ def isolate_failures(
 
 
 #: the entries of a module's ``__dict__`` that are not plain attributes (parameters, buffers, submodules, mode)
-_REGISTRIES = frozenset({"_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "training"})
-#: what every ``nn.Module`` keeps in its ``__dict__`` (the registries, its hooks' dicts): no cache of a forward's
-_MODULE_STATE = frozenset(torch.nn.Module().__dict__)
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules", "training"})
+#: what every ``nn.Module`` keeps in its ``__dict__`` (its registries, its hooks' dicts; no cache of a forward's),
+#: less the set of its non-persistent buffers' names, which a forward that registers a buffer changes
+_MODULE_STATE = frozenset(torch.nn.Module().__dict__) - {"_non_persistent_buffers_set"}
 
 
 class PlainAttributes:
     """The plain attributes of every module of a net — a cache a forward grows (a positional table as long as the
-    longest input seen), a list it appends to — as they are now, to put back with :meth:`restore`.
+    longest input seen), a list it appends to — and its buffers as they are bound now, to put back with
+    :meth:`restore`.
 
     Whatever a forward stores there from a private batch stays on the net, and a pickle or a deep copy of the
     module carries it (a table's length says how long the longest record sampled was). Restored after the
     fit-start checks and after every private step: added attributes removed, reassigned ones put back, lists,
-    dicts and sets refilled; parameters, buffers and submodules are not touched (a forward that writes a buffer is
-    refused by the probe). A tensor attribute written in place is not restored: the user's contract.
+    dicts and sets (and their subclasses: an ``OrderedDict`` or ``Counter`` cache) refilled, buffers a forward
+    registers or binds anew (a rotary table grown to the longest input, as Hugging Face's dynamic RoPE does) put back
+    with their persistence; parameters and submodules are not touched. A tensor written in place, attribute or buffer,
+    is not restored: the probe refuses a forward that writes a buffer, and a tensor attribute is the user's contract.
     """
 
     def __init__(self, net: torch.nn.Module) -> None:
-        self.attributes = [(module, module.__dict__.copy()) for module in net.modules()]
-        #: each list, dict and set held in a plain attribute, with a copy of its contents
+        self.attributes = [(module, module.__dict__.copy(), module._buffers.copy()) for module in net.modules()]
+        #: each list, dict and set held in a plain attribute: its module, name and a copy of its contents
         self.contents = [
-            (value, copy.copy(value))
-            for _, attributes in self.attributes
+            (module, key, copy.copy(value))
+            for module, attributes, _ in self.attributes
             for key in attributes.keys() - _MODULE_STATE  # a few keys a module: its own attributes
-            if type(value := attributes[key]) in (list, dict, set)
+            if isinstance(value := attributes[key], (list, dict, set))
         ]
 
     def restore(self) -> None:
-        for module, saved in self.attributes:
+        for module, saved, buffers in self.attributes:
             current = module.__dict__
-            if _same_entries(current, saved):  # nothing added, removed or reassigned: most modules, checked in C
+            if not _same_entries(current, saved):  # most modules: nothing added, removed or reassigned (checked in C)
+                for key in [key for key in current if key not in saved and key not in _REGISTRIES]:
+                    del current[key]
+                for key, value in saved.items():
+                    if key not in _REGISTRIES and current.get(key) is not value:
+                        current[key] = value
+            if not _same_entries(module._buffers, buffers):
+                module._buffers.clear()
+                module._buffers.update(buffers)
+        for module, key, saved in self.contents:
+            value = module.__dict__[key]  # the object the attribute held before, put back above
+            if isinstance(value, list) and len(value) == len(saved) and all(map(operator.is_, value, saved)):
                 continue
-            for key in [key for key in current if key not in saved and key not in _REGISTRIES]:
-                del current[key]
-            for key, value in saved.items():
-                if key not in _REGISTRIES and current.get(key) is not value:
-                    current[key] = value
-        for value, saved in self.contents:
-            if isinstance(value, list):
-                if len(value) != len(saved) or not all(map(operator.is_, value, saved)):
+            if isinstance(value, dict) and isinstance(saved, dict) and _same_entries(value, saved):
+                continue
+            try:
+                if isinstance(value, list):
                     value[:] = saved
-            elif not isinstance(value, dict) or not _same_entries(value, saved):  # a set's elements: refilled
-                value.clear()
-                value.update(saved)
+                else:  # a dict, or a set (whose elements nothing compares: always refilled)
+                    value.clear()
+                    value.update(saved)
+            except Exception:  # noqa: BLE001 - a container that refuses to be refilled: a copy of it in its place
+                module.__dict__[key] = saved
 
 
 def _same_entries(current: dict, saved: dict) -> bool:

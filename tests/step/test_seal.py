@@ -3,6 +3,7 @@ a failing example is isolated by bisection and the rest of the batch is computed
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import sys
@@ -100,6 +101,13 @@ def test_a_warning_turned_into_an_error_still_raises():
             _warn("as an error")
 
 
+class _Unrefillable(dict):
+    """A dict that refuses ``update``, as Hugging Face's ``ModelOutput`` does."""
+
+    def update(self, *args, **kwargs) -> None:
+        raise RuntimeError("you cannot use update on this instance")
+
+
 class _Cached(torch.nn.Module):
     """A module with plain attributes of every kind a forward may grow or change."""
 
@@ -109,16 +117,21 @@ class _Cached(torch.nn.Module):
         self.inner.seen = [1, 2]  # in a submodule
         self.table, self.first, self.second = torch.zeros(1), "a", "b"
         self.cache, self.lengths, self.tags = {"k": 1}, [3], {"x"}
+        self.ordered, self.counts = collections.OrderedDict(k=1), collections.Counter("ab")
+        self.frozen = _Unrefillable(k=1)
+        self.register_buffer("rotary", torch.zeros(2), persistent=True)
 
 
 def test_plain_attributes_are_put_back_as_they_were_and_registries_left_alone():
     """What a forward stores on the net from a private batch is undone after the step (a pickle of the net would
     carry it): added attributes removed, reassigned or deleted ones put back (the same objects, by key: two values
-    swapped between keys too), lists, dicts and sets refilled in place; parameters, buffers, submodules and the
-    training flag are not touched."""
+    swapped between keys too), lists, dicts and sets refilled in place (an OrderedDict or a Counter too: reviews),
+    buffers registered or bound anew put back with their persistence (a rotary table grown to the longest input);
+    parameters, submodules and the training flag are not touched."""
     net = _Cached()
     before = {key: value for key, value in net.__dict__.items()}
-    lists = (net.cache, net.lengths, net.tags, net.inner.seen)
+    rotary = net.rotary
+    lists = (net.cache, net.lengths, net.tags, net.inner.seen, net.ordered, net.counts)
     contents = [copy.copy(value) for value in lists]
     attributes = PlainAttributes(net)
     net.table = torch.zeros(37)  # grown to the longest record
@@ -129,16 +142,21 @@ def test_plain_attributes_are_put_back_as_they_were_and_registries_left_alone():
     net.lengths.append(37)
     net.tags.add("y")
     net.inner.seen[0] = 99
-    net.register_buffer("state", torch.ones(1))  # registries: not the restore's to undo
+    net.ordered["long"], net.counts["c"], net.frozen["long"] = 37, 37, 37
+    net.register_buffer("state", torch.ones(1))
+    net.register_buffer("rotary", torch.zeros(37), persistent=False)  # grown, and left out of the state dict
+    net.inner.weight.requires_grad_(False)
     net.eval()
     attributes.restore()
     assert "added" not in net.__dict__ and net.table is before["table"]
     assert (net.first, net.second) == ("a", "b")
     for value, saved in zip(lists, contents):
         assert value == saved
-    assert (net.cache, net.lengths, net.tags, net.inner.seen) == lists  # the same objects, refilled
-    assert all(a is b for a, b in zip((net.cache, net.lengths, net.tags, net.inner.seen), lists))
-    assert hasattr(net, "state") and not net.training
+    objects = (net.cache, net.lengths, net.tags, net.inner.seen, net.ordered, net.counts)
+    assert all(a is b for a, b in zip(objects, lists))  # the same objects, refilled
+    assert not hasattr(net, "state") and net.rotary is rotary and "rotary" in net.state_dict()
+    assert net.frozen == {"k": 1}  # refilling it raised: a copy of it in its place
+    assert not net.training and not net.inner.weight.requires_grad  # the mode and the parameters: not the restore's
     net.train()
     attributes = PlainAttributes(net)
     last = list(net.__dict__)[-1]
