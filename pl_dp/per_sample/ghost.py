@@ -762,13 +762,7 @@ class GhostClipping:
 
     def _norms(self, batch: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """First pass: the per-example gradient norms (fp32) and the per-example losses, graph kept."""
-        frozen = [name for name, p in zip(self.names, self.params) if not p.requires_grad]
-        if frozen:  # the hooks would measure the others only, and the sums be of the others
-            raise ConfigError(
-                f"per_sample={self.mode!r} was built to train {frozen[:3]}{' …' if len(frozen) > 3 else ''}, which are "
-                "frozen now: freeze or unfreeze parameters before a fit starts (its engine is built then), not during "
-                "it."
-            )
+        self._refuse_frozen()
         self._take_book()  # what an earlier pass kept and no sum took
         for p in self.params:
             p._norm_sample = None
@@ -822,6 +816,17 @@ class GhostClipping:
         for p in self.params:
             p._norm_sample = None
         return norms, losses
+
+    def _refuse_frozen(self) -> None:
+        """Raise naming the parameters this engine trains that are frozen now (the hooks would measure the others
+        only, and the sums be of the others; book-keeping's would miss theirs), on every rank alike."""
+        frozen = [name for name, p in zip(self.names, self.params) if not p.requires_grad]
+        if frozen:
+            raise ConfigError(
+                f"per_sample={self.mode!r} was built to train {frozen[:3]}{' …' if len(frozen) > 3 else ''}, which are "
+                "frozen now: freeze or unfreeze parameters before a fit starts (its engine is built then), not during "
+                "it."
+            )
 
     def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
         """Second pass: the first pass's backward again, of Σ_i ℓ_i to the same targets (no parameter gradient),
@@ -966,6 +971,7 @@ class ShardedGhostClipping(GhostClipping):
         broken for a fixed non-private example), a ``RuntimeError`` on every rank. A net refused after the backward
         on one rank (a layer whose norms have another length than its batch, which may be this rank's batch size
         only) is refused on every rank (one all-reduce): the others would wait at their next collective."""
+        self._refuse_frozen()
         self._take_book()  # what an earlier pass kept and no sum took
         refused: RuntimeError | None = None
         gsm = self._gsm
