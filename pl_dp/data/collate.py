@@ -36,8 +36,10 @@ class PaddingCollate:
     every loss depend on the longest example sampled: the fit-start probe (:mod:`pl_dp.step.independence`)
     refuses such a net, through this collate, before any step. In half precision even a masking net is not enough:
     a longer padded length changes the order of the sums over positions (attention, the loss), hence the bf16
-    rounding of every example's result; a fixed ``length`` takes that away (the text data modules set it to their
-    ``max_length`` for the private batches of a run that computes in half precision).
+    rounding of every example's result; a fixed ``length`` takes that away (the text data modules set it one past
+    their ``max_length`` for the private batches of a run that computes in half precision). Choose ``length`` above
+    the longest example: a batch none of whose rows is padded loses its attention mask in Hugging Face models, and a
+    GPU then runs another attention kernel for it (FlashAttention), which rounds every row otherwise.
     """
 
     #: its batch's shapes are a function of its examples' shapes alone (the pre-flight pass relies on it)

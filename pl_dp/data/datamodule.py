@@ -78,13 +78,14 @@ class PrivatePublicDataModule(L.LightningDataModule):
             (default) pins exactly when the trainer runs on a CUDA device (:func:`pin_memory_for`): batches then
             sit in page-locked host memory, which Lightning's ``non_blocking`` copy to the device can overlap; on a
             CPU run pinning would only cost a copy.
-        fixed_length: pad every private batch to one length, whatever was sampled: ``True`` always, ``False``
-            never, ``None`` (default) when the method asks for it (its ``pads_to_one_length``): a run computing in
-            half precision, where the rounding of every example's result depends on the batch's padded length, and
-            every private zeroth-order step, which divides that rounding by 2λ. The length is the collate's
-            own (``PaddingCollate(length=...)``), else the data module's ``max_length`` (the text data modules'),
-            and the collate must be a :class:`~pl_dp.data.collate.PaddingCollate`. Only the private loader pads so;
-            the others pad to their longest example.
+        fixed_length: pad every private batch to one length, whatever was sampled: ``True`` always, ``False`` never,
+            ``None`` (default) when the method asks for it (its ``pads_to_one_length``): a run computing in half
+            precision, where the rounding of every example's result depends on the batch's padded length, and every
+            private zeroth-order step, which divides that rounding by 2λ. The length is the collate's own
+            (``PaddingCollate(length=...)``), else one past the data module's ``max_length`` (the text data modules':
+            every row then has padding, so every batch keeps its attention mask, see :meth:`fixed_length_collate`), and
+            the collate must be a :class:`~pl_dp.data.collate.PaddingCollate`. Only the private loader pads so; the
+            others pad to their longest example.
         user_of: each private example's user, for user-level privacy: a sequence of user ids (one per private
             example, in order; with ``merge_public``, one per example of ``private`` then ``public``) or a callable
             index → user id. The guarantee then protects one user — all of their examples — instead of one example:
@@ -100,8 +101,11 @@ class PrivatePublicDataModule(L.LightningDataModule):
     #: constructor arguments that hold examples (or what reads them): saved as hyperparameters only as a path
     data_arguments: tuple[str, ...] = ("private", "public", "val", "test")
     #: the most positions a sequence of an example can have, when the data module cuts them (the text modules'
-    #: ``max_length``): the padded length of a private batch under ``fixed_length``
+    #: ``max_length``): a private batch under ``fixed_length`` is padded to one more
     max_length: int | None = None
+    #: the most positions the model reads, when the data module knows it (the text modules: their tokenizer's
+    #: ``model_max_length``), else None: ``max_length`` must leave one of them for padding under ``fixed_length``
+    positions: int | None = None
 
     def __init__(
         self,
@@ -290,10 +294,9 @@ class PrivatePublicDataModule(L.LightningDataModule):
         ``fixed_length=True`` and left to the fit-start checks otherwise, which refuse it where it matters."""
         collate = self.collate_fn
         wanted = one_length if self.fixed_length is None else self.fixed_length
-        fixed = self.fixed_length_collate()
         if not wanted or (isinstance(collate, PaddingCollate) and collate.length is not None):
             return collate
-        if fixed is not None:
+        if (fixed := self.fixed_length_collate()) is not None:
             return fixed
         if self.fixed_length:
             raise ConfigError(
@@ -302,7 +305,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
             )
         return collate
 
-    def fixed_length_collate(self) -> Callable[[list], Any] | None:
+    def longest_collate(self) -> PaddingCollate | None:
         """``collate_fn`` padding every batch to ``max_length`` — the most positions a record may have — when it is a
         :class:`~pl_dp.data.collate.PaddingCollate` without a length of its own and the length is known, else None.
         The fit-start probe pads a batch with it to see how far a record as long as any may be moves the other
@@ -311,6 +314,25 @@ class PrivatePublicDataModule(L.LightningDataModule):
         if isinstance(collate, PaddingCollate) and collate.length is None and self.max_length is not None:
             return collate.fixed(self.max_length)
         return None
+
+    def fixed_length_collate(self) -> PaddingCollate | None:
+        """:meth:`longest_collate` one position longer: ``collate_fn`` padding every private batch of a run that keeps
+        one shape to ``max_length`` + 1, or None.
+
+        Privacy: the position past the longest record gives every row padding, so every batch an attention mask.
+        Hugging Face drops the mask of a batch none of whose rows is padded, and a GPU then runs another attention
+        kernel (FlashAttention takes no mask), which rounds every row's bf16 result otherwise: with texts exactly
+        ``max_length`` long, one short record would decide the kernel of its whole micro-batch."""
+        longest = self.longest_collate()
+        if longest is None or self.max_length is None:
+            return None
+        if self.positions is not None and self.max_length >= self.positions:
+            raise ConfigError(
+                f"max_length={self.max_length} leaves the model ({self.positions} positions) no position for the "
+                "padding a private batch of one length keeps in every row (so that every batch has an attention mask "
+                f"and runs one attention kernel): set max_length to {self.positions - 1} at most."
+            )
+        return longest.fixed(self.max_length + 1)
 
     def _loader(self, dataset: Dataset | None) -> DataLoader | list:
         if dataset is None:

@@ -9,7 +9,9 @@ result bit-identical whoever else was sampled (measured on CPU in fp32, bf16 and
 of rows: docs/privacy-model.md). So a private run that computes in half precision keeps one shape:
 
 * its private loader pads to one length — the data module's ``fixed_length`` (:class:`~pl_dp.data.
-  PrivatePublicDataModule` reads :attr:`PrecisionMixin.fixed_shapes`; the text modules pad to their ``max_length``);
+  PrivatePublicDataModule` reads :attr:`PrecisionMixin.fixed_shapes`; the text modules pad one position past their
+  ``max_length``, so every row has padding and every batch its attention mask: Hugging Face drops the mask of a
+  batch with no padded row, and a GPU then runs another attention kernel);
 * every forward of its private passes runs :attr:`PrecisionMixin.physical_rows` rows: the batch is cut into
   micro-batches of that many examples, and the last is filled with copies of its first example whose results are
   dropped (:func:`~pl_dp.step.batches.fill_rows`), so that no kernel is chosen by how many records were sampled

@@ -224,7 +224,7 @@ def refuse_varying_batch_shapes(
                 f"({name}) gives batches of different examples different shapes (it pads each batch to its longest "
                 "example), so one long record would move every other example's contribution. Pad the private batches "
                 "to one fixed length: collate_fn=PaddingCollate(length=...) on the data module (TextDataModule and "
-                f"TextGenerationDataModule pad to their max_length by default); {alternative}."
+                f"TextGenerationDataModule pad one past their max_length by default); {alternative}."
             )
 
 
@@ -691,9 +691,9 @@ class _Probe:
                 "differently: in bf16 or fp16 that moves a loss by ~1e-4, and a two-point difference divides it by "
                 "2λ), or a net that reads the padding (a max_length beyond the model's positions). Pad the private "
                 "batches to one fixed length the model supports: fixed_length=True on the data module "
-                "(TextDataModule and TextGenerationDataModule pad to their max_length, automatically when the run "
-                "computes in half precision), or PaddingCollate(length=...) as its collate_fn; or train in fp32 with a "
-                "larger smoothing"
+                "(TextDataModule and TextGenerationDataModule pad one past their max_length, automatically when the "
+                "run computes in half precision), or PaddingCollate(length=...) as its collate_fn; or train in fp32 "
+                "with a larger smoothing"
             )
         if rows[0] != self.size and (collate := self._collate_blame(reference, other, watched)):  # rows aligned
             return collate

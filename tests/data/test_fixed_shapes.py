@@ -51,12 +51,35 @@ def test_fill_rows_repeats_the_first_example_up_to_the_rows():
     ("fixed_length", "half", "padded"),
     [(None, True, True), (None, False, False), (True, False, True), (False, True, False)],
 )
-def test_the_private_loader_pads_to_max_length_in_half_precision_or_when_asked(gpt2_dir, fixed_length, half, padded):
+def test_the_private_loader_pads_past_max_length_in_half_precision_or_when_asked(gpt2_dir, fixed_length, half, padded):
     data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, max_length=40, fixed_length=fixed_length)
     collate = data.private_collate(half)
     batch = collate([data.private[i] for i in range(4)])
-    assert (batch["input_ids"].shape[1] == 40) == padded
+    assert (batch["input_ids"].shape[1] == 41) == padded
     assert data.collate_fn([data.private[i] for i in range(4)])["input_ids"].shape[1] < 40  # other loaders: dynamic
+
+
+def test_a_batch_of_records_of_max_length_keeps_padding_in_every_row(gpt2_dir):
+    """Hugging Face drops the attention mask of a batch with no padded row (and a GPU then runs FlashAttention, which
+    rounds otherwise): the private batches pad one position past the longest record a data module can hold."""
+    data = TextGenerationDataModule(
+        data=[" ".join(TEXTS)] * 8, tokenizer=gpt2_dir, max_length=40, val_fraction=0.0, test_fraction=0.0, batch_size=4
+    )
+    batch = data.private_collate(True)([data.private[i] for i in range(4)])
+    assert batch["attention_mask"][:, :40].eq(1).all() and batch["attention_mask"][:, 40].eq(0).all()
+
+
+def test_a_max_length_that_leaves_the_model_no_position_for_padding_is_refused(gpt2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gpt2_dir), local_files_only=True)
+    tokenizer.model_max_length = 40
+    data = TextGenerationDataModule(data=TEXTS, tokenizer=tokenizer, max_length=40)
+    with pytest.raises(ConfigError, match="set max_length to 39 at most"):
+        data.private_collate(True)
+    assert data.private_collate(False) is data.collate_fn  # a run that pads dynamically is not refused
+    data = TextGenerationDataModule(data=TEXTS, tokenizer=tokenizer, max_length=39)
+    assert data.private_collate(True)([data.private[0]])["input_ids"].shape == (1, 40)
 
 
 def test_fixed_length_true_needs_a_length():
@@ -118,10 +141,10 @@ def test_every_private_forward_of_a_half_precision_run_has_one_shape(gpt2_dir, m
         assert not model.fixed_shapes and model.physical_rows is None
         assert len({shape[0] for shape in rows.shapes}) > 1  # whole Poisson batches
         lengths = {shape[1] for shape in rows.shapes}
-        assert lengths == {24} if method == "dpzero-fp32" else len(lengths) > 1
+        assert lengths == {25} if method == "dpzero-fp32" else len(lengths) > 1  # max_length + 1
         return
     assert model.fixed_shapes and model.physical_rows == 12
-    assert set(rows.shapes) == {(12, 24)}, set(rows.shapes)
+    assert set(rows.shapes) == {(12, 25)}, set(rows.shapes)  # max_length + 1: every row padded
 
 
 @pytest.mark.parametrize("per_sample", ["ghost", "bk"])

@@ -359,3 +359,47 @@ def test_rows_of_one_tensor_that_a_collate_trims_by_value_are_checked_one_by_one
     with pytest.raises(IndependenceError, match="one batch shape"):
         make_trainer(max_steps=1, precision=precision).fit(model, data)
     assert model.private_steps == 0
+
+
+# ---- one batch shape, one attention kernel -------------------------------------------------------------------------
+def _short_sequence(tokenizer) -> dict[str, torch.Tensor]:
+    """A record shorter than every other (one word and the end token), all of its labels −100: own contribution 0."""
+    ids = torch.tensor(tokenizer(" great")["input_ids"] + [tokenizer.eos_token_id])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, IGNORE_INDEX)}
+
+
+def _gpu_like_attention(monkeypatch) -> None:
+    """Emulates CUDA's choice of attention kernel on this CPU: a call without a mask runs the fused kernel (as
+    FlashAttention, which takes no mask, would), a call with one the math kernel (as the memory-efficient or math
+    kernels would), so the two round bf16 differently. On this CPU both kinds of call run one fused kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    own = nn.functional.scaled_dot_product_attention
+
+    def dispatched(query, key, value, attn_mask=None, **kwargs):
+        if attn_mask is None:
+            return own(query, key, value, **kwargs)
+        with sdpa_kernel(SDPBackend.MATH):
+            return own(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(nn.functional, "scaled_dot_product_attention", dispatched)
+
+
+def test_dpzero_in_bf16_a_short_record_among_full_length_texts_switches_no_attention_kernel(gpt2_dir, monkeypatch):
+    """Hugging Face drops the attention mask of a batch none of whose rows is padded (and FlashAttention needs it
+    dropped): with texts all exactly ``max_length`` long, one short record decided whether its micro-batch had a mask,
+    hence which kernel rounded the others' bf16 losses (1.065·C under the emulated dispatch, found by review). The
+    private batches now pad one position past ``max_length``: every row has padding, every batch its mask."""
+    _gpu_like_attention(monkeypatch)
+    data = TextGenerationDataModule(
+        data=[" ".join([text] * 12) for text in TEXTS],  # every text cut at MAX_LENGTH tokens
+        tokenizer=gpt2_dir,
+        max_length=MAX_LENGTH,
+        val_fraction=0.0,
+        test_fraction=0.0,
+        batch_size=SIZE,
+    )
+    assert all(len(example["input_ids"]) == MAX_LENGTH for example in data.private)
+    model = _dpzero(CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16))
+    shift = _shift(model, data, _short_sequence(data.tokenizer), "32-true")
+    _assert_others_still(model, shift)
