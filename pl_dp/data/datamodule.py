@@ -16,6 +16,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.errors import ConfigError, PrivacyConfigError
+from pl_dp.nets.hf import model_positions
 from pl_dp.privacy.sampling import CountingBatchSampler, poisson_loader
 from pl_dp.privacy.units import PrivacyUnit, UserIndex, UserOf
 
@@ -103,9 +104,6 @@ class PrivatePublicDataModule(L.LightningDataModule):
     #: the most positions a sequence of an example can have, when the data module cuts them (the text modules'
     #: ``max_length``): a private batch under ``fixed_length`` is padded to one more
     max_length: int | None = None
-    #: the most positions the model reads, when the data module knows it (the text modules: their tokenizer's
-    #: ``model_max_length``), else None: ``max_length`` must leave one of them for padding under ``fixed_length``
-    positions: int | None = None
 
     def __init__(
         self,
@@ -253,7 +251,8 @@ class PrivatePublicDataModule(L.LightningDataModule):
         return loader
 
     def _private_loader(self, module: Any) -> DataLoader:
-        collate = self.private_collate(bool(getattr(module, "pads_to_one_length", False)))
+        one_length = bool(getattr(module, "pads_to_one_length", False))
+        collate = self.private_collate(one_length, model_positions(getattr(module, "net", None)))
         own = module.private_loader(self.private, self.seed, collate) if hasattr(module, "private_loader") else None
         if own is not None:  # a method whose accounting needs other sampling (O2NC's partition)
             if self.users is not None:
@@ -287,16 +286,18 @@ class PrivatePublicDataModule(L.LightningDataModule):
             **self.loader_kwargs,
         )
 
-    def private_collate(self, one_length: bool = False) -> Callable[[list], Any]:
+    def private_collate(self, one_length: bool = False, positions: int | None = None) -> Callable[[list], Any]:
         """The private loader's ``collate_fn``: ``collate_fn``, padding to one length under ``fixed_length`` (or, with
         ``fixed_length=None``, when the method asks for ``one_length``). A collate that pads to one length already is
         used as it is; one that cannot (not a PaddingCollate, or no length known) is refused under
-        ``fixed_length=True`` and left to the fit-start checks otherwise, which refuse it where it matters."""
+        ``fixed_length=True`` and left to the fit-start checks otherwise, which refuse it where it matters.
+        ``positions``: the most positions the method's net reads (:func:`~pl_dp.nets.hf.model_positions`), if known
+        (see :meth:`fixed_length_collate`)."""
         collate = self.collate_fn
         wanted = one_length if self.fixed_length is None else self.fixed_length
         if not wanted or (isinstance(collate, PaddingCollate) and collate.length is not None):
             return collate
-        if (fixed := self.fixed_length_collate()) is not None:
+        if (fixed := self.fixed_length_collate(positions)) is not None:
             return fixed
         if self.fixed_length:
             raise ConfigError(
@@ -315,9 +316,10 @@ class PrivatePublicDataModule(L.LightningDataModule):
             return collate.fixed(self.max_length)
         return None
 
-    def fixed_length_collate(self) -> PaddingCollate | None:
+    def fixed_length_collate(self, positions: int | None = None) -> PaddingCollate | None:
         """:meth:`longest_collate` one position longer: ``collate_fn`` padding every private batch of a run that keeps
-        one shape to ``max_length`` + 1, or None.
+        one shape to ``max_length`` + 1, or None. A ``max_length`` that leaves no position of the net's ``positions``
+        (if known) for that padding raises :class:`~pl_dp.errors.ConfigError`.
 
         Privacy: the position past the longest record gives every row padding, so every batch an attention mask.
         Hugging Face drops the mask of a batch none of whose rows is padded, and a GPU then runs another attention
@@ -326,11 +328,11 @@ class PrivatePublicDataModule(L.LightningDataModule):
         longest = self.longest_collate()
         if longest is None or self.max_length is None:
             return None
-        if self.positions is not None and self.max_length >= self.positions:
+        if positions is not None and self.max_length >= positions:
             raise ConfigError(
-                f"max_length={self.max_length} leaves the model ({self.positions} positions) no position for the "
-                "padding a private batch of one length keeps in every row (so that every batch has an attention mask "
-                f"and runs one attention kernel): set max_length to {self.positions - 1} at most."
+                f"max_length={self.max_length} leaves the model ({positions} positions) no position for the padding "
+                "a private batch of one length keeps in every row (so that every batch has an attention mask and runs "
+                f"one attention kernel): set max_length to {positions - 1} at most."
             )
         return longest.fixed(self.max_length + 1)
 

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import SplitsDataModule
-from pl_dp.data.text import carve_splits, model_positions, read_columns
+from pl_dp.data.text import carve_splits, read_columns
 from pl_dp.errors import ConfigError
 from pl_dp.step.losses import IGNORE_INDEX
 from pl_dp.step.seal import sealed
@@ -162,7 +162,6 @@ class TextGenerationDataModule(SplitsDataModule):
         else:
             self.tokenizer = tokenizer
         self.max_length = max_length
-        self.positions = model_positions(self.tokenizer)
 
         def read(source: GenerationSource) -> tuple[list[str], list[str]]:
             return read_generation_texts(source, text_column, prompt_column, completion_column)

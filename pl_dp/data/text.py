@@ -143,13 +143,6 @@ def tokenize_prompts(
     return out
 
 
-def model_positions(tokenizer: Any) -> int | None:
-    """The most positions the tokenizer's model reads (its ``model_max_length``), or None where the tokenizer states
-    none (Hugging Face's sentinel for "no limit" is 1e30)."""
-    limit = getattr(tokenizer, "model_max_length", None)
-    return int(limit) if isinstance(limit, int) and limit < 10**9 else None
-
-
 class TokenizedTexts(Dataset):
     """Tokenized texts with labels; items are ``{"input_ids", "attention_mask", "labels"}`` of one example,
     unpadded (:class:`~pl_dp.data.collate.PaddingCollate` pads each batch to its longest example)."""
@@ -314,7 +307,6 @@ class TextDataModule(SplitsDataModule):
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer), local_files_only=True)
         self.template = prompt.template if prompt is not None else template or TEXT
         self.max_length = max_length
-        self.positions = model_positions(self.tokenizer)
         columns = dict(text_column=text_column, label_column=label_column)
         pool = (*read_texts(data, **columns), *([] if user_column is None else read_columns(data, [user_column])))
         given = {

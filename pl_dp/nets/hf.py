@@ -27,6 +27,17 @@ _LAYER = re.compile(r"\.(?:layer|layers|h|block)\.(\d+)\.")
 TRAINABLE_CHOICES = "'all', 'head', 'bias', 'last-N' or 'lora'"
 
 
+def model_positions(net: nn.Module | None) -> int | None:
+    """The most positions ``net`` reads: the fewest ``max_position_embeddings`` of the Hugging Face configs of its
+    modules (GPT-2's ``n_positions`` answers to that name too), or None for a net without one."""
+    limits = [
+        limit
+        for module in (net.modules() if isinstance(net, nn.Module) else ())
+        if isinstance(limit := getattr(getattr(module, "config", None), "max_position_embeddings", None), int)
+    ]
+    return min(limits, default=None)
+
+
 def minilm_path() -> Path:
     """Directory of the packaged all-MiniLM-L6-v2 (weights, config, tokenizer)."""
     try:

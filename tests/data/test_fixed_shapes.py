@@ -13,6 +13,7 @@ from pl_dp.data.collate import PaddingCollate
 from pl_dp.errors import ConfigError
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import CausalLM
+from pl_dp.nets.hf import model_positions
 from pl_dp.step.batches import fill_rows
 from tests.conftest import blobs, make_trainer
 from tests.tiny_hf import CORPUS, tiny_model
@@ -70,16 +71,18 @@ def test_a_batch_of_records_of_max_length_keeps_padding_in_every_row(gpt2_dir):
 
 
 def test_a_max_length_that_leaves_the_model_no_position_for_padding_is_refused(gpt2_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gpt2_dir), local_files_only=True)
-    tokenizer.model_max_length = 40
-    data = TextGenerationDataModule(data=TEXTS, tokenizer=tokenizer, max_length=40)
-    with pytest.raises(ConfigError, match="set max_length to 39 at most"):
-        data.private_collate(True)
-    assert data.private_collate(False) is data.collate_fn  # a run that pads dynamically is not refused
-    data = TextGenerationDataModule(data=TEXTS, tokenizer=tokenizer, max_length=39)
-    assert data.private_collate(True)([data.private[0]])["input_ids"].shape == (1, 40)
+    """The tiny GPT-2 reads 64 positions: a private batch of records up to 64 tokens padded to 65 would index past
+    its position table (an IndexError from inside the pre-flight pass); it is refused by name before any step."""
+    net = CausalLM(model_path=gpt2_dir)
+    assert model_positions(net) == 64 and model_positions(nn.Linear(2, 2)) is None
+    data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, max_length=64, batch_size=8)
+    model = DPZero(net, loss="causal_lm", privacy=SPEC, noise_seed=0)
+    with pytest.raises(ConfigError, match="set max_length to 63 at most"):
+        make_trainer(max_steps=1, limit_val_batches=0).fit(model, data)
+    assert model.private_steps == 0
+    assert data.private_collate(False, positions=64) is data.collate_fn  # a run that pads dynamically is not refused
+    data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, max_length=63)
+    assert data.private_collate(True, positions=64)([data.private[0]])["input_ids"].shape == (1, 64)
 
 
 def test_fixed_length_true_needs_a_length():

@@ -269,7 +269,7 @@ def test_a_resume_with_another_inner_steps_is_refused_and_epsilon_never_decrease
 def test_its_partition_loader_batches_with_the_data_modules_collate_padded_to_one_length():
     """O2NC built its partition loader with default_collate, ignoring the data module's: variable-length text could
     not batch at all (its pre-flight pass refused 51 of 64 examples — an independent review). It now gets the data
-    module's private collate, padded to max_length as every private zeroth-order step's is."""
+    module's private collate, padded one past max_length as every private zeroth-order step's is."""
     from tests.methods.test_half_precision_release import _MaskedMean, _MaxLength48, _padded_length_loss, _token_record
 
     private = [_token_record(i, 4 + i % 5) for i in range(64)]
@@ -277,4 +277,4 @@ def test_its_partition_loader_batches_with_the_data_modules_collate_padded_to_on
     data = _MaxLength48(private, batch_size=8)
     make_trainer(max_steps=3, limit_val_batches=0).fit(model, data)
     assert model.private_steps == 3
-    assert {tuple(batch["input_ids"].shape[1:]) for batch in data.train_dataloader()} == {(48,)}
+    assert {tuple(batch["input_ids"].shape[1:]) for batch in data.train_dataloader()} == {(49,)}

@@ -118,10 +118,10 @@ def test_private_prompt_fine_tuning_moves_only_the_trainable_parameters(tiny_lm,
         for n in before
         if ".1." in n  # the last of the two transformer blocks
     }
-    # max_length within the tiny models' 64 positions: padded beyond them, a causal LM's scores of the other texts
-    # move (1.2·C in fp32: the probe pads a batch to max_length and refuses it)
+    # max_length below the tiny models' 64 positions: a zeroth-order step pads one past it (a max_length of 64 is
+    # refused); padded beyond them, a causal LM's scores of the other texts move (1.2·C in fp32)
     data = TextDataModule(
-        (TEXTS * 4, LABELS * 4), val=(TEXTS, LABELS), test_fraction=0, prompt=net, batch_size=8, max_length=64
+        (TEXTS * 4, LABELS * 4), val=(TEXTS, LABELS), test_fraction=0, prompt=net, batch_size=8, max_length=63
     )
     model = method(net, lr=1e-2, clip=1.0, privacy=PrivacySpec(epsilon=2.0, accountant="rdp"))
     if method is DPSGD and tiny_lm.name.startswith("opt"):  # OPT's fc1/fc2 see [batch x tokens, width]
