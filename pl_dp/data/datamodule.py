@@ -306,12 +306,13 @@ class PrivatePublicDataModule(L.LightningDataModule):
             )
         return collate
 
-    def longest_collate(self) -> PaddingCollate | None:
-        """``collate_fn`` padding every batch to ``max_length`` — the most positions a record may have — when it is a
-        :class:`~pl_dp.data.collate.PaddingCollate` without a length of its own and the length is known, else None.
-        The fit-start probe pads a batch with it to see how far a record as long as any may be moves the other
-        examples' rounding when the private batches are padded dynamically."""
-        collate = self.collate_fn
+    def longest_collate(self, collate: Callable[[list], Any] | None = None) -> PaddingCollate | None:
+        """``collate`` (the private loader's; ``collate_fn`` by default) padding every batch to ``max_length`` — the
+        most positions a record may have — when it pads each batch to its longest (a
+        :class:`~pl_dp.data.collate.PaddingCollate` without a length) and the length is known, else None. The
+        fit-start probe pads a batch with it to see how far a record as long as any may be moves the other examples'
+        rounding when the private batches are padded dynamically."""
+        collate = self.collate_fn if collate is None else collate
         if isinstance(collate, PaddingCollate) and collate.length is None and self.max_length is not None:
             return collate.fixed(self.max_length)
         return None

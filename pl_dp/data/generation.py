@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pl_dp.data.datamodule import SplitsDataModule
-from pl_dp.data.text import carve_splits, read_columns
+from pl_dp.data.text import carve_splits, read_columns, token_padding
 from pl_dp.errors import ConfigError
 from pl_dp.step.losses import IGNORE_INDEX
 from pl_dp.step.seal import sealed
@@ -176,6 +176,7 @@ class TextGenerationDataModule(SplitsDataModule):
             name: tokenize_sequences(prompts, completions, self.tokenizer, max_length, add_eos)
             for name, (prompts, completions) in raw.items()
         }
+        kwargs.setdefault("collate_fn", token_padding(self.tokenizer))
         super().__init__(
             splits,
             batch_size=batch_size,

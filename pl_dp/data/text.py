@@ -21,6 +21,7 @@ from typing import Any, Union
 import torch
 from torch.utils.data import Dataset
 
+from pl_dp.data.collate import PAD_VALUES, PaddingCollate
 from pl_dp.data.datamodule import SplitsDataModule
 from pl_dp.errors import ConfigError
 from pl_dp.nets.prompt import MASK, TEXT, split_template
@@ -141,6 +142,14 @@ def tokenize_prompts(
                 "themselves: a masked-LM prompt needs exactly one, the template's."
             )
     return out
+
+
+def token_padding(tokenizer: Any) -> PaddingCollate:
+    """The padding collate of ``tokenizer``'s token ids: ``input_ids`` padded with its ``pad_token_id`` (0 when it has
+    none). A decoder's sequence classifier takes its logits at the last token that is not the pad token: padded with
+    another id, every padded row would be classified from a padding position."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return PaddingCollate({**PAD_VALUES, "input_ids": pad if isinstance(pad, int) else 0})
 
 
 class TokenizedTexts(Dataset):
@@ -317,6 +326,7 @@ class TextDataModule(SplitsDataModule):
         raw = carve_splits(pool, given, test_fraction, val_fraction, public_fraction, split_seed, split_by)
         num_labels = len(label_names) if label_names else getattr(prompt, "num_labels", None)
         splits = {name: self._tokenized(split[0], split[1], label_names, num_labels) for name, split in raw.items()}
+        kwargs.setdefault("collate_fn", token_padding(self.tokenizer))
         if user_column is not None:
             if kwargs.get("user_of") is not None:
                 raise ConfigError("give either user_column (the users are read from the data) or user_of, not both.")

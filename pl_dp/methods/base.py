@@ -630,9 +630,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         if (why := self.one_shape_refusal()) is not None:
             refuse_varying_batch_shapes(collate, examples, why)
         # the private collate padding to the data module's max_length, when the run's pads each batch to its longest
-        datamodule = getattr(self.trainer, "datamodule", None)
-        dynamic = collate is getattr(datamodule, "collate_fn", None)  # not the data module's one-length collate
-        longest = getattr(datamodule, "longest_collate", lambda: None)() if dynamic else None
+        longest = getattr(getattr(self.trainer, "datamodule", None), "longest_collate", lambda collate: None)(collate)
         probe_independence(
             self.net,
             self.loss_fn,

@@ -203,16 +203,34 @@ def refuse_varying_batch_shapes(
 ) -> None:
     """For a run whose private batches must keep one shape (``why``: :data:`HALF_PRECISION_SHAPES`,
     :data:`TWO_POINT_SHAPES`): raise :class:`IndependenceError` unless ``collate`` (the private loader's) gives a
-    batch of each of ``examples`` the same shapes (the pre-flight pass checks the whole private set so, the probe its
-    own examples).
+    batch of each of ``examples`` the same shapes, with padding in its row (the pre-flight pass checks the whole
+    private set so, the probe its own examples).
 
     A collate that pads each batch to its own longest example lets one long record move every other example's
-    contribution through the rounding of sums over positions. The check is on every example of the private set
-    because the probe's few examples may all be of one length. The message holds no value of the examples.
+    contribution through the rounding of sums over positions. One shape is not yet one computation: an example that
+    fills every position (an ``attention_mask`` of 1 throughout) makes a batch of only such examples one without
+    padding, whose attention mask Hugging Face drops — and on a GPU a batch without a mask runs FlashAttention, one
+    with a mask another kernel, so whether one short record is sampled changes the rounding of every row of its
+    batch (0.033·C of a bf16 DPZero release, CUDA's dispatch emulated on a CPU). The check is on every example of
+    the private set because the probe's few examples may all be of one length. The message holds no value of the
+    examples.
     """
     first: Any = None
     for example in examples:
-        shapes = batch_shapes(collate([example]))
+        batch = collate([example])
+        if isinstance(batch, Mapping) and _fills_every_position(batch.get("attention_mask")):
+            cause, alternative = why
+            raise IndependenceError(
+                f"per-example independence needs one batch computation here: {cause}. But a private batch of the "
+                "private loader's collate_fn can have no padding at all (an example fills every position: its "
+                "attention_mask is 1 throughout), and Hugging Face models drop the attention mask of such a batch: "
+                "on a GPU it then runs another attention kernel (FlashAttention) than a batch with one shorter "
+                "record, so whether a short record is sampled would move every other example's contribution. Pad "
+                "the private batches one position past the longest record: collate_fn=PaddingCollate(length=...) "
+                "above it (TextDataModule and TextGenerationDataModule pad one past their max_length), or cut the "
+                f"records one token shorter; {alternative}."
+            )
+        shapes = batch_shapes(batch)
         if first is None:
             first = shapes
         elif shapes != first:
@@ -226,6 +244,11 @@ def refuse_varying_batch_shapes(
                 "to one fixed length: collate_fn=PaddingCollate(length=...) on the data module (TextDataModule and "
                 f"TextGenerationDataModule pad one past their max_length by default); {alternative}."
             )
+
+
+def _fills_every_position(mask: Any) -> bool:
+    """Whether an attention mask (one example's: [1, T]) is nonzero at every position."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.ne(0).all())
 
 
 def probe_examples(

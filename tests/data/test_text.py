@@ -229,3 +229,22 @@ def test_a_user_column_samples_users_and_keeps_each_user_in_one_split(tmp_path, 
     assert data.hparams["user_column"] == "author" and "user_of" not in data.hparams
     with pytest.raises(ConfigError, match="either user_column .* or user_of"):
         TextDataModule(path, tokenizer=tokenizer, user_column="author", user_of=users)
+
+
+def test_token_ids_are_padded_with_the_tokenizers_pad_token(tmp_path):
+    """A decoder's sequence classifier reads the last token that is not its pad token: padded with 0 where the pad
+    token is another id (OPT's is 1), every padded row was classified from a padding position (found by review)."""
+    from pl_dp.data import TextGenerationDataModule
+    from tests.tiny_hf import save_bpe_tokenizer
+
+    save_bpe_tokenizer(tmp_path)
+    decoder = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    decoder.pad_token = decoder.eos_token  # id 1, as OPT's
+    texts = [["the movie was great", "an awful film that nobody liked at all"][i % 2] + f" {i}" for i in range(40)]
+    for data in (
+        TextGenerationDataModule(data=texts, tokenizer=decoder, max_length=16, batch_size=4),
+        TextDataModule((texts, [0, 1] * 20), tokenizer=decoder, template="{text}", max_length=16, batch_size=4),
+    ):
+        batch = data.collate_fn([data.private[i] for i in range(len(data.private))])
+        padding = batch["attention_mask"] == 0
+        assert padding.any() and batch["input_ids"][padding].eq(1).all()

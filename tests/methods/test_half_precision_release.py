@@ -26,9 +26,11 @@ Nets and data that cannot meet this are refused at fit start, before any private
 import json
 import random
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from pl_dp import PrivacySpec
 from pl_dp.audit import release_shift
@@ -403,3 +405,44 @@ def test_dpzero_in_bf16_a_short_record_among_full_length_texts_switches_no_atten
     model = _dpzero(CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16))
     shift = _shift(model, data, _short_sequence(data.tokenizer), "32-true")
     _assert_others_still(model, shift)
+
+
+def _full_length_records(tokenizer, labelled: bool = True) -> list[dict[str, torch.Tensor]]:
+    """The private texts tokenized as a user does without pl_dp's data modules: ``padding="max_length"``, and all of
+    them long enough to fill it."""
+    records = []
+    for text in TEXTS:
+        encoded = tokenizer(" ".join([text] * 12), padding="max_length", truncation=True, max_length=MAX_LENGTH)
+        ids, mask = torch.tensor(encoded["input_ids"]), torch.tensor(encoded["attention_mask"])
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX) if labelled else torch.full_like(ids, IGNORE_INDEX)
+        records.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return records
+
+
+class _UserData(L.LightningDataModule):
+    def __init__(self, records) -> None:
+        super().__init__()
+        self.records = records
+
+    def train_dataloader(self):
+        return DataLoader(self.records, batch_size=SIZE)
+
+
+@pytest.mark.parametrize("given", ["pre-padded, from_datamodule", "PaddingCollate(length=max_length)"])
+def test_records_that_fill_every_position_of_a_fixed_length_batch_are_refused(gpt2_dir, monkeypatch, given):
+    """Batches whose length pl_dp does not choose (found by review): texts the user padded to ``max_length`` and
+    wrapped with ``from_datamodule``, or a ``PaddingCollate(length=max_length)`` of their own, give full-length records
+    a batch without padding, and one short record moved the release by 0.033·C through the kernel switch. The
+    pre-flight pass refuses a record that fills every position of its batch, before any step."""
+    _gpu_like_attention(monkeypatch)
+    net = CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16)
+    records = _full_length_records(net.tokenizer)
+    if given.startswith("pre-padded"):
+        data = PrivatePublicDataModule.from_datamodule(_UserData(records))
+    else:
+        data = PrivatePublicDataModule(records, batch_size=SIZE, collate_fn=PaddingCollate(length=MAX_LENGTH))
+    model = _dpzero(net)
+    with pytest.raises(IndependenceError, match="one position past the longest record"):
+        shift = _shift(model, data, _short_sequence(net.tokenizer), "32-true")
+        pytest.fail(f"trained; a record with no contribution of its own moved the others' release by {shift:.4f}·C")
+    assert model.private_steps == 0
