@@ -39,7 +39,8 @@ class PaddingCollate:
     rounding of every example's result; a fixed ``length`` takes that away (the text data modules set it one past
     their ``max_length`` for the private batches of a run that computes in half precision). Choose ``length`` above
     the longest example: a batch none of whose rows is padded loses its attention mask in Hugging Face models, and a
-    GPU then runs another attention kernel for it (FlashAttention), which rounds every row otherwise.
+    GPU then runs another attention kernel for it (FlashAttention), which rounds every row otherwise (a run that keeps
+    one shape refuses an example that fills ``length``, before any step).
     """
 
     #: its batch's shapes are a function of its examples' shapes alone (the pre-flight pass relies on it)
