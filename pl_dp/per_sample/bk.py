@@ -69,6 +69,7 @@ from pl_dp.per_sample.ghost import (
     ShardedGhostClipping,
     ShardedGhostNormModule,
 )
+from pl_dp.per_sample.gradients import full_precision
 from pl_dp.per_sample.rms_norm import WithRMSNormSamplers
 from pl_dp.step.batches import batch_size_of
 from pl_dp.step.losses import PerSampleLoss
@@ -124,7 +125,7 @@ class BookKeeping(GhostClipping):
     def _weighted_sum(self, losses: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
         """Each kept call's Σ_i c_i·g_i, and the raw parameters' from their per-example gradients, added up per
         parameter (fp32, autocast off)."""
-        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+        with full_precision(self.params[0].device):
             return list(self._sums(weights.detach().float()))
 
     def _sums(self, weights: torch.Tensor | None) -> Iterator[torch.Tensor]:
@@ -169,7 +170,7 @@ class BookKeeping(GhostClipping):
         book, self._book = self._book, []
         raw, self._raw_grads = self._raw_grads, {}
         grads = {p: torch.zeros((size, *local(p).shape), dtype=torch.float32, device=p.device) for p in self.params}
-        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+        with full_precision(self.params[0].device):
             for entry in book:
                 for p, g in self._of_trained(entry[0], per_example_gradients(self._gsm.GRAD_SAMPLERS, entry)).items():
                     grads[p] += self._rows_held(p, g.float())
@@ -215,7 +216,7 @@ class ShardedBookKeeping(BookKeeping, ShardedGhostClipping):
         padding example's pass at weight 0, whose gradient may be non-finite: 0·∞ is NaN): zeros, summed as any
         other rank's sums are."""
         blocks = []
-        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+        with full_precision(self.params[0].device):
             weights = None if zeroed is not None else weights.detach().float()
             for p, whole_sum in zip(self.params, self._sums(weights)):
                 blocks.append(self._block_over_ranks(p, whole_sum))

@@ -115,6 +115,7 @@ from pl_dp.per_sample.gradients import (
     BroadcastLookups,
     RecordsInEvalMode,
     clear_hook_state,
+    full_precision,
     refuse_rows_not_examples,
     refuse_unsupported_layers,
 )
@@ -772,7 +773,7 @@ class GhostClipping:
         self._raw.start()
         self._targets.start()
         try:
-            with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
+            with torch.enable_grad(), full_precision(self.params[0].device), self._lookups.expanding(size):
                 losses = check_per_sample(self.loss_fn(gsm, batch), size)
                 reached = {id(t) for t in self._first_backward(losses)}
         except BaseException:
@@ -787,7 +788,7 @@ class GhostClipping:
         # weight for a sum computed in fp32 (1.004·C found by review); hooks off: the raw parameters' batched backward
         # may pass through hooked layers
         try:
-            with _full_precision(self.params[0].device):
+            with full_precision(self.params[0].device):
                 not_per_example = self._tied.finish(size)  # the tied parameters' norms, cross terms included
                 not_per_example += self._raw.finish(size)
         except BaseException:
@@ -810,7 +811,7 @@ class GhostClipping:
                 "per_sample='hooks' or 'functorch'."
             )
         self._refuse_calls_not_on_the_batch(not_per_example, size)
-        with _full_precision(self.params[0].device):
+        with full_precision(self.params[0].device):
             norms = gsm.get_norm_sample().float()  # ‖g_i‖ over all trainable parameters
         gsm.per_sample_gradient_norms = None  # Opacus keeps them: un-noised per-example values of the batch
         for p in self.params:
@@ -846,14 +847,14 @@ class GhostClipping:
             self._gsm.sink = self._tied.sink = lambda entry: self._add_book_sums(sums, [entry], weights)
             try:
                 _set_random_state(state, total.device)
-                with torch.enable_grad(), _full_precision(total.device), _repeatable(total.device):
+                with torch.enable_grad(), full_precision(total.device), _repeatable(total.device):
                     torch.autograd.grad(total, targets, allow_unused=True)
             finally:
                 self._gsm.sink = self._tied.sink = None
             del total, targets, state, again
         book, raw = self._take_book()
         self._add_book_sums(sums, book, weights)
-        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+        with full_precision(self.params[0].device):
             for p, g in raw.items():
                 total = torch.einsum("b,b...->...", weights, g)
                 sums[id(p)] = total if id(p) not in sums else sums[id(p)].add_(total)
@@ -862,7 +863,7 @@ class GhostClipping:
     def _add_book_sums(self, sums: dict[int, torch.Tensor], book: list[Entry], weights: torch.Tensor) -> None:
         """Add each kept call's Σ_i c_i·g_i (fp32, autocast off; :func:`~pl_dp.per_sample.book.weighted_sum`) into
         ``sums``, by the ``id`` of the trained parameter it is of."""
-        with torch.autocast(device_type=self.params[0].device.type, enabled=False):
+        with full_precision(self.params[0].device):
             for entry in book:
                 for p, total in self._of_trained(
                     entry[0], weighted_sum(self._gsm.GRAD_SAMPLERS, entry, weights)
@@ -983,7 +984,7 @@ class ShardedGhostClipping(GhostClipping):
         gsm.enable_hooks()
         self._targets.start()
         try:
-            with torch.enable_grad(), _full_precision(self.params[0].device), self._lookups.expanding(size):
+            with torch.enable_grad(), full_precision(self.params[0].device), self._lookups.expanding(size):
                 error: Exception | None = None
                 try:
                     with self.passes.guard(backward_follows=True):
@@ -1074,7 +1075,7 @@ class ShardedGhostClipping(GhostClipping):
             device = self.params[0].device
             if again is not None:  # from the random state the first backward started from, as on one process
                 _set_random_state(again[2], device)
-            with torch.enable_grad(), _full_precision(device), _repeatable(device):
+            with torch.enable_grad(), full_precision(device), _repeatable(device):
                 (weights.detach() * losses).sum().backward()
         finally:
             for handle in handles:
@@ -1131,11 +1132,6 @@ def _finite_rows(batch: Any, keep: torch.Tensor, counted: torch.Tensor, size: in
     rows = torch.zeros(size, dtype=torch.bool, device=counted.device)
     rows[: keep.numel()] = counted[keep.to(counted.device)]
     return fill_rows(select_examples(batch, keep), size), rows
-
-
-def _full_precision(device: torch.device) -> torch.autocast:
-    """Autocast off: the passes compute in the parameters' precision (fp32) under a mixed-precision trainer."""
-    return torch.autocast(device_type=device.type, enabled=False)
 
 
 #: the settings of ``CUBLAS_WORKSPACE_CONFIG`` under which cuBLAS computes alike every time (PyTorch's reproducibility
