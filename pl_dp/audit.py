@@ -234,7 +234,7 @@ class _NeighbouringReleases:
         module = self.module
         module.noise_multiplier = noise_multiplier
         try:
-            with module.trainer.precision_plugin.train_step_context():  # the precision the run trains in
+            with module.precision_context():  # the precision (and attention kernel) the run trains in
                 mechanism = _RecordingMechanism(module.mechanism(batch_size_of(batch)))
                 module.noise.start_step(next(self._counters))
                 module.private_step(batch, batch_size_of(batch), mechanism)

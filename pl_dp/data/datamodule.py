@@ -319,8 +319,10 @@ class PrivatePublicDataModule(L.LightningDataModule):
 
     def fixed_length_collate(self, positions: int | None = None) -> PaddingCollate | None:
         """:meth:`longest_collate` one position longer: ``collate_fn`` padding every private batch of a run that keeps
-        one shape to ``max_length`` + 1, or None. A ``max_length`` that leaves no position of the net's ``positions``
-        (if known) for that padding raises :class:`~pl_dp.errors.ConfigError`.
+        one shape to ``max_length`` + 1, or None. A ``max_length`` equal to the net's ``positions`` (if known), which
+        the padding position would overflow, raises :class:`~pl_dp.errors.ConfigError` (a ``max_length`` beyond them
+        is left alone: a net that places positions by its mask, as OPT, or by rotation, as Llama, reads a longer padded
+        batch, and one that does not fails so without the extra position too).
 
         Privacy: the position past the longest record gives every row padding, so every batch an attention mask.
         Hugging Face drops the mask of a batch none of whose rows is padded, and a GPU then runs another attention
@@ -329,7 +331,7 @@ class PrivatePublicDataModule(L.LightningDataModule):
         longest = self.longest_collate()
         if longest is None or self.max_length is None:
             return None
-        if positions is not None and self.max_length >= positions:
+        if self.max_length == positions:
             raise ConfigError(
                 f"max_length={self.max_length} leaves the model ({positions} positions) no position for the padding "
                 "a private batch of one length keeps in every row (so that every batch has an attention mask and runs "

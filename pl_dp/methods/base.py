@@ -780,8 +780,10 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         opt.zero_grad(set_to_none=True)
         self.noise.start_step(self.private_steps)
         attributes = PlainAttributes(self.net) if self.privacy is not None else None
-        with sealed(self.privacy is not None and not self.log_private_metrics), self._private_randomness():
-            result = self.private_step(batch, batch_size, mechanism)  # nothing record-dependent leaks out
+        # nothing record-dependent leaks out; whether a record is sampled does not choose the attention kernel
+        sealing = sealed(self.privacy is not None and not self.log_private_metrics)
+        with sealing, self._private_randomness(), self.attention_context():
+            result = self.private_step(batch, batch_size, mechanism)
         if attributes is not None:  # what the net stored from this batch stays out of copies of it
             attributes.restore()
         if self.touches_private_data:

@@ -18,7 +18,9 @@ of rows: docs/privacy-model.md). So a private run that computes in half precisio
   (on this machine's CPU a bf16 matmul 768 wide rounds its rows differently for 30 of 63 row counts; a GPU library
   picks its algorithm by shape too);
 * the fit-start checks run in the trainer's precision context (:meth:`PrecisionMixin.precision_context`), and the
-  probe compares what a step releases in it (:func:`~pl_dp.step.independence.probe_independence`).
+  probe compares what a step releases in it (:func:`~pl_dp.step.independence.probe_independence`);
+* every private forward runs one attention kernel (:meth:`PrecisionMixin.attention_context`): whether a batch has
+  a padded row must not choose it (:mod:`pl_dp.step.attention`).
 
 fp32 first-order runs keep dynamic padding: their rounding moves an example's gradient by about one fp32 ulp. An fp32
 zeroth-order step pads to one length too wherever the data module can (:attr:`PrecisionMixin.pads_to_one_length`,
@@ -32,11 +34,13 @@ the probe as the only guard.
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
+from pl_dp.step.attention import one_attention_kernel
 from pl_dp.step.independence import HALF_PRECISION_SHAPES, has_half_precision_parameters
 
 #: the most rows a private forward runs in a run with fixed shapes, when ``max_physical_batch_size`` is not set
@@ -96,8 +100,19 @@ class PrecisionMixin:
         expected = self.expected_batch_size or 1  # type: ignore[attr-defined]
         return given or min(math.ceil(expected), FIXED_ROWS)
 
-    def precision_context(self) -> AbstractContextManager[Any]:
-        """The trainer's precision context of a training step (autocast under ``bf16-mixed``), for what runs outside
-        one and must compute as a step does: the fit-start checks, the audit."""
+    def attention_context(self) -> AbstractContextManager[Any]:
+        """One attention kernel for the private forwards of a run that keeps one shape (:attr:`pads_to_one_length`;
+        :func:`~pl_dp.step.attention.one_attention_kernel` on the net's device), else nothing."""
+        if not self.pads_to_one_length:
+            return nullcontext()
+        return one_attention_kernel(self.device)  # type: ignore[attr-defined]
+
+    @contextmanager
+    def precision_context(self) -> Iterator[None]:
+        """The trainer's precision context of a training step (autocast under ``bf16-mixed``) and
+        :meth:`attention_context`, for what runs outside one and must compute as a step does: the fit-start checks,
+        the audit."""
         trainer = getattr(self, "_trainer", None)
-        return trainer.precision_plugin.train_step_context() if trainer is not None else nullcontext()
+        precision = trainer.precision_plugin.train_step_context() if trainer is not None else nullcontext()
+        with precision, self.attention_context():
+            yield

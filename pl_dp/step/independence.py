@@ -200,36 +200,21 @@ TWO_POINT_SHAPES = (
 
 def refuse_varying_batch_shapes(
     collate: Callable[[list[Any]], Any], examples: Iterable[Any], why: tuple[str, str]
-) -> None:
+) -> bool:
     """For a run whose private batches must keep one shape (``why``: :data:`HALF_PRECISION_SHAPES`,
     :data:`TWO_POINT_SHAPES`): raise :class:`IndependenceError` unless ``collate`` (the private loader's) gives a
-    batch of each of ``examples`` the same shapes, with padding in its row (the pre-flight pass checks the whole
-    private set so, the probe its own examples).
+    batch of each of ``examples`` the same shapes (the pre-flight pass checks the whole private set so, the probe its
+    own examples). Returns whether one of them fills every position of its batch (:func:`unpadded_batches_error`).
 
     A collate that pads each batch to its own longest example lets one long record move every other example's
-    contribution through the rounding of sums over positions. One shape is not yet one computation: an example that
-    fills every position (an ``attention_mask`` of 1 throughout) makes a batch of only such examples one without
-    padding, whose attention mask Hugging Face drops — and on a GPU a batch without a mask runs FlashAttention, one
-    with a mask another kernel, so whether one short record is sampled changes the rounding of every row of its
-    batch (0.033·C of a bf16 DPZero release, CUDA's dispatch emulated on a CPU). The check is on every example of
-    the private set because the probe's few examples may all be of one length. The message holds no value of the
-    examples.
+    contribution through the rounding of sums over positions. The check is on every example of the private set
+    because the probe's few examples may all be of one length. The message holds no value of the examples.
     """
     first: Any = None
+    filled = False
     for example in examples:
         batch = collate([example])
-        if isinstance(batch, Mapping) and _fills_every_position(batch.get("attention_mask")):
-            cause, alternative = why
-            raise IndependenceError(
-                f"per-example independence needs one batch computation here: {cause}. But a private batch of the "
-                "private loader's collate_fn can have no padding at all (an example fills every position: its "
-                "attention_mask is 1 throughout), and Hugging Face models drop the attention mask of such a batch: "
-                "on a GPU it then runs another attention kernel (FlashAttention) than a batch with one shorter "
-                "record, so whether a short record is sampled would move every other example's contribution. Pad "
-                "the private batches one position past the longest record: collate_fn=PaddingCollate(length=...) "
-                "above it (TextDataModule and TextGenerationDataModule pad one past their max_length), or cut the "
-                f"records one token shorter; {alternative}."
-            )
+        filled = filled or (isinstance(batch, Mapping) and _fills_every_position(batch.get("attention_mask")))
         shapes = batch_shapes(batch)
         if first is None:
             first = shapes
@@ -244,6 +229,27 @@ def refuse_varying_batch_shapes(
                 "to one fixed length: collate_fn=PaddingCollate(length=...) on the data module (TextDataModule and "
                 f"TextGenerationDataModule pad one past their max_length by default); {alternative}."
             )
+    return filled
+
+
+def unpadded_batches_error(why: tuple[str, str]) -> IndependenceError:
+    """The refusal of a run whose private batches keep one shape (``why``, as for
+    :func:`refuse_varying_batch_shapes`) but in which an example fills every position of its batch.
+
+    One shape is not yet one computation: an example with an ``attention_mask`` of 1 throughout makes a batch of only
+    such examples one without padding, whose attention mask Hugging Face drops — and on a GPU a batch without a mask
+    runs FlashAttention, one with a mask another kernel, so whether one short record is sampled changes the rounding
+    of every row of its batch (0.033·C of a bf16 DPZero release, CUDA's dispatch emulated on a CPU)."""
+    cause, alternative = why
+    return IndependenceError(
+        f"per-example independence needs one batch computation here: {cause}. But a private batch of the private "
+        "loader's collate_fn can have no padding at all (an example fills every position: its attention_mask is 1 "
+        "throughout), and Hugging Face models drop the attention mask of such a batch: on a GPU it then runs another "
+        "attention kernel (FlashAttention) than a batch with one shorter record, so whether a short record is sampled "
+        "would move every other example's contribution. Pad the private batches one position past the longest "
+        "record: collate_fn=PaddingCollate(length=...) above it (TextDataModule and TextGenerationDataModule pad one "
+        f"past their max_length), or cut the records one token shorter; {alternative}."
+    )
 
 
 def _fills_every_position(mask: Any) -> bool:

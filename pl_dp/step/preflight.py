@@ -41,7 +41,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 from pl_dp.errors import DataError
 from pl_dp.step.batches import batch_size_of, example_structure, stacks_tensor_rows
-from pl_dp.step.independence import NetState, refuse_varying_batch_shapes
+from pl_dp.step.independence import NetState, refuse_varying_batch_shapes, unpadded_batches_error
 from pl_dp.step.losses import PerSampleLoss, causal_lm, check_per_sample, cross_entropy
 from pl_dp.step.seal import isolate_failures, sealed
 
@@ -110,7 +110,8 @@ def check_private_set(
     batched alone, and a collate that gives two examples batches of different shapes is refused
     (:func:`~pl_dp.step.independence.refuse_varying_batch_shapes`; about 35 µs an example here) — unless the dataset is
     a ``TensorDataset`` (rows of one shape) and the collate's shapes follow its examples' shapes alone
-    (:func:`_shapes_follow_shapes`: a collate that trims padding by value would not).
+    (:func:`_shapes_follow_shapes`: a collate that trims padding by value would not) —, and so is one whose batch of
+    an example that fills every position has no padding (:func:`~pl_dp.step.independence.unpadded_batches_error`).
     """
     start = time.perf_counter()
     problems: dict[int, str] = {}
@@ -119,6 +120,7 @@ def check_private_set(
     reference: tuple[int, Any] | None = None  # the first good example: every chunk is batched with it
     structure: Any = None  # what every example must be shaped like (a collate batches by the first example's)
     shaped: Any = None  # one_shape: the example whose batch's shapes every other's must have (the first read)
+    unpadded = False  # one_shape: an example fills every position of its batch
     same_shapes = isinstance(dataset, TensorDataset) and _shapes_follow_shapes(collate)
     # a plain TensorDataset whose collate stacks its rows: read, structured and batched alike by construction
     at_once = stacks_tensor_rows(dataset, collate) and (one_shape is None or same_shapes)
@@ -142,7 +144,8 @@ def check_private_set(
                     continue
                 if one_shape is not None and not same_shapes:  # every batch of one shape (of those that batch)
                     shaped = rows[0][1] if shaped is None else shaped
-                    refuse_varying_batch_shapes(collate, [shaped] + [example for _, example in rows], one_shape)
+                    examples = [shaped] + [example for _, example in rows]
+                    unpadded = refuse_varying_batch_shapes(collate, examples, one_shape) or unpadded
                 if not values:
                     reference = reference or rows[0]
                     continue
@@ -157,6 +160,8 @@ def check_private_set(
         state.reset()
     if problems:
         raise DataError(_message(problems, size))
+    if unpadded and one_shape is not None:
+        raise unpadded_batches_error(one_shape)
     example = None if reference is None else reference[1] if not at_once else dataset[reference[0]]
     return PreflightReport(size, -(-size // chunk_size), time.perf_counter() - start, example)
 

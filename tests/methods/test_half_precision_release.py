@@ -30,7 +30,8 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.data import DataLoader, TensorDataset
 
 from pl_dp import PrivacySpec
 from pl_dp.audit import release_shift
@@ -40,7 +41,8 @@ from pl_dp.data.generation import tokenize_sequences
 from pl_dp.errors import IndependenceError
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import CausalLM
-from pl_dp.step.losses import IGNORE_INDEX
+from pl_dp.step import attention
+from pl_dp.step.losses import IGNORE_INDEX, causal_lm
 from tests.conftest import DEVICE, blobs, make_trainer
 from tests.tiny_hf import tiny_model
 
@@ -371,15 +373,16 @@ def _short_sequence(tokenizer) -> dict[str, torch.Tensor]:
 
 
 def _gpu_like_attention(monkeypatch) -> None:
-    """Emulates CUDA's choice of attention kernel on this CPU: a call without a mask runs the fused kernel (as
-    FlashAttention, which takes no mask, would), a call with one the math kernel (as the memory-efficient or math
-    kernels would), so the two round bf16 differently. On this CPU both kinds of call run one fused kernel."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """Emulates CUDA's choice of attention kernel on this CPU: a call without a mask runs the fused kernel where
+    FlashAttention is allowed (it takes no mask), any other call the math kernel (as the memory-efficient or math
+    kernels would), so the two round bf16 differently. On this CPU both kinds of call run one fused kernel. Under
+    ``make test-gpu`` the real dispatch runs instead."""
+    if DEVICE.type == "cuda":
+        return
     own = nn.functional.scaled_dot_product_attention
 
     def dispatched(query, key, value, attn_mask=None, **kwargs):
-        if attn_mask is None:
+        if attn_mask is None and torch.backends.cuda.flash_sdp_enabled():
             return own(query, key, value, **kwargs)
         with sdpa_kernel(SDPBackend.MATH):
             return own(query, key, value, attn_mask=attn_mask, **kwargs)
@@ -446,3 +449,47 @@ def test_records_that_fill_every_position_of_a_fixed_length_batch_are_refused(gp
         shift = _shift(model, data, _short_sequence(net.tokenizer), "32-true")
         pytest.fail(f"trained; a record with no contribution of its own moved the others' release by {shift:.4f}·C")
     assert model.private_steps == 0
+
+
+def _tuple_causal_lm(net: nn.Module, batch) -> torch.Tensor:
+    """A user's loss over tuple batches ``(input_ids, attention_mask, labels)``."""
+    input_ids, attention_mask, labels = batch
+    return causal_lm(net, {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
+
+
+def test_a_batch_format_the_pre_flight_pass_cannot_read_runs_one_attention_kernel(gpt2_dir, monkeypatch):
+    """Texts padded to ``max_length`` by the user as a ``TensorDataset`` of (ids, mask, labels): no mask the pre-flight
+    pass can find, and one short record moved the release by 0.033·C through the kernel switch (found by review). The
+    private forwards of a run that keeps one shape allow one attention kernel (:mod:`pl_dp.step.attention`; on CUDA;
+    pinned here on the CPU as well, for the emulated dispatch to see it)."""
+    _gpu_like_attention(monkeypatch)
+    monkeypatch.setitem(attention.PINNED_KERNELS, DEVICE.type, attention.PINNED_KERNELS["cuda"])
+    net = CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16)
+    records = _full_length_records(net.tokenizer)
+    private = TensorDataset(
+        *(torch.stack([r[key] for r in records]) for key in ("input_ids", "attention_mask", "labels"))
+    )
+    data = PrivatePublicDataModule(private, batch_size=SIZE)
+    short = _short_sequence(net.tokenizer)
+    width = MAX_LENGTH - len(short["input_ids"])
+    canary = tuple(nn.functional.pad(short[key], (0, width), value=value) for key, value in _PADS)
+    model = _dpzero(net, loss=_tuple_causal_lm)
+    _assert_others_still(model, _shift(model, data, canary, "32-true"))
+
+
+_PADS = (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX))
+
+
+def test_one_attention_kernel_allows_only_the_memory_efficient_and_math_kernels_on_cuda():
+    flags = (
+        torch.backends.cuda.flash_sdp_enabled,
+        torch.backends.cuda.cudnn_sdp_enabled,
+        torch.backends.cuda.mem_efficient_sdp_enabled,
+        torch.backends.cuda.math_sdp_enabled,
+    )
+    before = [flag() for flag in flags]
+    with attention.one_attention_kernel(torch.device("cuda", 0)):
+        assert [flag() for flag in flags] == [False, False, True, True]
+    assert [flag() for flag in flags] == before
+    with attention.one_attention_kernel("cpu"):  # a CPU runs one kernel with a mask or without: its own choice
+        assert [flag() for flag in flags] == before
