@@ -373,17 +373,19 @@ def _short_sequence(tokenizer) -> dict[str, torch.Tensor]:
 
 
 def _gpu_like_attention(monkeypatch) -> None:
-    """Emulates CUDA's choice of attention kernel on this CPU: a call without a mask runs the fused kernel where
-    FlashAttention is allowed (it takes no mask), any other call the math kernel (as the memory-efficient or math
-    kernels would), so the two round bf16 differently. On this CPU both kinds of call run one fused kernel. Under
-    ``make test-gpu`` the real dispatch runs instead."""
+    """Emulates CUDA's choice of attention kernel on this CPU, pessimistically: unless only the math kernel is allowed,
+    a call without a mask runs the fused kernel (as FlashAttention, which takes no mask, or the memory-efficient kernel
+    on its causal path would), a call with one the math kernel, so the two round bf16 differently. On this CPU both
+    kinds of call run one fused kernel. Under ``make test-gpu`` the real dispatch runs instead."""
     if DEVICE.type == "cuda":
         return
     own = nn.functional.scaled_dot_product_attention
 
     def dispatched(query, key, value, attn_mask=None, **kwargs):
-        if attn_mask is None and torch.backends.cuda.flash_sdp_enabled():
-            return own(query, key, value, **kwargs)
+        fused = torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+        if attn_mask is None and fused:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # this CPU's fused kernel
+                return own(query, key, value, **kwargs)
         with sdpa_kernel(SDPBackend.MATH):
             return own(query, key, value, attn_mask=attn_mask, **kwargs)
 
@@ -457,14 +459,20 @@ def _tuple_causal_lm(net: nn.Module, batch) -> torch.Tensor:
     return causal_lm(net, {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
 
 
-def test_a_batch_format_the_pre_flight_pass_cannot_read_runs_one_attention_kernel(gpt2_dir, monkeypatch):
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_a_batch_format_the_pre_flight_pass_cannot_read_runs_one_attention_kernel(
+    gpt2_dir, tmp_path, monkeypatch, architecture
+):
     """Texts padded to ``max_length`` by the user as a ``TensorDataset`` of (ids, mask, labels): no mask the pre-flight
     pass can find, and one short record moved the release by 0.033·C through the kernel switch (found by review). The
     private forwards of a run that keeps one shape allow one attention kernel (:mod:`pl_dp.step.attention`; on CUDA;
-    pinned here on the CPU as well, for the emulated dispatch to see it)."""
+    pinned here on the CPU as well, for the emulated dispatch to see it). The tiny Llama asks for grouped-query
+    attention when a batch has no mask, which the memory-efficient kernel cannot run (0.039·C with it allowed, a second
+    review)."""
     _gpu_like_attention(monkeypatch)
     monkeypatch.setitem(attention.PINNED_KERNELS, DEVICE.type, attention.PINNED_KERNELS["cuda"])
-    net = CausalLM(model_path=gpt2_dir, dtype=torch.bfloat16)
+    path = gpt2_dir if architecture == "gpt2" else tiny_model(tmp_path, architecture)
+    net = CausalLM(model_path=path, dtype=torch.bfloat16)
     records = _full_length_records(net.tokenizer)
     private = TensorDataset(
         *(torch.stack([r[key] for r in records]) for key in ("input_ids", "attention_mask", "labels"))
@@ -480,7 +488,7 @@ def test_a_batch_format_the_pre_flight_pass_cannot_read_runs_one_attention_kerne
 _PADS = (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX))
 
 
-def test_one_attention_kernel_allows_only_the_memory_efficient_and_math_kernels_on_cuda():
+def test_one_attention_kernel_allows_only_the_math_kernel_on_cuda():
     flags = (
         torch.backends.cuda.flash_sdp_enabled,
         torch.backends.cuda.cudnn_sdp_enabled,
@@ -489,7 +497,7 @@ def test_one_attention_kernel_allows_only_the_memory_efficient_and_math_kernels_
     )
     before = [flag() for flag in flags]
     with attention.one_attention_kernel(torch.device("cuda", 0)):
-        assert [flag() for flag in flags] == [False, False, True, True]
+        assert [flag() for flag in flags] == [False, False, False, True]
     assert [flag() for flag in flags] == before
     with attention.one_attention_kernel("cpu"):  # a CPU runs one kernel with a mask or without: its own choice
         assert [flag() for flag in flags] == before
