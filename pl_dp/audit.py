@@ -182,8 +182,9 @@ class _NeighbouringReleases:
     ``reference_size`` private examples, and the canary is row ``canary_row`` of D′'s batch (None: the last); both
     batches are built by the run's own private loader's ``collate_fn``
     (padding, masks and all) and converted and moved as Lightning moves a training batch. Every release runs inside
-    the trainer's precision context (``precision_plugin.train_step_context()``: autocast for ``bf16-mixed`` and
-    ``16-mixed``, the half default dtype for ``bf16-true``), where Lightning runs ``training_step``; afterwards the
+    the method's precision context (:meth:`~pl_dp.methods.precision.PrecisionMixin.precision_context`: the trainer's
+    — autocast for ``bf16-mixed`` and ``16-mixed``, the half default dtype for ``bf16-true`` —, where Lightning runs
+    ``training_step``, and the run's one attention kernel), as the canary is made; afterwards the
     parameters (and fp32 masters), the public data's position and an adaptive clip threshold are restored, so that
     releases differ only by their batch and their noise.
     """
@@ -210,7 +211,7 @@ class _NeighbouringReleases:
         trainer = module.trainer
         collate = trainer.train_dataloader.collate_fn  # the run's own batching: padding, masks and all
         if canary is None:
-            with trainer.precision_plugin.train_step_context():
+            with module.precision_context():
                 canary = make_canary(module.net, private[reference_size], input_scale, collate)
 
         def prepare(batch: list[Any]) -> Any:  # as Lightning prepares a training batch
