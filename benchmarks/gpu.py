@@ -149,6 +149,10 @@ class Task:
     name: str
     description: str
     pl_dp_loss: str
+    #: positions past T the pl_dp fits pad every private batch with: one for a Hugging Face net, so that every row has
+    #: padding and every batch keeps its attention mask (a record filling every position is refused, see
+    #: pl_dp.step.independence.unpadded_batches_error); the token tuples of the classifier carry no mask
+    padding: int = 0
 
     def __init__(self, net: nn.Module, sizes: Sizes, seed: int = 0) -> None:
         self.net, self.sizes = net.train(), sizes
@@ -202,7 +206,7 @@ class ClassifierTask(Task):
 
 
 class CausalTask(Task):
-    name, pl_dp_loss = "gpt2", "causal_lm"
+    name, pl_dp_loss, padding = "gpt2", "causal_lm", 1
 
     def __init__(self, sizes: Sizes, workdir: Path) -> None:
         net = CausalLM(model_path=save_gpt2(workdir / "gpt2", sizes))
@@ -453,7 +457,10 @@ def pl_dp_fit(task: Task, device: torch.device, build, precision: str, dtype, by
     _timed_check(module, "check_independence", seconds, bypass=bypass_probe)
     timer = SyncedSteps(device, task.sizes.warmup)
     data = PrivatePublicDataModule(
-        task.data, batch_size=task.sizes.batch, sampling_seed=0, collate_fn=PaddingCollate(length=task.sizes.length)
+        task.data,
+        batch_size=task.sizes.batch,
+        sampling_seed=0,
+        collate_fn=PaddingCollate(length=task.sizes.length + task.padding),
     )
     trainer = quiet_trainer(
         accelerator=device.type,
