@@ -3,6 +3,7 @@ to one fixed length."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,8 +61,12 @@ class PaddingCollate:
         self.length = None if length is None else int(length)
 
     def fixed(self, length: int) -> PaddingCollate:
-        """This collate with every batch padded to exactly ``length``."""
-        return PaddingCollate(self.pad_values, length)
+        """This collate with every batch padded to exactly ``length``: a copy of it, so that a subclass keeps what it
+        adds (the private loader of a run that keeps one shape, and the probe, use this copy in its place)."""
+        fixed = copy.copy(self)
+        fixed.pad_values = dict(self.pad_values)
+        fixed.length = PaddingCollate(length=length).length  # checked as the constructor checks it
+        return fixed
 
     def __call__(self, examples: list[Any]) -> Any:
         first = examples[0]

@@ -41,6 +41,26 @@ def test_a_fixed_length_pads_every_sequence_field_and_leaves_feature_vectors_alo
     assert PaddingCollate()([{"input_ids": torch.tensor([5, 6])}] * 2)["input_ids"].shape == (2, 2)  # dynamic
 
 
+class _TaggedCollate(PaddingCollate):
+    """A user's subclass that adds a key of its own to every batch."""
+
+    def __call__(self, examples):
+        return {**super().__call__(examples), "source": torch.ones(len(examples))}
+
+
+def test_a_fixed_length_copy_of_a_subclass_keeps_what_the_subclass_adds(gpt2_dir):
+    """The private loader of a run that keeps one shape, and the probe, pad with a fixed-length copy of the data
+    module's collate: it was a plain PaddingCollate, which dropped a subclass's own behaviour in those batches only."""
+    data = TextGenerationDataModule(data=TEXTS, tokenizer=gpt2_dir, max_length=40)
+    data.collate_fn = _TaggedCollate(data.collate_fn.pad_values)
+    for collate in (data.private_collate(True), data.longest_collate()):
+        batch = collate([data.private[i] for i in range(4)])
+        assert isinstance(collate, _TaggedCollate) and "source" in batch and collate is not data.collate_fn
+    assert data.collate_fn.length is None
+    with pytest.raises(ConfigError, match="length must be"):
+        data.collate_fn.fixed(0)
+
+
 def test_fill_rows_repeats_the_first_example_up_to_the_rows():
     batch = {"x": torch.arange(6).reshape(3, 2), "y": torch.tensor([7, 8, 9])}
     filled = fill_rows(batch, 5)
