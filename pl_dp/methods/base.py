@@ -569,6 +569,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         return (
             FitStartChecks()
             .then(PRIVATE_DATA_CHECK, lambda: self.check_private_data())
+            .then("precision", lambda: self.check_precision())
             .then("independence", lambda: self.check_independence())
         )
 

@@ -24,6 +24,9 @@ Precision is part of the path too: in bf16 or fp16 the rounding of an example's 
 batch it is computed in, so a record that changes the padded length moves every other example's result — by ~1e-4
 in a loss, which a zeroth-order step divides by 2λ. A half-precision run keeps one batch shape
 (:mod:`pl_dp.methods.precision`), and the probe runs in the run's precision and compares what a step *releases*.
+Whether a run computes in half precision is read from the trainer's precision and the parameters' dtypes;
+:func:`half_precision_operators` names what a forward computes in bf16 or fp16 besides (an autocast region inside
+it), which a run that says fp32 is refused for.
 
 Three checks, all at fit start and before any private step:
 
@@ -53,6 +56,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.errors import ConfigError, IndependenceError
@@ -129,6 +134,47 @@ def has_half_precision_parameters(net: nn.Module) -> bool:
     forward (:func:`~pl_dp.step.shards.half_precision_policies`): its layers then round to 8 or 11 bits, whatever
     the trainer's precision."""
     return any(p.dtype in HALF_PRECISION for p in net.parameters()) or bool(half_precision_policies(net))
+
+
+class _HalfPrecisionOperators(TorchDispatchMode):
+    """Records the operators that return a bf16 or fp16 tensor (by name, with the first such dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict[str, torch.dtype] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor) and value.dtype in HALF_PRECISION:
+                self.found.setdefault(func.overloadpacket.__name__, value.dtype)
+        return out
+
+
+def half_precision_operators(
+    net: nn.Module,
+    loss_fn: PerSampleLoss,
+    batch: Any,
+    modes: Iterable[Mode] = ("train", "eval"),
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> dict[str, torch.dtype]:
+    """The operators that ``loss_fn(net, batch)`` computes in bf16 or fp16 (by name, with the dtype), in each of
+    ``modes`` (training mode with autograd, eval mode without) under ``context`` (the trainer's precision context):
+    what the net's parameters and the trainer's precision do not say — an autocast region or a cast inside the
+    forward, a half-precision buffer. Seen below autocast, as the kernels run (a ``TorchDispatchMode``). The net is
+    left as it was found (:class:`NetState`), the random generators too, and nothing the passes print is shown."""
+    state = NetState(net)
+    seen = _HalfPrecisionOperators()
+    try:
+        with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # the batch may be private
+            for mode in modes:
+                net.train(mode == "train")
+                with torch.set_grad_enabled(mode == "train"), context(), seen:
+                    loss_fn(net, batch)
+                state.reset()
+    finally:
+        state.reset()
+    return seen.found
 
 
 def batch_mixing_modules(net: nn.Module) -> list[str]:

@@ -38,7 +38,7 @@ from pl_dp.audit import release_shift
 from pl_dp.data import PrivatePublicDataModule, TextGenerationDataModule
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.data.generation import tokenize_sequences
-from pl_dp.errors import IndependenceError
+from pl_dp.errors import ConfigError, IndependenceError
 from pl_dp.methods import DPSGD, DPZero
 from pl_dp.nets import CausalLM
 from pl_dp.step import attention
@@ -128,6 +128,32 @@ def test_dpzero_with_bf16_weights_a_longer_record_moves_the_release_by_at_most_c
     assert model.private_steps == 1
     # its own clipped differences count (the measurement sees a record), and nothing else does
     assert 0.5 < shift <= 1 + TOLERANCE, f"one record moved the release by {shift:.4f}·C"
+
+
+class _AutocastsInside(CausalLM):
+    """The tiny GPT-2 whose forward autocasts to bf16 by itself: the trainer's precision and the parameters say fp32."""
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["dpzero", "hooks"])
+def test_a_forward_that_autocasts_by_itself_is_refused_unless_the_trainer_computes_in_half_precision(gpt2_dir, method):
+    """pl_dp knows that a run computes in half precision from the trainer's precision and the parameters' dtypes, and
+    only then keeps one batch shape: a forward that autocasts by itself ran with the rows (and, first-order, the
+    padded length) of whatever was sampled, whose bf16 rounding one record moves — on this CPU's kernels by 1e-5·C
+    (DPZero) and 0 (hooks), where a GPU picks its kernels by shape. It is refused at fit start, by the operators'
+    dtypes; under ``bf16-mixed`` it keeps one shape and trains."""
+    data = _texts(gpt2_dir)
+    canary = _long_sequence(data.tokenizer, labelled=False)
+    make = _dpzero if method == "dpzero" else lambda net: _dpsgd(net, method)
+    model = make(_AutocastsInside(model_path=gpt2_dir))
+    with pytest.raises(ConfigError, match="half precision inside its forward"):
+        _shift(model, data, canary, "32-true")
+    assert model.private_steps == 0
+    model = make(_AutocastsInside(model_path=gpt2_dir))
+    _assert_others_still(model, _shift(model, data, canary, "bf16-mixed"))
 
 
 class GatedBatchContext(nn.Module):

@@ -18,6 +18,7 @@ from pl_dp.step.independence import (
     RELEASE_TOLERANCE,
     Release,
     batch_mixing_modules,
+    half_precision_operators,
     probe_examples,
     probe_independence,
     refuse_batch_mixing_modules,
@@ -341,3 +342,25 @@ def test_the_privacy_report_states_the_release_tolerance():
     report = PrivacyReport.from_state(model_state)
     assert report.to_dict()["release_tolerance"] == RELEASE_TOLERANCE == 0.01
     assert "at most 1.01·C" in str(report)
+
+
+class _AutocastsWhenTraining(nn.Module):
+    """An MLP whose forward autocasts to bf16 in training mode only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP(2, [8], 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.training):
+            return self.mlp(x)
+
+
+def test_half_precision_operators_are_found_in_the_modes_asked_and_the_net_is_left_as_it_was():
+    net = _AutocastsWhenTraining().eval()
+    batch = (torch.randn(4, 2), torch.tensor([0, 1, 2, 0]))
+    assert half_precision_operators(net, cross_entropy, batch, ("eval",)) == {}
+    found = half_precision_operators(net, cross_entropy, batch, ("train", "eval"))
+    assert found and set(found.values()) == {torch.bfloat16}
+    assert not net.training  # its mode put back
+    assert half_precision_operators(MLP(2, [8], 3), cross_entropy, batch) == {}
