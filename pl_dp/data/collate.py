@@ -21,7 +21,8 @@ class PaddingCollate:
 
     Dict examples (``{"input_ids": ..., "attention_mask": ..., "labels": ...}``) pad each key with its
     value in ``pad_values`` (``PAD_VALUES`` by default: 0, and −100 for token-level labels); when they carry no
-    ``attention_mask``, one is added (1 on each example's own positions of its first ragged key, 0 on padding).
+    ``attention_mask``, one is added (1 on each example's own positions of its ``input_ids`` if it has them, else
+    of its first ragged key; 0 on padding).
     Tuple examples pad with 0, which the net must read as padding (``TinyTransformerClassifier`` does:
     ``pad_token_id=0``). Examples of equal shapes batch exactly as ``default_collate`` does. By default padding is
     per batch (dynamic), so a batch costs what its longest example costs. With ``length``, every sequence field is
@@ -76,7 +77,8 @@ class PaddingCollate:
             if ragged:
                 batch = {key: self._stack(values, self.pad_values.get(key, 0)) for key, values in columns.items()}
                 if "attention_mask" not in batch:
-                    lengths = torch.tensor([len(v) for v in columns[ragged[0]]])
+                    tokens = "input_ids" if "input_ids" in ragged else ragged[0]  # labels may be longer
+                    lengths = torch.tensor([len(v) for v in columns[tokens]])
                     width = self.length or int(lengths.max())
                     batch["attention_mask"] = (torch.arange(width) < lengths.unsqueeze(1)).long()
                 return batch

@@ -61,6 +61,17 @@ def test_a_fixed_length_copy_of_a_subclass_keeps_what_the_subclass_adds(gpt2_dir
         data.collate_fn.fixed(0)
 
 
+def test_a_missing_mask_is_built_from_the_token_ids_whatever_key_comes_first():
+    """Labels of another length than the inputs (a prompt's answer), listed first: the mask was built from them."""
+    examples = [
+        {"labels": torch.tensor([7, 8, 9, 10]), "input_ids": torch.tensor([1, 2])},
+        {"labels": torch.tensor([7]), "input_ids": torch.tensor([3, 4, 5])},
+    ]
+    batch = PaddingCollate()(examples)
+    assert batch["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert batch["attention_mask"].shape == batch["input_ids"].shape
+
+
 def test_fill_rows_repeats_the_first_example_up_to_the_rows():
     batch = {"x": torch.arange(6).reshape(3, 2), "y": torch.tensor([7, 8, 9])}
     filled = fill_rows(batch, 5)
