@@ -155,6 +155,22 @@ def _is_head(name: str) -> bool:
     return name.startswith(("classifier.", "score.", "pre_classifier.")) or ".pooler." in name
 
 
+def _pad_as_the_tokenizer(model: nn.Module, path: Path) -> None:
+    """Give ``model``'s config the pad token id of the tokenizer saved beside it, if it has one.
+
+    A decoder's sequence classifier (GPT-2, OPT, Llama) takes each row's logits at its last token that is not
+    ``config.pad_token_id``, and pl_dp's text data modules pad ``input_ids`` with the tokenizer's pad id: with another
+    id in the config every padded row was classified from a padding position, and with none (GPT-2's) a batch of more
+    than one was refused. An encoder's classifier does not read it."""
+    if not (path / "tokenizer_config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    pad = AutoTokenizer.from_pretrained(str(path), local_files_only=True).pad_token_id
+    if isinstance(pad, int):
+        model.config.pad_token_id = pad
+
+
 class HFClassifier(nn.Module):
     """A local Hugging Face sequence classifier returning logits.
 
@@ -191,6 +207,7 @@ class HFClassifier(nn.Module):
             model = AutoModelForSequenceClassification.from_pretrained(
                 str(path), num_labels=num_labels, local_files_only=True, dtype=dtype
             )
+            _pad_as_the_tokenizer(model, path)
             if trainable == "lora":
                 model = add_lora(model, lora_rank, lora_alpha, lora_targets, task_type="SEQ_CLS")
         self.model = model

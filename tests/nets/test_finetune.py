@@ -1,5 +1,7 @@
 """Fine-tuning a real pretrained transformer offline: packaged MiniLM, VADER lexicon, ZO methods on it."""
 
+import json
+
 import lightning as L
 import pytest
 import torch
@@ -157,3 +159,28 @@ def test_dp_sgd_learns_sentiment_from_the_frozen_embeddings(vader_embeddings):
     majority = 1 - vader_embeddings.test.tensors[1].float().mean().item()
     assert model.epsilon <= 1.0
     assert accuracy > majority + 0.15, (accuracy, majority)
+
+
+@pytest.mark.parametrize("config_pad", [None, 5], ids=["none", "another"])
+def test_a_decoder_classifier_reads_each_padded_text_at_its_own_last_token(tmp_path, config_pad):
+    """GPT-2's classifier takes its logits at each row's last token that is not ``config.pad_token_id``; the text
+    modules pad with the tokenizer's pad id (``token_padding``). With no id in the config a batch of two was refused;
+    with another one the short text was classified from a padding position."""
+    from transformers import AutoTokenizer
+
+    from pl_dp.data.text import token_padding
+    from tests.tiny_hf import tiny_model
+
+    path = tiny_model(tmp_path, "gpt2")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "pad_token_id": config_pad}))
+    net = HFClassifier(path, num_labels=2).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    short, long = (
+        torch.tensor(tokenizer(text)["input_ids"]) for text in ("a good film", "a good film with a long end")
+    )
+    collate = token_padding(tokenizer)
+    with torch.no_grad():
+        together = net(**collate([{"input_ids": short}, {"input_ids": long}]))
+        alone = net(**collate([{"input_ids": short}]))
+    torch.testing.assert_close(together[0], alone[0])
