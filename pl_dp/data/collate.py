@@ -62,8 +62,9 @@ class PaddingCollate:
         self.length = None if length is None else int(length)
 
     def fixed(self, length: int) -> PaddingCollate:
-        """This collate with every batch padded to exactly ``length``: a copy of it, so that a subclass keeps what it
-        adds (the private loader of a run that keeps one shape, and the probe, use this copy in its place)."""
+        """This collate with every batch padded to exactly ``length``: a shallow copy of it, so that a subclass keeps
+        what it adds (the private loader of a run that keeps one shape, and the probe, use this copy in its place). A
+        subclass holding state of its own per instance (a cache of batches) overrides it."""
         fixed = copy.copy(self)
         fixed.pad_values = dict(self.pad_values)
         fixed.length = PaddingCollate(length=length).length  # checked as the constructor checks it

@@ -57,13 +57,14 @@ from pl_dp.privacy.sampling import (
 from pl_dp.privacy.seeding import SeedDomain, derive_seed
 from pl_dp.privacy.spec import PrivacySpec
 from pl_dp.privacy.units import PrivacyUnit
-from pl_dp.step.batches import batch_size_of
+from pl_dp.step.batches import batch_size_of, fill_rows
 from pl_dp.step.distribution import Distribution
 from pl_dp.step.fit_start import FitStartChecks
 from pl_dp.step.independence import (
     PROBE_MAX,
     PROBE_SIZE,
     Release,
+    half_precision_operators,
     probe_examples,
     probe_independence,
     refuse_batch_mixing_modules,
@@ -617,6 +618,49 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         if report.reference is not None:
             collate.expect(report.reference)
 
+    def check_precision(self) -> None:
+        """Refuse, at fit start, a run whose passes compute in bf16 or fp16 where neither the trainer's precision nor
+        the net's parameters say so (:attr:`computes_in_half_precision` is False): an autocast region or a cast inside
+        the forward or a custom backward, a half-precision buffer (:func:`~pl_dp.step.independence.
+        half_precision_operators`, in :meth:`passes_precision`). Such a run keeps dynamic padding and dynamic rows, and
+        one record's length would move the others' rounding — several C in a zeroth-order release. It looks at the
+        operators' dtypes, never at a value, in the probe's batch, its first example alone, and the probe's examples
+        padded to the longest a record may be (the data module's ``max_length``, where the run pads each batch to its
+        longest) in as many rows as a pass may have (``max_physical_batch_size``, else the expected batch size and four
+        standard deviations of a Poisson batch's): a net whose precision follows the batch's shape is not let through
+        by the probe's shape alone. As the probe's, its examples are private ones by index where the run has no public
+        or validation data."""
+        if self.computes_in_half_precision:
+            return
+        examples, _ = self._probe_examples()
+        collate = private_data_of(self.trainer.train_dataloader)[1]
+        expected = self.expected_batch_size or len(examples)
+        rows = self.max_physical_batch_size or math.ceil(expected + 4 * math.sqrt(expected))
+        widest = fill_rows((self._longest_collate(collate) or collate)(examples), rows)
+        batches = [self._to_device(batch) for batch in (collate(examples), collate(examples[:1]), widest)]
+        found = half_precision_operators(
+            self.net, self.loss_fn, batches, self.private_loss_modes, self.passes_precision
+        )
+        if found:
+            named = ", ".join(
+                f"{name} ({str(dtype).removeprefix('torch.')})" for name, dtype in list(found.items())[:4]
+            )
+            raise ConfigError(
+                f"the net computes in half precision inside its forward or backward ({named}"
+                f"{' …' if len(found) > 4 else ''}), though the trainer's precision is {self.trainer.precision!r} and "
+                "its parameters are not bf16 or fp16: an autocast region or a cast to bf16/fp16 in the forward, or a "
+                "half-precision buffer. In half precision one record's length changes the rounding of every other "
+                "example of its batch, so pl_dp keeps one batch shape in runs that compute so, which it knows from "
+                "the trainer's precision and the parameters' dtypes only. Use Trainer(precision='bf16-mixed') (or "
+                "'16-mixed') instead of autocasting inside the forward, store a half-precision buffer in fp32, or "
+                "compute the forward in fp32."
+            )
+
+    def _longest_collate(self, collate: Callable[[list], Any]) -> Callable[[list], Any] | None:
+        """The private ``collate`` padding to the data module's ``max_length``, when the run's pads each batch to its
+        longest (:meth:`~pl_dp.data.PrivatePublicDataModule.longest_collate`), else None."""
+        return getattr(getattr(self.trainer, "datamodule", None), "longest_collate", lambda collate: None)(collate)
+
     def check_independence(self) -> None:
         """Per-example independence, once per private fit before any step: refuse batch-mixing layers, then probe
         the private loader's collate, the net and the loss together (:func:`~pl_dp.step.independence.
@@ -631,7 +675,7 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
         if (why := self.one_shape_refusal()) is not None:
             refuse_varying_batch_shapes(collate, examples, why)
         # the private collate padding to the data module's max_length, when the run's pads each batch to its longest
-        longest = getattr(getattr(self.trainer, "datamodule", None), "longest_collate", lambda collate: None)(collate)
+        longest = self._longest_collate(collate)
         probe_independence(
             self.net,
             self.loss_fn,

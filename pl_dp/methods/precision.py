@@ -24,7 +24,7 @@ of rows: docs/privacy-model.md). So a private run that computes in half precisio
 
 Which runs compute in half precision is read from the trainer's precision and the parameters' dtypes; a net that
 autocasts or casts to bf16/fp16 inside its own forward, in a run that says fp32, is refused at fit start
-(:meth:`PrecisionMixin.check_precision`).
+(``check_precision``, a fit-start check).
 
 fp32 first-order runs keep dynamic padding: their rounding moves an example's gradient by about one fp32 ulp. An fp32
 zeroth-order step pads to one length too wherever the data module can (:attr:`PrecisionMixin.pads_to_one_length`,
@@ -44,14 +44,9 @@ from typing import Any
 
 import torch
 
-from pl_dp.errors import ConfigError
 from pl_dp.per_sample.gradients import full_precision
 from pl_dp.step.attention import one_attention_kernel
-from pl_dp.step.independence import (
-    HALF_PRECISION_SHAPES,
-    half_precision_operators,
-    has_half_precision_parameters,
-)
+from pl_dp.step.independence import HALF_PRECISION_SHAPES, has_half_precision_parameters
 
 #: the most rows a private forward runs in a run with fixed shapes, when ``max_physical_batch_size`` is not set
 FIXED_ROWS = 32
@@ -128,41 +123,9 @@ class PrecisionMixin:
             yield
 
     @contextmanager
-    def _passes_precision(self) -> Iterator[None]:
+    def passes_precision(self) -> Iterator[None]:
         """:meth:`precision_context` as the private passes compute in it: with autocast off for a per-sample mode whose
         passes turn it off (ghost clipping, book-keeping: :attr:`private_passes_autocast`)."""
         autocast = self.private_passes_autocast  # full_precision reads autocast's state: made inside the trainer's
         with self.precision_context(), nullcontext() if autocast else full_precision(self.device):  # type: ignore[attr-defined]
             yield
-
-    def check_precision(self) -> None:
-        """Refuse, at fit start, a run whose forward computes in bf16 or fp16 where neither the trainer's precision nor
-        the net's parameters say so (:attr:`computes_in_half_precision` is False): an autocast region or a cast inside
-        the forward, a half-precision buffer (:func:`~pl_dp.step.independence.half_precision_operators`, on the
-        probe's batch). Such a run would keep dynamic padding and dynamic rows, and one record's length would move the
-        others' rounding — several C in a zeroth-order release. What it looks at is the operators' dtypes, never a
-        value."""
-        if self.computes_in_half_precision:
-            return
-        batch, _ = self.probe_batch()  # type: ignore[attr-defined]
-        found = half_precision_operators(
-            self.net,  # type: ignore[attr-defined]
-            self.loss_fn,  # type: ignore[attr-defined]
-            batch,
-            self.private_loss_modes,  # type: ignore[attr-defined]
-            self._passes_precision,
-        )
-        if found:
-            operators = ", ".join(
-                f"{name} ({str(dtype).removeprefix('torch.')})" for name, dtype in list(found.items())[:4]
-            )
-            precision = getattr(getattr(self, "_trainer", None), "precision", "32-true")
-            raise ConfigError(
-                f"the net computes in half precision inside its forward ({operators}{' …' if len(found) > 4 else ''}),"
-                f" though the trainer's precision is {precision!r} and its parameters are not bf16 or fp16: an autocast"
-                " region or a cast to bf16/fp16 in the forward, or a half-precision buffer. In half precision one "
-                "record's length changes the rounding of every other example of its batch, so pl_dp keeps one batch "
-                "shape in runs that compute so, which it knows from the trainer's precision and the parameters' dtypes "
-                "only. Use Trainer(precision='bf16-mixed') (or '16-mixed') instead of autocasting inside the forward, "
-                "or compute the forward in fp32."
-            )

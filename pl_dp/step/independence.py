@@ -154,23 +154,29 @@ class _HalfPrecisionOperators(TorchDispatchMode):
 def half_precision_operators(
     net: nn.Module,
     loss_fn: PerSampleLoss,
-    batch: Any,
+    batches: Sequence[Any],
     modes: Iterable[Mode] = ("train", "eval"),
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> dict[str, torch.dtype]:
-    """The operators that ``loss_fn(net, batch)`` computes in bf16 or fp16 (by name, with the dtype), in each of
-    ``modes`` (training mode with autograd, eval mode without) under ``context`` (the trainer's precision context):
-    what the net's parameters and the trainer's precision do not say — an autocast region or a cast inside the
-    forward, a half-precision buffer. Seen below autocast, as the kernels run (a ``TorchDispatchMode``). The net is
-    left as it was found (:class:`NetState`), the random generators too, and nothing the passes print is shown."""
+    """The operators that ``loss_fn(net, batch)`` computes in bf16 or fp16 (by name, with the dtype) for each of
+    ``batches``, in each of ``modes`` (training mode: the forward and a backward to the trainable parameters; eval
+    mode: the forward), under ``context`` (the trainer's precision context): what the net's parameters and the
+    trainer's precision do not say — an autocast region or a cast inside the forward or a custom backward, a
+    half-precision buffer. Seen below autocast, as the kernels run (a ``TorchDispatchMode``); arithmetic outside torch
+    (NumPy) is not seen, nor precision chosen by a shape none of ``batches`` has: give the extremes of the run's (one
+    example; the longest padding and the most rows). The net is left as it was found (:class:`NetState`), the random
+    generators too, and nothing the passes print is shown."""
     state = NetState(net)
     seen = _HalfPrecisionOperators()
+    params = [p for p in net.parameters() if p.requires_grad]
     try:
-        with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # the batch may be private
-            for mode in modes:
+        with sealed(), torch.random.fork_rng(devices=state.cuda_devices):  # the batches may be private
+            for mode, batch in ((mode, batch) for mode in modes for batch in batches):
                 net.train(mode == "train")
                 with torch.set_grad_enabled(mode == "train"), context(), seen:
-                    loss_fn(net, batch)
+                    losses = loss_fn(net, batch)
+                    if mode == "train" and params and losses.requires_grad:
+                        torch.autograd.grad(losses.sum(), params, allow_unused=True)
                 state.reset()
     finally:
         state.reset()

@@ -130,30 +130,56 @@ def test_dpzero_with_bf16_weights_a_longer_record_moves_the_release_by_at_most_c
     assert 0.5 < shift <= 1 + TOLERANCE, f"one record moved the release by {shift:.4f}·C"
 
 
+def _always(input_ids: torch.Tensor) -> bool:
+    return True
+
+
+def _more_rows_than_the_set(input_ids: torch.Tensor) -> bool:
+    return input_ids.shape[0] > SIZE  # the canary's batch only: the probe's has at most SIZE rows
+
+
+def _longer_than_the_texts(input_ids: torch.Tensor) -> bool:
+    return input_ids.shape[1] > 16  # the canary's padding only: the texts have 5 to 9 tokens
+
+
 class _AutocastsInside(CausalLM):
-    """The tiny GPT-2 whose forward autocasts to bf16 by itself: the trainer's precision and the parameters say fp32."""
+    """The tiny GPT-2 whose forward autocasts to bf16 by itself where ``when(input_ids)``: the trainer's precision and
+    the parameters say fp32."""
+
+    def __init__(self, when, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.when = when
 
     def forward(self, *args, **kwargs):
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=self.when(kwargs["input_ids"])):
             return super().forward(*args, **kwargs)
 
 
-@pytest.mark.parametrize("method", ["dpzero", "hooks"])
-def test_a_forward_that_autocasts_by_itself_is_refused_unless_the_trainer_computes_in_half_precision(gpt2_dir, method):
+@pytest.mark.parametrize(
+    "method, when",
+    [("dpzero", _always), ("hooks", _always), ("dpzero", _more_rows_than_the_set), ("hooks", _longer_than_the_texts)],
+    ids=["dpzero", "hooks", "dpzero-more-rows", "hooks-longer"],
+)
+def test_a_forward_that_autocasts_by_itself_is_refused_unless_the_trainer_computes_in_half_precision(
+    gpt2_dir, method, when
+):
     """pl_dp knows that a run computes in half precision from the trainer's precision and the parameters' dtypes, and
     only then keeps one batch shape: a forward that autocasts by itself ran with the rows (and, first-order, the
     padded length) of whatever was sampled, whose bf16 rounding one record moves — on this CPU's kernels by 1e-5·C
-    (DPZero) and 0 (hooks), where a GPU picks its kernels by shape. It is refused at fit start, by the operators'
-    dtypes; under ``bf16-mixed`` it keeps one shape and trains."""
+    (DPZero) and 0 (hooks) when it always autocasts, where a GPU picks its kernels by shape; by 1.04·C (DPZero) and
+    0.23·C (hooks) when it autocasts only for a batch of more rows, or longer padding, than the probe's (an
+    independent review). It is refused at fit start, by the operators' dtypes at the extremes of the run's shapes;
+    under ``bf16-mixed`` it keeps one shape and trains."""
     data = _texts(gpt2_dir)
     canary = _long_sequence(data.tokenizer, labelled=False)
     make = _dpzero if method == "dpzero" else lambda net: _dpsgd(net, method)
-    model = make(_AutocastsInside(model_path=gpt2_dir))
+    model = make(_AutocastsInside(when, model_path=gpt2_dir))
     with pytest.raises(ConfigError, match="half precision inside its forward"):
         _shift(model, data, canary, "32-true")
     assert model.private_steps == 0
-    model = make(_AutocastsInside(model_path=gpt2_dir))
-    _assert_others_still(model, _shift(model, data, canary, "bf16-mixed"))
+    if when is _always:
+        model = make(_AutocastsInside(when, model_path=gpt2_dir))
+        _assert_others_still(model, _shift(model, data, canary, "bf16-mixed"))
 
 
 class GatedBatchContext(nn.Module):

@@ -344,6 +344,28 @@ def test_the_privacy_report_states_the_release_tolerance():
     assert "at most 1.01·C" in str(report)
 
 
+class _RoundsInBackward(torch.autograd.Function):
+    """The identity, whose backward rounds the gradient to bf16."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.bfloat16().float()
+
+
+class _HalfBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP(2, [8], 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, activation, last = self.mlp
+        return last(_RoundsInBackward.apply(activation(first(x))))
+
+
 class _AutocastsWhenTraining(nn.Module):
     """An MLP whose forward autocasts to bf16 in training mode only."""
 
@@ -359,8 +381,11 @@ class _AutocastsWhenTraining(nn.Module):
 def test_half_precision_operators_are_found_in_the_modes_asked_and_the_net_is_left_as_it_was():
     net = _AutocastsWhenTraining().eval()
     batch = (torch.randn(4, 2), torch.tensor([0, 1, 2, 0]))
-    assert half_precision_operators(net, cross_entropy, batch, ("eval",)) == {}
-    found = half_precision_operators(net, cross_entropy, batch, ("train", "eval"))
+    assert half_precision_operators(net, cross_entropy, [batch], ("eval",)) == {}
+    found = half_precision_operators(net, cross_entropy, [batch], ("train", "eval"))
     assert found and set(found.values()) == {torch.bfloat16}
     assert not net.training  # its mode put back
-    assert half_precision_operators(MLP(2, [8], 3), cross_entropy, batch) == {}
+    assert half_precision_operators(MLP(2, [8], 3), cross_entropy, [batch]) == {}
+    # a backward that rounds is seen in training mode, which takes the gradient
+    assert half_precision_operators(_HalfBackward(), cross_entropy, [batch], ("eval",)) == {}
+    assert half_precision_operators(_HalfBackward(), cross_entropy, [batch], ("train",))
