@@ -176,6 +176,16 @@ class Accountant(abc.ABC):
         history = _append(list(self.history), float(noise_multiplier), float(sample_rate), int(num_steps))
         return self._evaluate(history, delta)
 
+    def epsilon_at_sensitivity(self, factor: float, delta: float) -> float:
+        """ε of this history at ``delta`` had every step's sensitivity been ``factor`` times the clip bound (the
+        privacy report's tolerance, 1.01): each entry's noise multiplier divided by ``factor`` — a Gaussian mechanism's
+        privacy depends on its noise's standard deviation over its sensitivity alone."""
+        return self._evaluate(self._scaled_history(1.0 / factor), delta)
+
+    def _scaled_history(self, scale: float) -> list:
+        """The history with each entry's noise multiplier times ``scale``."""
+        return [(sigma * scale, rate, steps) for sigma, rate, steps in self.history]
+
     def _evaluate(self, history: list, delta: float) -> float:
         """ε of ``history`` at ``delta``, remembered per (history, δ) for the last :attr:`memo_size` of them.
 

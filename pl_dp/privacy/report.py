@@ -80,6 +80,9 @@ class PrivacyReport:
     spec_changes: tuple[dict[str, Any], ...] = ()
     #: how far one record may move the other examples' part of a release, in units of C (checked at fit start)
     release_tolerance: float = RELEASE_TOLERANCE
+    #: ε had one record moved every release by the whole tolerance, (1 + ``release_tolerance``)·C: each noise multiplier
+    #: over 1 + the tolerance (example-level runs outside a search; None otherwise)
+    epsilon_at_tolerance: float | None = None
     #: the hyperparameter search (``pl-dp tune``) that released this model, or None: the distribution of the number
     #: of trials (mean, shape), the score (metric, value), the candidate and whether its draws were seeded
     search: dict[str, Any] | None = None
@@ -97,12 +100,15 @@ class PrivacyReport:
         """The report of a privacy state (a module's ``privacy_state_dict()`` or a checkpoint's ``"pl_dp"``)."""
         spec = state.get("privacy")
         accountant_state = state.get("accountant")
-        epsilon, charged, segments = 0.0, 0, []
+        unit = PrivacyUnit.from_dict(state["unit"]) if state.get("unit") else None
+        epsilon, charged, segments, at_tolerance = 0.0, 0, [], None
         if spec is not None and accountant_state is not None:
             accountant = load_accountant(accountant_state)
             segments = accountant.segments()
             if state.get("delta") is not None:
                 epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
+                if epsilon and state.get("search") is None and (unit is None or unit.kind == "example"):
+                    at_tolerance = accountant.epsilon_at_sensitivity(1 + RELEASE_TOLERANCE, state["delta"])
         name = accountant_state[STATE_NAME_KEY] if accountant_state else None
         search, trial_epsilon = state.get("search"), None
         if (
@@ -112,7 +118,6 @@ class PrivacyReport:
             trial = search.get("history", history)
             trial_epsilon = load_accountant({**accountant_state, "history": trial}).get_epsilon(state["delta"])
             epsilon = release_epsilon(search, history, state.get("private_steps"), state["delta"])
-        unit = PrivacyUnit.from_dict(state["unit"]) if state.get("unit") else None
         seeded = tuple(k for k, v in state.get("user_seeded", {}).items() if v)
         return cls(
             method=state["method"],
@@ -134,6 +139,7 @@ class PrivacyReport:
             spec_changes=tuple(dict(change) for change in state.get("spec_changes") or ()),
             search=dict(search) if search is not None else None,
             trial_epsilon=trial_epsilon,
+            epsilon_at_tolerance=at_tolerance,
             unit=unit.kind if unit is not None else "example",
             population=unit.population if unit is not None else None,
             bands=int(state.get("bands", 1)),
@@ -292,6 +298,11 @@ class PrivacyReport:
             f"moves the others' part of a release by at most {self.release_tolerance:.0%} of C on the probe batch, so "
             f"one record moves a release by at most {1 + self.release_tolerance:g}·C (half-precision runs pad their "
             "private batches to one shape)"
+            + (
+                ""
+                if self.epsilon_at_tolerance is None
+                else f"; epsilon {self.epsilon_at_tolerance:.4g} if it moved every release by that much"
+            )
         )
         lines.append(f"  protects      {PROTECTED.format(unit=PROTECTED_UNIT[self.unit])}")
         not_protected = [*NOT_PROTECTED, SIZE_SHOWN[self.unit]]

@@ -358,6 +358,9 @@ class TreeAccountant(Accountant):
                 taken = trees * length
             position, left = position + taken, left - taken
 
+    def _scaled_history(self, scale: float) -> list[TreeRun]:
+        return [run._replace(noise_multiplier=run.noise_multiplier * scale) for run in self.history]
+
     def _epsilon(self, history: list[TreeRun], delta: float) -> float:
         orders = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
         with opacus_rdp_conversion():

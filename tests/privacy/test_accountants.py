@@ -307,3 +307,24 @@ def test_calibration_lands_in_its_window_with_few_accountant_evaluations(monkeyp
     sigma = calibrate_noise_multiplier(target, 1e-5, rate, steps, acc, tolerance=0.005)
     assert (1 - 0.005) * target <= evaluated[sigma] <= target
     assert len(evaluated) <= 10
+
+
+def test_the_report_states_epsilon_at_its_release_tolerance_as_opacus_computes_it():
+    """The report says one record moves a release by at most 1.01·C; ε at that sensitivity is each noise multiplier
+    over 1.01, which Opacus' RDP accountant computes independently."""
+    accountant = RDP()
+    accountant.step(noise_multiplier=1.0, sample_rate=0.04, num_steps=250)
+    spec = PrivacySpec(epsilon=10.0, accountant="rdp")
+    state = {"method": "DPSGD", "privacy": spec.to_dict(), "delta": 1e-5, "accountant": accountant.state_dict()}
+    report = PrivacyReport.from_state(state)
+    opacus = RDPAccountant()
+    opacus.history = [(1.0 / 1.01, 0.04, 250)]
+    with opacus_rdp_conversion():
+        expected = opacus.get_epsilon(1e-5)
+    assert report.epsilon_at_tolerance == pytest.approx(expected, rel=1e-9)
+    assert report.epsilon < report.epsilon_at_tolerance < 1.03 * report.epsilon
+    assert f"epsilon {report.epsilon_at_tolerance:.4g} if it moved every release by that much" in str(report)
+    tree = TreeAccountant()  # a ledger of trees: its noise multipliers scaled alike
+    for leaf in range(1, 5):
+        tree.record(1.0, TreeLeaf("p", 0, 0, 4, leaf))
+    assert tree.epsilon_at_sensitivity(1.01, 1e-5) > tree.get_epsilon(1e-5)
