@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import collect_init_args
+from torch import nn
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
@@ -306,15 +307,19 @@ class PrivatePublicDataModule(L.LightningDataModule):
             )
         return collate
 
-    def longest_collate(self, collate: Callable[[list], Any] | None = None) -> PaddingCollate | None:
+    def longest_collate(
+        self, collate: Callable[[list], Any] | None = None, net: nn.Module | None = None
+    ) -> PaddingCollate | None:
         """``collate`` (the private loader's; ``collate_fn`` by default) padding every batch to ``max_length`` — the
-        most positions a record may have — when it pads each batch to its longest (a
-        :class:`~pl_dp.data.collate.PaddingCollate` without a length) and the length is known, else None. The
-        fit-start probe pads a batch with it to see how far a record as long as any may be moves the other examples'
-        rounding when the private batches are padded dynamically."""
+        most positions a record may have, or the positions ``net`` reads if fewer (:func:`~pl_dp.nets.hf.
+        model_positions`: a longer record fails in the net, and the pre-flight pass names it) — when it pads each batch
+        to its longest (a :class:`~pl_dp.data.collate.PaddingCollate` without a length) and the length is known, else
+        None. The fit-start checks pad a batch with it to see how far a record as long as any may be moves the other
+        examples' rounding, and what the net computes in at that length, when the private batches are padded
+        dynamically."""
         collate = self.collate_fn if collate is None else collate
         if isinstance(collate, PaddingCollate) and collate.length is None and self.max_length is not None:
-            return collate.fixed(self.max_length)
+            return collate.fixed(min(self.max_length, model_positions(net) or self.max_length))
         return None
 
     def fixed_length_collate(self, positions: int | None = None) -> PaddingCollate | None:

@@ -565,13 +565,14 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
     def fit_start_checks(self) -> FitStartChecks:
         """The checks each private fit runs once, in this order, before its first step and before σ is planned
         (:mod:`pl_dp.step.fit_start`): the pre-flight pass over the private set (:meth:`check_private_data`), then
-        the per-example independence probe (:meth:`check_independence`). A method adds its own with
+        the per-example independence probe (:meth:`check_independence`), then the precision check
+        (:meth:`check_precision`). A method adds its own with
         ``super().fit_start_checks().then(name, check)``."""
         return (
             FitStartChecks()
             .then(PRIVATE_DATA_CHECK, lambda: self.check_private_data())
-            .then("precision", lambda: self.check_precision())
             .then("independence", lambda: self.check_independence())
+            .then("precision", lambda: self.check_precision())
         )
 
     def check_private_data(self) -> PreflightReport:
@@ -657,9 +658,11 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             )
 
     def _longest_collate(self, collate: Callable[[list], Any]) -> Callable[[list], Any] | None:
-        """The private ``collate`` padding to the data module's ``max_length``, when the run's pads each batch to its
-        longest (:meth:`~pl_dp.data.PrivatePublicDataModule.longest_collate`), else None."""
-        return getattr(getattr(self.trainer, "datamodule", None), "longest_collate", lambda collate: None)(collate)
+        """The private ``collate`` padding to the data module's ``max_length`` (or the net's positions, if fewer), when
+        the run's pads each batch to its longest (:meth:`~pl_dp.data.PrivatePublicDataModule.longest_collate`), else
+        None."""
+        longest = getattr(getattr(self.trainer, "datamodule", None), "longest_collate", None)
+        return None if longest is None else longest(collate, self.net)
 
     def check_independence(self) -> None:
         """Per-example independence, once per private fit before any step: refuse batch-mixing layers, then probe

@@ -1,11 +1,12 @@
 """The checks a private fit runs once, before its first step: one ordered list, which a method extends.
 
-Everything a private run checks about its data, net and loss happens before the first step, on data whose use does
-not depend on what the sampler draws: a check that failed at the step that sampled the record it fails on would
-disclose that record's membership by *when* the run stopped. :class:`FitStartChecks` is that list, in the order the
-checks run — the pre-flight pass over the private set (:mod:`pl_dp.step.preflight`), the per-example independence
-probe (:mod:`pl_dp.step.independence`), then what a method adds (DP-SGD: that each clipped row is one example's
-whole gradient). A method states its checks in one place, ``fit_start_checks()``, and extends its base's list:
+Everything a private run checks about its data, net and loss happens before the first step, on data whose use does not
+depend on what the sampler draws: a check that failed at the step that sampled the record it fails on would disclose
+that record's membership by *when* the run stopped. :class:`FitStartChecks` is that list, in the order the checks run —
+the pre-flight pass over the private set (:mod:`pl_dp.step.preflight`), the per-example independence probe
+(:mod:`pl_dp.step.independence`), the check that the passes compute in the precision the run declares, then what a
+method adds (DP-SGD: that each clipped row is one example's whole gradient). A method states its checks in one place,
+``fit_start_checks()``, and extends its base's list:
 
     def fit_start_checks(self) -> FitStartChecks:
         return super().fit_start_checks().then("per-example gradients", self.verify_gradients)

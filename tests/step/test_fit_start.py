@@ -42,8 +42,8 @@ def test_the_first_refusal_ends_the_checks_and_names_its_check():
 @pytest.mark.parametrize(
     ("cls", "names"),
     [
-        (DPZero, ["private data", "precision", "independence"]),
-        (DPSGD, ["private data", "precision", "independence", "per-example gradients"]),
+        (DPZero, ["private data", "independence", "precision"]),
+        (DPSGD, ["private data", "independence", "precision", "per-example gradients"]),
     ],
 )
 def test_each_method_states_its_checks_in_one_list(cls, names):
@@ -64,5 +64,5 @@ def test_a_private_fit_runs_every_check_before_its_first_step():
 
     object.__setattr__(model, "fit_start_checks", recorded)
     make_trainer(max_steps=2).fit(model, PrivatePublicDataModule(blobs(100), batch_size=20))
-    assert ran == ["private data", "precision", "independence", "per-example gradients"]
+    assert ran == ["private data", "independence", "precision", "per-example gradients"]
     assert model.private_steps == 2
