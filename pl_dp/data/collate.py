@@ -78,9 +78,10 @@ class PaddingCollate:
             if ragged:
                 batch = {key: self._stack(values, self.pad_values.get(key, 0)) for key, values in columns.items()}
                 if "attention_mask" not in batch:
-                    tokens = "input_ids" if "input_ids" in ragged else ragged[0]  # labels may be longer
+                    # the token ids' when the examples have them (labels may be longer), whatever else is ragged
+                    tokens = "input_ids" if self._sequences(columns.get("input_ids")) else ragged[0]
                     lengths = torch.tensor([len(v) for v in columns[tokens]])
-                    width = self.length or int(lengths.max())
+                    width = batch[tokens].shape[-1]
                     batch["attention_mask"] = (torch.arange(width) < lengths.unsqueeze(1)).long()
                 return batch
         elif isinstance(first, (tuple, list)):
@@ -89,9 +90,14 @@ class PaddingCollate:
                 return type(first)(self._stack(list(values), 0) for values in columns)
         return default_collate(examples)
 
+    @staticmethod
+    def _sequences(values: Sequence[Any] | None) -> bool:
+        """Whether ``values`` are 1-D tensors (of any lengths)."""
+        return values is not None and all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in values)
+
     def _ragged(self, values: Sequence[Any]) -> bool:
         """Whether ``values`` are 1-D tensors to pad: of more than one length, or integer ones with ``length``."""
-        if not all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in values):
+        if not self._sequences(values):
             return False
         fixed = self.length is not None and not any(v.is_floating_point() or v.is_complex() for v in values)
         return fixed or len({len(v) for v in values}) > 1

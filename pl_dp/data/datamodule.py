@@ -17,7 +17,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from pl_dp.data.collate import PaddingCollate
 from pl_dp.errors import ConfigError, PrivacyConfigError
-from pl_dp.nets.hf import model_positions
+from pl_dp.nets.hf import model_positions, padded_positions
 from pl_dp.privacy.sampling import CountingBatchSampler, poisson_loader
 from pl_dp.privacy.units import PrivacyUnit, UserIndex, UserOf
 
@@ -311,15 +311,16 @@ class PrivatePublicDataModule(L.LightningDataModule):
         self, collate: Callable[[list], Any] | None = None, net: nn.Module | None = None
     ) -> PaddingCollate | None:
         """``collate`` (the private loader's; ``collate_fn`` by default) padding every batch to ``max_length`` — the
-        most positions a record may have, or the positions ``net`` reads if fewer (:func:`~pl_dp.nets.hf.
-        model_positions`: a longer record fails in the net, and the pre-flight pass names it) — when it pads each batch
+        most positions a record may have, or the positions of ``net``'s table of absolute positions if fewer
+        (:func:`~pl_dp.nets.hf.padded_positions`: GPT-2 and BERT read no longer batch, and a longer record fails in the
+        pre-flight pass; OPT and Llama read longer ones, and are padded to ``max_length``) — when it pads each batch
         to its longest (a :class:`~pl_dp.data.collate.PaddingCollate` without a length) and the length is known, else
         None. The fit-start checks pad a batch with it to see how far a record as long as any may be moves the other
         examples' rounding, and what the net computes in at that length, when the private batches are padded
         dynamically."""
         collate = self.collate_fn if collate is None else collate
         if isinstance(collate, PaddingCollate) and collate.length is None and self.max_length is not None:
-            return collate.fixed(min(self.max_length, model_positions(net) or self.max_length))
+            return collate.fixed(min(self.max_length, padded_positions(net) or self.max_length))
         return None
 
     def fixed_length_collate(self, positions: int | None = None) -> PaddingCollate | None:

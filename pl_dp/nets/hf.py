@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,18 @@ def model_positions(net: nn.Module | None) -> int | None:
         if isinstance(limit := getattr(getattr(module, "config", None), "max_position_embeddings", None), int)
     ]
     return min(limits, default=None)
+
+
+def padded_positions(net: nn.Module | None) -> int | None:
+    """The most positions ``net`` reads in a padded batch, where it has a limit: the size of a learned table of
+    absolute positions as large as its config's ``max_position_embeddings`` (GPT-2's ``wpe``, BERT's position
+    embeddings: indexed by position, padding included), or None (OPT places positions by the attention mask, Llama by
+    rotation: they read longer padded batches)."""
+    positions = model_positions(net)
+    if positions is None or not isinstance(net, nn.Module):
+        return None
+    tables = any(isinstance(m, nn.Embedding) and m.num_embeddings == positions for m in net.modules())
+    return positions if tables else None
 
 
 def minilm_path() -> Path:
@@ -166,8 +179,19 @@ def _pad_as_the_tokenizer(model: nn.Module, path: Path) -> None:
         return
     from transformers import AutoTokenizer
 
-    pad = AutoTokenizer.from_pretrained(str(path), local_files_only=True).pad_token_id
-    if isinstance(pad, int):
+    try:
+        pad = AutoTokenizer.from_pretrained(str(path), local_files_only=True).pad_token_id
+    except (OSError, ValueError, ImportError):  # a tokenizer this install cannot load: the config is left as it is
+        return
+    configured = getattr(model.config, "pad_token_id", None)
+    if isinstance(pad, int) and pad != configured:
+        if configured is not None:
+            warnings.warn(
+                f"HFClassifier: the config of {path} pads with token id {configured} and its tokenizer with {pad}; the "
+                f"classifier now reads {pad} as padding, the id pl_dp's text data modules pad with (a collate of your "
+                f"own that pads with {configured} should pad with {pad}).",
+                stacklevel=3,
+            )
         model.config.pad_token_id = pad
 
 

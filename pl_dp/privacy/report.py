@@ -7,6 +7,7 @@ accountant history, never taken from a stored number.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,9 @@ class PrivacyReport:
     #: how far one record may move the other examples' part of a release, in units of C (checked at fit start)
     release_tolerance: float = RELEASE_TOLERANCE
     #: ε had one record moved every release by the whole tolerance, (1 + ``release_tolerance``)·C: each noise multiplier
-    #: over 1 + the tolerance (example-level runs outside a search; None otherwise)
+    #: over 1 + the tolerance (example-level runs outside a search, ε finite; None otherwise). The tolerance is the
+    #: probe's, of the clipped sums and differences a step releases; an auxiliary release (adaptive clipping's count
+    #: of norms below the bound) is outside it. One more evaluation of the accountant when the report is made
     epsilon_at_tolerance: float | None = None
     #: the hyperparameter search (``pl-dp tune``) that released this model, or None: the distribution of the number
     #: of trials (mean, shape), the score (metric, value), the candidate and whether its draws were seeded
@@ -107,7 +110,8 @@ class PrivacyReport:
             segments = accountant.segments()
             if state.get("delta") is not None:
                 epsilon, charged = accountant.get_epsilon(state["delta"]), accountant.steps
-                if epsilon and state.get("search") is None and (unit is None or unit.kind == "example"):
+                finite = 0 < epsilon < math.inf  # an infinite ε is infinite at the tolerance too: not evaluated again
+                if finite and state.get("search") is None and (unit is None or unit.kind == "example"):
                     at_tolerance = accountant.epsilon_at_sensitivity(1 + RELEASE_TOLERANCE, state["delta"])
         name = accountant_state[STATE_NAME_KEY] if accountant_state else None
         search, trial_epsilon = state.get("search"), None

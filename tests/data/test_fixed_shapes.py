@@ -70,6 +70,23 @@ def test_a_missing_mask_is_built_from_the_token_ids_whatever_key_comes_first():
     batch = PaddingCollate()(examples)
     assert batch["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
     assert batch["attention_mask"].shape == batch["input_ids"].shape
+    # the ids of one length, the labels ragged: the mask is still the ids' (it was the labels', 5 wide)
+    examples = [
+        {"labels": torch.tensor([7, 8, 9, 10, 11]), "input_ids": torch.tensor([1, 2, 3])},
+        {"labels": torch.tensor([7, 8]), "input_ids": torch.tensor([4, 5, 6])},
+    ]
+    batch = PaddingCollate()(examples)
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 1]]
+
+
+def test_the_longest_padding_stops_at_a_table_of_absolute_positions_only(tmp_path):
+    """GPT-2 indexes its position table with every padded position, so no batch of it is longer than its 64; Llama
+    (rotary) reads a record of 128 tokens, and the checks pad to the data module's max_length for it."""
+    for architecture, padded in (("gpt2", 64), ("llama", 128)):
+        path = tiny_model(tmp_path / architecture, architecture)
+        data = TextGenerationDataModule(data=TEXTS, tokenizer=path, max_length=128)
+        batch = data.longest_collate(net=CausalLM(model_path=path))([data.private[i] for i in range(2)])
+        assert batch["input_ids"].shape[1] == padded
 
 
 def test_fill_rows_repeats_the_first_example_up_to_the_rows():

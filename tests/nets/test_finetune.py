@@ -1,6 +1,7 @@
 """Fine-tuning a real pretrained transformer offline: packaged MiniLM, VADER lexicon, ZO methods on it."""
 
 import json
+import warnings
 
 import lightning as L
 import pytest
@@ -174,7 +175,11 @@ def test_a_decoder_classifier_reads_each_padded_text_at_its_own_last_token(tmp_p
     path = tiny_model(tmp_path, "gpt2")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "pad_token_id": config_pad}))
-    net = HFClassifier(path, num_labels=2).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net = HFClassifier(path, num_labels=2).eval()
+    said = [str(w.message) for w in caught if "pads with token id" in str(w.message)]
+    assert len(said) == (config_pad is not None)  # another id in the config is replaced, and said
     tokenizer = AutoTokenizer.from_pretrained(path)
     short, long = (
         torch.tensor(tokenizer(text)["input_ids"]) for text in ("a good film", "a good film with a long end")
