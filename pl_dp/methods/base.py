@@ -658,9 +658,9 @@ class PrivateModule(EvaluationMixin, DataParallelMixin, PrecisionMixin, L.Lightn
             )
 
     def _longest_collate(self, collate: Callable[[list], Any]) -> Callable[[list], Any] | None:
-        """The private ``collate`` padding to the data module's ``max_length`` (or the net's positions, if fewer), when
-        the run's pads each batch to its longest (:meth:`~pl_dp.data.PrivatePublicDataModule.longest_collate`), else
-        None."""
+        """The private ``collate`` padding to the data module's ``max_length`` (or to the net's table of absolute
+        positions, if smaller), when the run's pads each batch to its longest (:meth:`~pl_dp.data.
+        PrivatePublicDataModule.longest_collate`), else None."""
         longest = getattr(getattr(self.trainer, "datamodule", None), "longest_collate", None)
         return None if longest is None else longest(collate, self.net)
 
