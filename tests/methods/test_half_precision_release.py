@@ -177,7 +177,7 @@ def test_a_forward_that_autocasts_by_itself_is_refused_unless_the_trainer_comput
     with pytest.raises(ConfigError, match="half precision inside its forward"):
         _shift(model, data, canary, "32-true")
     assert model.private_steps == 0
-    if when is _always:
+    if when is _always and method == "dpzero":  # let through under bf16-mixed (the check is every method's)
         model = make(_AutocastsInside(when, model_path=gpt2_dir))
         _assert_others_still(model, _shift(model, data, canary, "bf16-mixed"))
 
