@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,7 @@ def test_audit_a_whole_run_flags_reproduction_seeds_and_passes_the_default():
     assert not default.violated and reproduction.violated, results
 
 
+@pytest.mark.slow
 def test_finetune_your_csv_trains_a_prompt_privately_on_a_users_file(tmp_path):
     example = _load("finetune_your_csv")
     path = example.write_demo_csv(tmp_path / "reviews.csv", size=300)

@@ -21,6 +21,9 @@ the others happen to be clipped matters less.
 
 Nets and data that cannot meet this are refused at fit start, before any private step, with an
 :class:`~pl_dp.step.independence.IndependenceError` that names the cause and the fix.
+
+Three cases that repeat another's path with other weights or another method take 12 to 27 s each on a CPU: they are
+``slow`` there (``make test-slow``) and run with the rest under ``make test-gpu``, where the kernels depend on shape.
 """
 
 import json
@@ -53,6 +56,8 @@ SIZE = 256
 MAX_LENGTH = 48
 _PHRASES = ["the movie was great", "the plot was terrible", "a fine film", "an awful film", "the actors were great"]
 TEXTS = [f"{_PHRASES[i % 5]} {i}" for i in range(SIZE)]  # 5 to 9 tokens with the end token
+#: ``slow`` on a CPU only: under ``make test-gpu`` these cases run with the fast ones
+SLOW_ON_CPU = pytest.mark.slow if DEVICE.type == "cpu" else ()
 SPEC = PrivacySpec(epsilon=100.0, noise_multiplier=1.0, accountant="rdp")
 
 
@@ -104,7 +109,9 @@ def _assert_others_still(model, shift: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "weights, precision", [(torch.bfloat16, "32-true"), (None, "bf16-mixed")], ids=["bf16-weights", "bf16-mixed"]
+    "weights, precision",
+    [pytest.param(torch.bfloat16, "32-true", marks=SLOW_ON_CPU), (None, "bf16-mixed")],
+    ids=["bf16-weights", "bf16-mixed"],
 )
 def test_dpzero_in_half_precision_a_longer_record_moves_no_other(gpt2_dir, weights, precision):
     data = _texts(gpt2_dir)
@@ -157,7 +164,12 @@ class _AutocastsInside(CausalLM):
 
 @pytest.mark.parametrize(
     "method, when",
-    [("dpzero", _always), ("hooks", _always), ("dpzero", _more_rows_than_the_set), ("hooks", _longer_than_the_texts)],
+    [
+        pytest.param("dpzero", _always, marks=SLOW_ON_CPU),
+        ("hooks", _always),
+        ("dpzero", _more_rows_than_the_set),
+        ("hooks", _longer_than_the_texts),
+    ],
     ids=["dpzero", "hooks", "dpzero-more-rows", "hooks-longer"],
 )
 def test_a_forward_that_autocasts_by_itself_is_refused_unless_the_trainer_computes_in_half_precision(
@@ -256,7 +268,9 @@ def _refused_or_still(model, data, canary, precision: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "weights, precision", [(None, "bf16-true"), (torch.bfloat16, "32-true")], ids=["bf16-true", "bf16-weights"]
+    "weights, precision",
+    [pytest.param(None, "bf16-true", marks=SLOW_ON_CPU), (torch.bfloat16, "32-true")],
+    ids=["bf16-true", "bf16-weights"],
 )
 def test_dpsgd_hooks_on_bf16_parameters_a_longer_record_moves_no_other(gpt2_dir, weights, precision):
     """The micro-batches' clipped sums were added into bf16 running sums (the parameters' dtype) and the noise drawn

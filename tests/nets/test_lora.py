@@ -54,7 +54,7 @@ def _fit_and_check(net, method, data, trainable_names):
         ("bert-mlm", GHOST),
         ("gpt2", DPSGD),
         ("opt", DPSGD),
-        ("minilm", DPZero),
+        pytest.param("minilm", DPZero, marks=pytest.mark.slow),
     ],
     ids=["bert-mlm-dpzero", "bert-mlm-dpsgd", "bert-mlm-ghost", "gpt2-dpsgd", "opt-dpsgd", "minilm-dpzero"],
 )

@@ -160,7 +160,10 @@ def test_prompt_configuration_errors(tiny_lm, minilm):
         PromptClassifier("great", model_path=tiny_lm)
 
 
-@pytest.mark.parametrize("architecture, privacy", [("minilm", PrivacySpec(1.0, accountant="rdp")), ("bert-mlm", None)])
+@pytest.mark.parametrize(
+    "architecture, privacy",
+    [pytest.param("minilm", PrivacySpec(1.0, accountant="rdp"), marks=pytest.mark.slow), ("bert-mlm", None)],
+)
 def test_dp_zopo_data_free_pruning_scores_a_prompt_classifier(tmp_path, architecture, privacy):
     """The pruning score runs the net in float64 on all-ones token ids (no mask token, no data)."""
     from pl_dp.callbacks import PruningSchedule, StagewiseSchedule
