@@ -9,6 +9,7 @@ the code that adds noise.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,19 +134,24 @@ class SubsampledGaussian:
     ) -> None:
         """In-place version for a vector release split into tensors (e.g. one gradient per parameter).
 
-        ``blocks``: the sums are this rank's blocks of sharded tensors (:func:`~pl_dp.step.shards.block`: each
-        one's whole shape and flat offset). Each rank adds its block of the whole tensor's draw — the draw one process
-        makes, of which it draws only the chunks that meet its block (:meth:`NoiseSource.normal`): one draw per
-        logical step, whatever the layout.
+        The noise is one draw (:meth:`NoiseSource.normal_blocks`) of as many values as the whole tensors hold, laid
+        out tensor after tensor in the order given: one generator state and one call to it for a release of many small
+        tensors, where a draw per tensor paid both for each. ``blocks``: the sums are this rank's blocks of sharded
+        tensors (:func:`~pl_dp.step.shards.block`: each one's whole shape and flat offset). Each rank adds its blocks
+        of the draw one process makes, drawing only the chunks that meet them: one draw per logical step, whatever
+        the layout. The tensors share one device; the draw is in the widest of their dtypes.
         """
-        for i, t in enumerate(sums):
-            if self.is_private:
-                if blocks is None:
-                    t.add_(self._noise(i, noise.normal(t.shape, self.noise_std, t.device, t.dtype)))
-                else:
-                    shape, offset = blocks[i]
-                    part = noise.normal(shape, self.noise_std, t.device, t.dtype, block=(offset, t.numel()))
-                    t.add_(self._noise(i, part).view_as(t))
+        if self.is_private and sums:
+            shapes = [t.shape for t in sums] if blocks is None else [shape for shape, _ in blocks]
+            spans, whole = [], 0
+            for i, (t, shape) in enumerate(zip(sums, shapes)):
+                spans.append((whole + (0 if blocks is None else blocks[i][1]), t.numel()))
+                whole += math.prod(shape)
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in sums))
+            draw = noise.normal_blocks(whole, self.noise_std, spans, sums[0].device, dtype)
+            for i, (t, part) in enumerate(zip(sums, draw)):
+                t.add_(self._noise(i, part.view_as(t)))
+        for t in sums:
             t.div_(self.expected_batch_size)
 
     def account(self, *accountants: Accountant | None) -> None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -117,38 +117,69 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         rank's block of a sharded tensor: exactly its slice of the whole draw, from the chunks that meet it (memory
         and time O(count + 2 chunks), not O(whole tensor)).
         """
+        numel = math.prod(shape)
+        (values,) = self.normal_blocks(numel, std, [(0, numel) if block is None else block], device, dtype)
+        return values.view(shape) if block is None else values
+
+    def normal_blocks(
+        self,
+        numel: int,
+        std: float,
+        blocks: Sequence[tuple[int, int]],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Iterator[torch.Tensor]:
+        """Blocks of one draw (the next draw of the current step) of ``numel`` i.i.d. N(0, std²) values: for each
+        ``(offset, count)`` of ``blocks``, the draw's flat coordinates [offset, offset + count) as a 1-D tensor.
+
+        The draw is taken when this is called; its blocks are made as they are iterated, from the chunks of 2²⁰ values
+        that meet them (each a function of (key, step, draw, chunk) alone), so a release of many tensors is one draw
+        whatever its layout: one process reads the whole of each tensor, a rank of a sharded run its block. Blocks in
+        increasing order make each chunk once; one that lies in one chunk is a view of it. Memory: one block and one
+        chunk at a time.
+        """
         draw = self._draws
         self._draws += 1
         self._refuse_replay(draw)
-        numel = math.prod(shape)
-        start, count = (0, numel) if block is None else (int(block[0]), int(block[1]))
-        if not 0 <= start <= start + count <= numel:
-            raise ValueError(f"block {block} does not lie in a draw of {numel} values.")
-        out_shape = shape if block is None else (count,)
-        device = torch.device(device)
-        if std == 0:
-            return torch.zeros(out_shape, device=device, dtype=dtype)
-        if self.secure:
+        spans = [(int(start), int(count)) for start, count in blocks]
+        for start, count in spans:
+            if not 0 <= start <= start + count <= numel:
+                raise ValueError(f"block {(start, count)} does not lie in a draw of {numel} values.")
+        return self._blocks(draw, numel, std, spans, torch.device(device), dtype)
 
-            def chunk_values(chunk: int, size: int) -> torch.Tensor:
-                return _secure_normal_chunk(self._key, (self._step, draw, chunk), size, std)
+    def _blocks(
+        self, draw: int, numel: int, std: float, spans: list[tuple[int, int]], device: torch.device, dtype: torch.dtype
+    ) -> Iterator[torch.Tensor]:
+        """The values of ``spans`` of draw ``draw`` (:meth:`normal_blocks`), the chunk last made held for the next."""
+        held: tuple[int, torch.Tensor] | None = None
 
-        else:
+        def chunk_values(chunk: int) -> torch.Tensor:
+            nonlocal held
+            if held is None or held[0] != chunk:
+                size = min(_CHUNK, numel - chunk * _CHUNK)
+                if self.secure:  # float64 on the CPU
+                    values = _secure_normal_chunk(self._key, (self._step, draw, chunk), size, std)
+                    values = values.to(device=device, dtype=dtype)
+                else:
+                    values = self._torch_chunk(draw, chunk, (size,), std, device, dtype)
+                held = (chunk, values)
+            return held[1]
 
-            def chunk_values(chunk: int, size: int) -> torch.Tensor:
-                return self._torch_chunk(draw, chunk, (size,), std, device, dtype)
-
-        if block is None and numel <= _CHUNK:  # one chunk is the whole draw
-            if not self.secure:  # drawn in its shape: the same values, in the same order, as a flat chunk's
-                return self._torch_chunk(draw, 0, tuple(out_shape), std, device, dtype)
-            return chunk_values(0, numel).to(device=device, dtype=dtype).view(out_shape)  # float64 on the CPU
-        out = torch.empty(count, device=device, dtype=dtype)
-        for chunk in range(start // _CHUNK, -(-(start + count) // _CHUNK) if count else 0):
-            low = chunk * _CHUNK
-            values = chunk_values(chunk, min(_CHUNK, numel - low))
-            first, end = max(start, low), min(start + count, low + values.numel())
-            out[first - start : end - start] = values[first - low : end - low]
-        return out.view(out_shape)
+        for start, count in spans:
+            if std == 0 or count == 0:
+                yield torch.zeros(count, device=device, dtype=dtype)
+                continue
+            first, last = start // _CHUNK, (start + count - 1) // _CHUNK
+            if first == last:
+                yield chunk_values(first)[start - first * _CHUNK : start - first * _CHUNK + count]
+                continue
+            out = torch.empty(count, device=device, dtype=dtype)
+            for chunk in range(first, last + 1):
+                low = chunk * _CHUNK
+                values = chunk_values(chunk)
+                begin, end = max(start, low), min(start + count, low + values.numel())
+                out[begin - start : end - start] = values[begin - low : end - low]
+            yield out
 
     def _torch_chunk(
         self, draw: int, chunk: int, shape: tuple[int, ...], std: float, device: torch.device, dtype: torch.dtype

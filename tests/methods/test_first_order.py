@@ -56,11 +56,12 @@ def test_dpsgd_step_equals_the_formula_by_hand(clip_fn, per_sample):
         norm = torch.sqrt(sum(t.square().sum() for t in g))
         w = fn.weights(norm.reshape(1))[0]
         total = [a + w * t for a, t in zip(total, g)]
-    # first-order noise: torch's generator by default, one draw per parameter, drawn on the device the fit ran on
-    noise = NoiseSource(seed=9)
+    # first-order noise: torch's generator by default, one draw over the parameters in order, on the fit's device
+    numel = sum(t.numel() for t in total)
+    draw = NoiseSource(seed=9).normal((numel,), model.noise_multiplier * clip, device=DEVICE).cpu()
     b = dm.sample_rate * len(dm.private)
-    for p, t0, s in zip(net.parameters(), theta0, total):
-        expected = t0 - lr * (s + noise.normal(s.shape, model.noise_multiplier * clip, device=DEVICE).cpu()) / b
+    for p, t0, s, z in zip(net.parameters(), theta0, total, draw.split([t.numel() for t in total])):
+        expected = t0 - lr * (s + z.view_as(s)) / b
         torch.testing.assert_close(p.detach(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -286,6 +286,35 @@ def test_a_block_of_a_draw_is_its_slice_drawn_from_the_chunks_that_meet_it(secur
 
 
 @pytest.mark.parametrize("secure", [False, True])
+def test_a_release_of_many_tensors_is_one_draw_and_each_rank_adds_its_blocks_of_it(secure):
+    """``privatize_`` adds to a list of tensors the consecutive pieces of one draw of their total size (one generator
+    state, not one per tensor), and ranks holding blocks of the whole tensors add exactly their slices of what one
+    process adds — a block across a chunk edge, tensors sharing a chunk, a rank with an empty block included."""
+    mechanism = SubsampledGaussian(noise_multiplier=1.3, sample_rate=0.1, sensitivity=0.7, expected_batch_size=2.0)
+    shapes = [(3, 5), (1 << 20,), (7,), (2, 600_000)]  # 2.2 chunks of 2²⁰ values
+    source = NoiseSource(seed=4, secure=secure)
+    source.start_step(2)
+    whole = [torch.zeros(shape) for shape in shapes]
+    mechanism.privatize_(whole, source)
+    flat = torch.cat([t.reshape(-1) for t in whole]) * mechanism.expected_batch_size
+    source.start_step(2)
+    assert torch.equal(flat, source.normal((flat.numel(),), mechanism.noise_std))  # the pieces of one draw, in order
+    for ranks in (2, 3):
+        for rank in range(ranks):
+            blocks, held = [], []
+            for shape in shapes:
+                numel = math.prod(shape)
+                size = -(-numel // ranks)
+                offset = min(rank * size, numel)
+                blocks.append((torch.Size(shape), offset))
+                held.append(torch.zeros(min(size, numel - offset)))
+            source.start_step(2)
+            mechanism.privatize_(held, source, blocks=blocks)
+            for (_, offset), block, expected in zip(blocks, held, whole):
+                assert torch.equal(block, expected.reshape(-1)[offset : offset + block.numel()])
+
+
+@pytest.mark.parametrize("secure", [False, True])
 def test_entropy_noise_differs_between_sources_and_has_no_state_to_save(secure):
     a, b = NoiseSource(secure=secure), NoiseSource(secure=secure)
     assert not a.seeded and not torch.equal(a.normal((8,), 1.0), b.normal((8,), 1.0))
