@@ -145,48 +145,17 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         for start, count in spans:
             if not 0 <= start <= start + count <= numel:
                 raise ValueError(f"block {(start, count)} does not lie in a draw of {numel} values.")
-        return self._blocks(draw, numel, std, spans, torch.device(device), dtype)
+        device = torch.device(device)
+        key, counter, secure = self._key, (self._step, draw), self.secure  # bound now, however late the blocks are read
 
-    def _blocks(
-        self, draw: int, numel: int, std: float, spans: list[tuple[int, int]], device: torch.device, dtype: torch.dtype
-    ) -> Iterator[torch.Tensor]:
-        """The values of ``spans`` of draw ``draw`` (:meth:`normal_blocks`), the chunk last made held for the next."""
-        held: tuple[int, torch.Tensor] | None = None
+        def make_chunk(chunk: int) -> torch.Tensor:
+            size = min(_CHUNK, numel - chunk * _CHUNK)
+            if secure:  # float64 on the CPU
+                return _secure_normal_chunk(key, (*counter, chunk), size, std).to(device=device, dtype=dtype)
+            generator = _generator(key, device, b"noise", *counter, chunk)
+            return torch.empty(size, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
 
-        def chunk_values(chunk: int) -> torch.Tensor:
-            nonlocal held
-            if held is None or held[0] != chunk:
-                size = min(_CHUNK, numel - chunk * _CHUNK)
-                if self.secure:  # float64 on the CPU
-                    values = _secure_normal_chunk(self._key, (self._step, draw, chunk), size, std)
-                    values = values.to(device=device, dtype=dtype)
-                else:
-                    values = self._torch_chunk(draw, chunk, (size,), std, device, dtype)
-                held = (chunk, values)
-            return held[1]
-
-        for start, count in spans:
-            if std == 0 or count == 0:
-                yield torch.zeros(count, device=device, dtype=dtype)
-                continue
-            first, last = start // _CHUNK, (start + count - 1) // _CHUNK
-            if first == last:
-                yield chunk_values(first)[start - first * _CHUNK : start - first * _CHUNK + count]
-                continue
-            out = torch.empty(count, device=device, dtype=dtype)
-            for chunk in range(first, last + 1):
-                low = chunk * _CHUNK
-                values = chunk_values(chunk)
-                begin, end = max(start, low), min(start + count, low + values.numel())
-                out[begin - start : end - start] = values[begin - low : end - low]
-            yield out
-
-    def _torch_chunk(
-        self, draw: int, chunk: int, shape: tuple[int, ...], std: float, device: torch.device, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Chunk ``chunk`` of draw ``draw`` from torch's generator (:meth:`_generator`), of ``shape``."""
-        generator = self._generator(device, b"noise", self._step, draw, chunk)
-        return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
+        return _blocks(make_chunk, std, spans, device, dtype)
 
     def _refuse_replay(self, draw: int) -> None:
         """Refuse a draw of an unseeded key for a training step (≥ 0) at or before its latest one.
@@ -209,19 +178,6 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
             )
         self._last_draw = (self._step, draw)
 
-    def _generator(self, device: torch.device, tag: bytes, *counters: int) -> torch.Generator:
-        """A torch generator for (key, ``tag``, ``counters``): on the CPU in a full 19,937-bit state drawn from the key
-        (a CPU seed keeps 32 bits only: :func:`~pl_dp.privacy.seeding.secret_cpu_state`); on an accelerator seeded
-        with 64 bits (Philox)."""
-        if device.type == "cpu":
-            return secret_cpu_generator(self._material(tag, *counters))
-        generator = torch.Generator(device=device)
-        generator.manual_seed(derive_seed(self._seed63(), *_tag_counter(tag), *counters))
-        return generator
-
-    def _material(self, tag: bytes, *counters: int) -> bytes:
-        return self._key + tag + b"".join(int(c).to_bytes(8, "little", signed=True) for c in counters)
-
     def seed_randomness(self, step: int, rank: int, device: torch.device) -> None:
         """Put torch's global CPU generator (and ``device``'s, on an accelerator) in a secret state for the other
         randomness of private step ``step`` on data-parallel rank ``rank`` (dropout, a net's own sampling): a
@@ -230,10 +186,10 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         masks of the examples after it; from a secret one, each example's masks are fresh and independent of the
         others, as the analysis of a subsampled Gaussian step with randomized per-example terms assumes. The caller
         restores the generators afterwards (``torch.random.fork_rng``)."""
-        torch.set_rng_state(secret_cpu_state(self._material(b"randomness", step, rank)))
+        torch.set_rng_state(secret_cpu_state(_material(self._key, b"randomness", step, rank)))
         if device.type == "cuda":
             with torch.cuda.device(device):
-                torch.cuda.manual_seed(derive_seed(self._seed63(), *_tag_counter(b"randomness"), step, rank))
+                torch.cuda.manual_seed(derive_seed(_seed63(self._key), *_tag_counter(b"randomness"), step, rank))
 
     def share(self, broadcast: Callable[[Any], Any]) -> None:
         """Make every data-parallel rank use rank 0's key: one draw per logical step, whatever the world size.
@@ -251,8 +207,58 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         origin = "user seed (no guarantee against whoever knows it)" if self.seeded else "OS entropy"
         return f"{generator}; key from {origin}"
 
-    def _seed63(self) -> int:
-        return int.from_bytes(self._key[:8], "little") >> 1
+
+def _blocks(
+    make_chunk: Callable[[int], torch.Tensor],
+    std: float,
+    spans: list[tuple[int, int]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Iterator[torch.Tensor]:
+    """The values of ``spans`` of one draw (:meth:`NoiseSource.normal_blocks`) from its chunks (``make_chunk``), the
+    chunk last made held for the next span."""
+    held: tuple[int, torch.Tensor] | None = None
+
+    def chunk_values(chunk: int) -> torch.Tensor:
+        nonlocal held
+        if held is None or held[0] != chunk:
+            held = (chunk, make_chunk(chunk))
+        return held[1]
+
+    for start, count in spans:
+        if std == 0 or count == 0:
+            yield torch.zeros(count, device=device, dtype=dtype)
+            continue
+        first, last = start // _CHUNK, (start + count - 1) // _CHUNK
+        if first == last:
+            yield chunk_values(first)[start - first * _CHUNK : start - first * _CHUNK + count]
+            continue
+        out = torch.empty(count, device=device, dtype=dtype)
+        for chunk in range(first, last + 1):
+            low = chunk * _CHUNK
+            values = chunk_values(chunk)
+            begin, end = max(start, low), min(start + count, low + values.numel())
+            out[begin - start : end - start] = values[begin - low : end - low]
+        yield out
+
+
+def _generator(key: bytes, device: torch.device, tag: bytes, *counters: int) -> torch.Generator:
+    """A torch generator for (``key``, ``tag``, ``counters``): on the CPU in a full 19,937-bit state drawn from the key
+    (a CPU seed keeps 32 bits only: :func:`~pl_dp.privacy.seeding.secret_cpu_state`); on an accelerator seeded with 64
+    bits (Philox)."""
+    if device.type == "cpu":
+        return secret_cpu_generator(_material(key, tag, *counters))
+    generator = torch.Generator(device=device)
+    generator.manual_seed(derive_seed(_seed63(key), *_tag_counter(tag), *counters))
+    return generator
+
+
+def _material(key: bytes, tag: bytes, *counters: int) -> bytes:
+    return key + tag + b"".join(int(c).to_bytes(8, "little", signed=True) for c in counters)
+
+
+def _seed63(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little") >> 1
 
 
 def _secure_normal_chunk(key: bytes, counter: tuple[int, ...], size: int, std: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ from pl_dp.privacy import (
     poisson_loader,
     poisson_sampler_of,
 )
+from pl_dp.privacy.noise import _generator
 from pl_dp.privacy.seeding import derive_seed
 from pl_dp.step import check_per_sample
 from pl_dp.zo import privatize_sum, privatize_sums
@@ -118,7 +119,7 @@ def test_secret_cpu_generators_have_a_full_state_not_a_32__bit_seed():
 
     assert _seeded_by_32_bits(torch.Generator().manual_seed(2**40 + 5).get_state())  # what the check detects
     source = NoiseSource(seed=3)
-    assert not _seeded_by_32_bits(source._generator(torch.device("cpu"), b"noise", 0, 0).get_state())
+    assert not _seeded_by_32_bits(_generator(source._key, torch.device("cpu"), b"noise", 0, 0).get_state())
     with torch.random.fork_rng():
         source.seed_randomness(0, 0, torch.device("cpu"))
         assert not _seeded_by_32_bits(torch.get_rng_state())
@@ -312,6 +313,20 @@ def test_a_release_of_many_tensors_is_one_draw_and_each_rank_adds_its_blocks_of_
             mechanism.privatize_(held, source, blocks=blocks)
             for (_, offset), block, expected in zip(blocks, held, whole):
                 assert torch.equal(block, expected.reshape(-1)[offset : offset + block.numel()])
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_blocks_of_a_draw_are_of_the_step_and_key_it_was_taken_under(secure):
+    """A draw's blocks are made as they are read; they are still that draw's after the source moved on to another
+    step or took another key — never a (step, draw) the replay guard did not see."""
+    source = NoiseSource(seed=8, secure=secure)
+    source.start_step(3)
+    expected = source.normal((10,), 1.0)
+    source.start_step(3)
+    blocks = source.normal_blocks(10, 1.0, [(0, 4), (4, 6)])
+    source.start_step(4)
+    source.share(lambda _: (bytes(32), True))  # another key
+    assert torch.equal(torch.cat(list(blocks)), expected)
 
 
 @pytest.mark.parametrize("secure", [False, True])
