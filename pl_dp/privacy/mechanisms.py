@@ -142,10 +142,12 @@ class SubsampledGaussian:
         the layout. The tensors share one device; the draw is in the widest of their dtypes.
         """
         if self.is_private and sums:
-            shapes = [t.shape for t in sums] if blocks is None else [shape for shape, _ in blocks]
+            held = [(t.shape, 0) for t in sums] if blocks is None else blocks
             spans, whole = [], 0
-            for i, (t, shape) in enumerate(zip(sums, shapes)):
-                spans.append((whole + (0 if blocks is None else blocks[i][1]), t.numel()))
+            for t, (shape, offset) in zip(sums, held, strict=True):
+                if not 0 <= offset <= offset + t.numel() <= math.prod(shape):
+                    raise ValueError(f"a block of {t.numel()} values at {offset} does not lie in a tensor of {shape}.")
+                spans.append((whole + offset, t.numel()))
                 whole += math.prod(shape)
             dtype = functools.reduce(torch.promote_types, (t.dtype for t in sums))
             draw = noise.normal_blocks(whole, self.noise_std, spans, sums[0].device, dtype)

@@ -135,8 +135,8 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         The draw is taken when this is called; its blocks are made as they are iterated, from the chunks of 2²⁰ values
         that meet them (each a function of (key, step, draw, chunk) alone), so a release of many tensors is one draw
         whatever its layout: one process reads the whole of each tensor, a rank of a sharded run its block. Blocks in
-        increasing order make each chunk once; one that lies in one chunk is a view of it. Memory: one block and one
-        chunk at a time.
+        increasing order make each chunk once; one that lies in one chunk is a view of it (which keeps the chunk).
+        Memory: the block being made, the chunk it is made from, and what the caller keeps of the blocks before.
         """
         draw = self._draws
         self._draws += 1
@@ -222,6 +222,7 @@ def _blocks(
     def chunk_values(chunk: int) -> torch.Tensor:
         nonlocal held
         if held is None or held[0] != chunk:
+            held = None  # the chunk before is not kept while the next is made
             held = (chunk, make_chunk(chunk))
         return held[1]
 

@@ -292,7 +292,7 @@ def test_a_release_of_many_tensors_is_one_draw_and_each_rank_adds_its_blocks_of_
     state, not one per tensor), and ranks holding blocks of the whole tensors add exactly their slices of what one
     process adds — a block across a chunk edge, tensors sharing a chunk, a rank with an empty block included."""
     mechanism = SubsampledGaussian(noise_multiplier=1.3, sample_rate=0.1, sensitivity=0.7, expected_batch_size=2.0)
-    shapes = [(3, 5), (1 << 20,), (7,), (2, 600_000)]  # 2.2 chunks of 2²⁰ values
+    shapes = [(3, 5), (1 << 20,), (2,), (2, 600_000)]  # 2.2 chunks of 2²⁰ values; a third rank holds none of (2,)
     source = NoiseSource(seed=4, secure=secure)
     source.start_step(2)
     whole = [torch.zeros(shape) for shape in shapes]
@@ -313,6 +313,11 @@ def test_a_release_of_many_tensors_is_one_draw_and_each_rank_adds_its_blocks_of_
             mechanism.privatize_(held, source, blocks=blocks)
             for (_, offset), block, expected in zip(blocks, held, whole):
                 assert torch.equal(block, expected.reshape(-1)[offset : offset + block.numel()])
+    two = [torch.zeros(4), torch.zeros(4)]
+    with pytest.raises(ValueError, match="does not lie"):  # it would take the next tensor's noise
+        mechanism.privatize_(two, source, blocks=[(torch.Size((4,)), 2), (torch.Size((4,)), 0)])
+    with pytest.raises(ValueError, match="shorter"):  # a tensor without a block would get no noise
+        mechanism.privatize_(two, source, blocks=[(torch.Size((4,)), 0)])
 
 
 @pytest.mark.parametrize("secure", [False, True])
