@@ -9,7 +9,6 @@ the code that adds noise.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,25 +133,14 @@ class SubsampledGaussian:
     ) -> None:
         """In-place version for a vector release split into tensors (e.g. one gradient per parameter).
 
-        The noise is one draw (:meth:`NoiseSource.normal_blocks`) of as many values as the whole tensors hold, laid
-        out tensor after tensor in the order given: one generator state and one call to it for a release of many small
-        tensors, where a draw per tensor paid both for each. ``blocks``: the sums are this rank's blocks of sharded
-        tensors (:func:`~pl_dp.step.shards.block`: each one's whole shape and flat offset). Each rank adds its blocks
-        of the draw one process makes, drawing only the chunks that meet them: one draw per logical step, whatever
-        the layout. The tensors share one device; the draw is in the widest of their dtypes.
+        The noise is one draw laid over the tensors end to end (:meth:`NoiseSource.normal_like`). ``blocks``: the sums
+        are this rank's blocks of sharded tensors (:func:`~pl_dp.step.shards.block`: each one's whole shape and flat
+        offset); each rank adds its blocks of the draw one process makes: one draw per logical step, whatever the
+        layout.
         """
         if self.is_private and sums:
-            held = [(t.shape, 0) for t in sums] if blocks is None else blocks
-            spans, whole = [], 0
-            for t, (shape, offset) in zip(sums, held, strict=True):
-                if not 0 <= offset <= offset + t.numel() <= math.prod(shape):
-                    raise ValueError(f"a block of {t.numel()} values at {offset} does not lie in a tensor of {shape}.")
-                spans.append((whole + offset, t.numel()))
-                whole += math.prod(shape)
-            dtype = functools.reduce(torch.promote_types, (t.dtype for t in sums))
-            draw = noise.normal_blocks(whole, self.noise_std, spans, sums[0].device, dtype)
-            for i, (t, part) in enumerate(zip(sums, draw)):
-                t.add_(self._noise(i, part.view_as(t)))
+            for i, (t, part) in enumerate(zip(sums, noise.normal_like(sums, self.noise_std, blocks=blocks))):
+                t.add_(self._noise(i, part))
         for t in sums:
             t.div_(self.expected_batch_size)
 

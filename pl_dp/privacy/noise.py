@@ -36,6 +36,7 @@ guarantee against them, and its privacy report says so.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import secrets
@@ -120,6 +121,36 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         numel = math.prod(shape)
         (values,) = self.normal_blocks(numel, std, [(0, numel) if block is None else block], device, dtype)
         return values.view(shape) if block is None else values
+
+    def normal_like(
+        self,
+        tensors: Sequence[torch.Tensor],
+        std: float,
+        *,
+        blocks: Sequence[tuple[torch.Size, int]] | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """One draw (the next of the current step) of i.i.d. N(0, std²) values laid over whole tensors end to end, in
+        the order given: each tensor's piece, shaped like it — one generator state and one call to it for a release of
+        many small tensors, where a draw per tensor paid both for each (:meth:`normal_blocks`).
+
+        ``blocks``: the tensors are blocks of whole tensors (a rank's shards: each one's whole shape and flat offset in
+        it); each gets its slice of the draw one process makes for the whole tensors. The draw is on the first
+        tensor's device, in the widest of their dtypes. A block outside its tensor, or a list of blocks of another
+        length than the tensors, is refused: it would leave a coordinate with another's noise, or none. No tensors: no
+        draw.
+        """
+        if not tensors:
+            return iter(())
+        wholes = [(t.shape, 0) for t in tensors] if blocks is None else blocks
+        spans, numel = [], 0
+        for t, (shape, offset) in zip(tensors, wholes, strict=True):
+            if not 0 <= offset <= offset + t.numel() <= math.prod(shape):
+                raise ValueError(f"a block of {t.numel()} values at {offset} does not lie in a tensor of {shape}.")
+            spans.append((numel + offset, t.numel()))
+            numel += math.prod(shape)
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        parts = self.normal_blocks(numel, std, spans, tensors[0].device, dtype)
+        return (part.view_as(t) for part, t in zip(parts, tensors))
 
     def normal_blocks(
         self,

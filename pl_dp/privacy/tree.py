@@ -210,7 +210,7 @@ class TreeAggregatedGaussian:
             )
         ends = {b for _, b in tree_nodes(t)}
         self._nodes = [(b, xi) for b, xi in self._nodes if b in ends]
-        fresh = [noise.normal(x.shape, self.noise_std, x.device, x.dtype) for x in like]
+        fresh = [part.to(x.dtype) for part, x in zip(noise.normal_like(like, self.noise_std), like)]
         self._nodes.append((t, fresh))
         total = [torch.zeros_like(x) for x in like]
         for _, xi in self._nodes:
