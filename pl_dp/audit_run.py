@@ -69,7 +69,7 @@ import secrets
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -269,8 +269,9 @@ class _ReleaseRecorder(Callback):
 class _ReplayRecorder(Callback):
     """The replay's instrumentation: which canaries each step's Poisson batch held, and the noise it drew.
 
-    The noise is read by wrapping ``normal`` of the noise source the module uses at its first batch
-    (on that instance only); the source still draws. Kept: the canary columns of the weight's draw.
+    The noise is read by wrapping ``normal_like`` of the noise source the module uses at its first batch (on that
+    instance only: the one draw a step lays over the parameters); the source still draws. Kept: the canary columns of
+    the weight's piece of the draw.
     """
 
     def __init__(self, first_canary_column: int) -> None:
@@ -286,15 +287,17 @@ class _ReplayRecorder(Callback):
 
     def _tap(self, pl_module: L.LightningModule) -> None:
         source = self._tapped = pl_module.noise
-        draw, shape = source.normal, tuple(pl_module.net.weight.shape)
+        draw, shape = source.normal_like, tuple(pl_module.net.weight.shape)
 
-        def normal(*args: Any, **kwargs: Any) -> torch.Tensor:
-            out = draw(*args, **kwargs)
-            if tuple(out.shape) == shape:
-                self.noise[pl_module.private_steps] = out.detach()[:, self.column :].double().clone()
-            return out
+        def record(piece: torch.Tensor) -> torch.Tensor:
+            if tuple(piece.shape) == shape:
+                self.noise[pl_module.private_steps] = piece.detach()[:, self.column :].double().clone()
+            return piece
 
-        source.normal = normal
+        def normal_like(*args: Any, **kwargs: Any) -> Iterator[torch.Tensor]:
+            return map(record, draw(*args, **kwargs))  # the draw is taken now, as the source's own
+
+        source.normal_like = normal_like
 
 
 @dataclass(frozen=True)
