@@ -289,13 +289,18 @@ class _ReplayRecorder(Callback):
         source = self._tapped = pl_module.noise
         draw, shape = source.normal_like, tuple(pl_module.net.weight.shape)
 
-        def record(piece: torch.Tensor) -> torch.Tensor:
-            if tuple(piece.shape) == shape:
-                self.noise[pl_module.private_steps] = piece.detach()[:, self.column :].double().clone()
-            return piece
+        def recorded(pieces: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+            found = 0
+            for piece in pieces:
+                if tuple(piece.shape) == shape:
+                    found += 1
+                    if found > 1:
+                        raise RuntimeError("two released tensors have the weight's shape: the replay cannot tell them.")
+                    self.noise[pl_module.private_steps] = piece.detach()[:, self.column :].double().clone()
+                yield piece
 
         def normal_like(*args: Any, **kwargs: Any) -> Iterator[torch.Tensor]:
-            return map(record, draw(*args, **kwargs))  # the draw is taken now, as the source's own
+            return recorded(draw(*args, **kwargs))  # the draw is taken now, as the source's own
 
         source.normal_like = normal_like
 

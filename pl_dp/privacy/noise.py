@@ -134,13 +134,16 @@ class NoiseSource(CopiesDrawTheirOwnSecret):
         many small tensors, where a draw per tensor paid both for each (:meth:`normal_blocks`).
 
         ``blocks``: the tensors are blocks of whole tensors (a rank's shards: each one's whole shape and flat offset in
-        it); each gets its slice of the draw one process makes for the whole tensors. The draw is on the first
-        tensor's device, in the widest of their dtypes. A block outside its tensor, or a list of blocks of another
-        length than the tensors, is refused: it would leave a coordinate with another's noise, or none. No tensors: no
-        draw.
+        it); each gets its slice of the draw one process makes for the whole tensors. The draw is on the tensors'
+        device, in the widest of their dtypes. Tensors on several devices, a block outside its tensor, or a list of
+        blocks of another length than the tensors, are refused: the last two would leave a coordinate with another's
+        noise, or none. No tensors: no draw.
         """
         if not tensors:
             return iter(())
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise ValueError(f"one draw is made on one device; these tensors are on {sorted(map(str, devices))}.")
         wholes = [(t.shape, 0) for t in tensors] if blocks is None else blocks
         spans, numel = [], 0
         for t, (shape, offset) in zip(tensors, wholes, strict=True):

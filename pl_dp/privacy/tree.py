@@ -210,7 +210,8 @@ class TreeAggregatedGaussian:
             )
         ends = {b for _, b in tree_nodes(t)}
         self._nodes = [(b, xi) for b, xi in self._nodes if b in ends]
-        fresh = [part.to(x.dtype) for part, x in zip(noise.normal_like(like, self.noise_std), like)]
+        # copies: a piece may be a view of a whole chunk of the draw, which a node kept for later leaves would hold
+        fresh = [part.to(x.dtype, copy=True) for part, x in zip(noise.normal_like(like, self.noise_std), like)]
         self._nodes.append((t, fresh))
         total = [torch.zeros_like(x) for x in like]
         for _, xi in self._nodes:

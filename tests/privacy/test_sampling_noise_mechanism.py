@@ -318,6 +318,8 @@ def test_a_release_of_many_tensors_is_one_draw_and_each_rank_adds_its_blocks_of_
         mechanism.privatize_(two, source, blocks=[(torch.Size((4,)), 2), (torch.Size((4,)), 0)])
     with pytest.raises(ValueError, match="shorter"):  # a tensor without a block would get no noise
         mechanism.privatize_(two, source, blocks=[(torch.Size((4,)), 0)])
+    with pytest.raises(ValueError, match="one device"):
+        source.normal_like([torch.zeros(2), torch.zeros(2, device="meta")], 1.0)
     source.start_step(3)
     assert list(source.normal_like([], 1.0)) == []  # no tensors, no draw: the step's first draw is still draw 0
     fresh = NoiseSource(seed=4, secure=secure)

@@ -51,6 +51,20 @@ def test_tree_noise_variance_matches_the_node_count():
     assert (seven - six).var().item() == pytest.approx(1.0, rel=0.05)
 
 
+def test_a_node_is_one_draw_over_the_tensors_and_keeps_only_its_own_values():
+    """Each node's noise is one draw laid over the tensors end to end; a node kept for later leaves holds its values,
+    not the chunk of the draw a small tensor's piece lies in."""
+    tree, noise = TreeAggregatedGaussian(noise_multiplier=2.0, sensitivity=0.5), NoiseSource(seed=0)
+    like = [torch.zeros(3), torch.zeros(5, 2)]
+    noise.start_step(0)
+    released = tree.noise(1, like, noise)
+    noise.start_step(0)
+    draw = noise.normal((13,), tree.noise_std)
+    assert torch.equal(torch.cat([t.reshape(-1) for t in released]), draw)
+    for xi, x in zip(tree._nodes[0][1], like):
+        assert xi.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
 def test_a_copy_of_a_tree_holds_no_node_noise_and_cannot_continue_it():
     import copy
 
