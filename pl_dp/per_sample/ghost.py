@@ -87,12 +87,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
 from typing import Any
 
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
-from opacus.grad_sample.functorch import prepare_layer
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleModuleFastGradientClippingFSDP,
 )
@@ -115,9 +113,11 @@ from pl_dp.per_sample.book import (
 from pl_dp.per_sample.gradients import (
     OPACUS_RNNS,
     BroadcastLookups,
+    HooksOutputGradients,
     RecordsInEvalMode,
     clear_hook_state,
     full_precision,
+    output_tensors,
     refuse_rows_not_examples,
     refuse_unsupported_layers,
 )
@@ -208,53 +208,6 @@ class RefusesInputsChangedInPlace:
             name = getattr(self, "layer_names", {}).get(module, "?")
             refuse_changed_inputs(activations, f"{name!r} ({type(module).__name__})")
         return activations, backprops
-
-
-class HooksOutputGradients:
-    """Mixin for Opacus' norm modules of one process: each hooked call's output gradient reaches Opacus' backward
-    hook through a tensor hook on the call's output, which its forward hook registers, instead of a full backward hook
-    on the layer. The gradient is the same one (with respect to the output as the layer returned it, whatever the
-    forward does to that tensor in place afterwards), and the hook fires once per backward through the call, as a full
-    backward hook does; but a full backward hook wraps every call's inputs and outputs in autograd nodes of its own and
-    runs Python around them, about 0.3 ms a layer and pass on a CPU — as much as the digits MLP's whole forward."""
-
-    hooks_enabled: bool
-    _module: nn.Module
-    GRAD_SAMPLERS: dict[type, Any]
-
-    def add_hooks(
-        self, *, loss_reduction: str = "mean", batch_first: bool = True, force_functorch: bool = False
-    ) -> None:
-        """Opacus' ``add_hooks`` (the same modules, and ``prepare_layer`` for those without a sampler), with the
-        output's tensor hook in place of the full backward hook."""
-        if hasattr(self._module, "autograd_grad_sample_hooks"):
-            raise ValueError("Trying to add hooks twice to the same model")
-        handles: list[Any] = []
-        self._module.autograd_grad_sample_hooks = handles
-        self.autograd_grad_sample_hooks = handles
-        for module in self.iterate_submodules(self._module):  # type: ignore[attr-defined]
-            if type(module) in OPACUS_RNNS:  # Opacus hooks their RNNLinear layers instead
-                continue
-            if force_functorch or self._get_module_type(module) not in self.GRAD_SAMPLERS:  # type: ignore[attr-defined]
-                prepare_layer(module, batch_first=batch_first)
-            record = partial(self._record_call, loss_reduction=loss_reduction, batch_first=batch_first)
-            handles.append(module.register_forward_hook(record))
-        self.enable_hooks()  # type: ignore[attr-defined]
-
-    def _record_call(
-        self, module: nn.Module, forward_input: Any, forward_output: Any, *, loss_reduction: str, batch_first: bool
-    ) -> None:
-        self.capture_activations_hook(module, forward_input, forward_output)  # type: ignore[attr-defined]
-        outputs = _tensors(forward_output)
-        if self.hooks_enabled and torch.is_grad_enabled() and outputs and outputs[0].requires_grad:
-            outputs[0].register_hook(
-                partial(self._output_gradient, module, loss_reduction=loss_reduction, batch_first=batch_first)
-            )
-
-    def _output_gradient(
-        self, module: nn.Module, grad: torch.Tensor, *, loss_reduction: str, batch_first: bool
-    ) -> None:
-        self.capture_backprops_hook(module, None, (grad,), loss_reduction, batch_first)  # type: ignore[attr-defined]
 
 
 class GhostNormModule(
@@ -403,18 +356,18 @@ class PerExampleLayersShardedNormModule(KeepsPerExampleLayers, ShardedGhostNormM
 class _NormsOnly:
     """Where the first pass's backward must go for every per-example norm to be recorded — and no further.
 
-    In one process a layer's norm hook is a tensor hook on its output (:class:`HooksOutputGradients`), as is
-    :class:`~pl_dp.per_sample.tied.TiedNorms`' on each module holding a tied weight: it fires when autograd has the
-    gradient with respect to that output. Sharded, Opacus' norm hooks are full backward hooks: a layer's fires once
-    autograd has the gradient with respect to the layer's input (at a node autograd inserts between that input and
-    the layer), or, for a layer none of whose inputs needs a gradient (the first layer, an embedding of integer ids),
-    with respect to its output. During the first pass's forward this records, per hooked call, the gradient edges
-    just below those points: the call's inputs (below the inserted node, sharded), or its output if its inputs need no
-    gradient. :meth:`plan` keeps the lowest of them — those below
-    which no other lies — and ``torch.autograd.grad(loss, inputs=<them>)`` then runs exactly the nodes on a path
-    from the loss to one of them: the gradient flows through every hooked layer, and every branch that only leads
-    to a parameter (a layer's weight-gradient matmul, ``AccumulateGrad``) is pruned by autograd. The gradients it
-    returns (of a few activations) are dropped.
+    In one process a layer's norm hook is a tensor hook on its output
+    (:class:`~pl_dp.per_sample.gradients.HooksOutputGradients`), as is :class:`~pl_dp.per_sample.tied.TiedNorms`' on
+    each module holding a tied weight: it fires when autograd has the gradient with respect to that output. Sharded,
+    Opacus' norm hooks are full backward hooks: a layer's fires once autograd has the gradient with respect to the
+    layer's input (at a node autograd inserts between that input and the layer), or, for a layer none of whose inputs
+    needs a gradient (the first layer, an embedding of integer ids), with respect to its output. During the first
+    pass's forward this records, per hooked call, the gradient edges just below those points: the call's inputs
+    (below the inserted node, sharded), or its output if its inputs need no gradient. :meth:`plan` keeps the lowest
+    of them — those below which no other lies — and ``torch.autograd.grad(loss, inputs=<them>)`` then runs exactly
+    the nodes on a path from the loss to one of them: the gradient flows through every hooked layer, and every branch
+    that only leads to a parameter (a layer's weight-gradient matmul, ``AccumulateGrad``) is pruned by autograd. The
+    gradients it returns (of a few activations) are dropped.
 
     Sharded by FSDP2, the forward uses each layer's gathered parameters, not the shards: their identities are
     recorded too, so that a gathered parameter the loss reaches is named.
@@ -488,7 +441,7 @@ class _NormsOnly:
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         self._call(module, inputs, output)
         if not inputs:  # the hook fires at the output
-            self.edges += [get_gradient_edge(t) for t in _tensors(output) if t.requires_grad]
+            self.edges += [get_gradient_edge(t) for t in output_tensors(output) if t.requires_grad]
             return
         node = inputs[0].grad_fn  # sharded: the node of the layer's full backward hook, one for all its tensor inputs
         if node is None or node.name() != "BackwardHookFunctionBackward":  # one process: the inputs themselves
@@ -502,12 +455,12 @@ class _NormsOnly:
             return
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         self._call(module, inputs, output)
-        self.edges += [get_gradient_edge(t) for t in inputs or _tensors(output) if t.requires_grad]
+        self.edges += [get_gradient_edge(t) for t in inputs or output_tensors(output) if t.requires_grad]
 
     def _call(self, module: nn.Module, inputs: list[torch.Tensor], output: Any) -> None:
         """Record where a hooked call's part of the graph begins (its output: forward hooks see it before a full
         backward hook wraps it) and ends (the nodes its inputs come from)."""
-        starts = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        starts = [t.grad_fn for t in output_tensors(output) if t.grad_fn is not None]
         self.calls.append((module, starts, {a.grad_fn for a in inputs if a.grad_fn is not None}))
 
     def _parameters(self, module: nn.Module, args: tuple) -> None:
@@ -602,13 +555,6 @@ class _NormsOnly:
         prefix = self._names.get(module, "")
         name = next(n for n, p in module.named_parameters(recurse=False) if p is variable)
         return f"{prefix}.{name}" if prefix else name
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a module's output as its full backward hook sees them (a tensor or a tuple of them)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    return [t for t in output if isinstance(t, torch.Tensor)] if isinstance(output, (tuple, list)) else []
 
 
 class GhostClipping:
