@@ -12,7 +12,7 @@ from torch import nn
 
 from pl_dp.errors import ConfigError
 from pl_dp.nets import CausalLM, HFClassifier, TinyTransformerClassifier
-from pl_dp.per_sample import BookKeeping, GhostClipping, verify_per_example_gradients
+from pl_dp.per_sample import BookKeeping, GhostClipping, get_per_sample_mode, verify_per_example_gradients
 from pl_dp.per_sample.gram import linear_norms
 from pl_dp.privacy import ClipFunction
 from pl_dp.step.batches import select_examples
@@ -170,6 +170,41 @@ def test_the_rows_it_sums_are_each_examples_own_gradient(name, models):
     for i, own in enumerate(_own_gradients(copy.deepcopy(net), batch, loss_fn)):
         for row, g in zip(rows, own):
             torch.testing.assert_close(row[i].double(), g, rtol=1e-5, atol=1e-7)
+
+
+class _ChangesOutputsInPlace(nn.Module):
+    """Each hooked layer's output changed in place after the call: by an in-place ReLU, scaled, and a residual added
+    in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        out = self.fc2(h)
+        out.mul_(3.0)
+        out += h
+        return self.head(torch.tanh(out))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
+def test_a_layer_whose_output_is_changed_in_place_after_the_call_is_measured_by_its_own_gradient(mode):
+    """The hooks read each layer's output gradient from a tensor hook on the output the layer returned: the gradient
+    with respect to that output as it was, not as the forward changed it in place afterwards (3× the gradient here,
+    by which a norm taken of the other one would fall short). Norms and rows against each example's own gradient."""
+    torch.manual_seed(0)
+    net = _ChangesOutputsInPlace()
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    engine = get_per_sample_mode(mode).build(copy.deepcopy(net), cross_entropy, None)
+    own = _own_gradients(copy.deepcopy(net), batch, cross_entropy)
+    expected = torch.stack([torch.sqrt(sum(g.square().sum() for g in rows)) for rows in own])
+    torch.testing.assert_close(engine.per_example_norms(batch).double(), expected, rtol=1e-5, atol=1e-7)
+    sums, _, _ = engine.clipped_sum(batch, ClipFunction("constant", 1e30))  # every weight 1: the plain sum
+    for k, total in enumerate(sums):
+        torch.testing.assert_close(total.double(), sum(rows[k] for rows in own), rtol=1e-5, atol=1e-6)
+    verify_per_example_gradients(engine, batch)
 
 
 def test_a_narrow_linear_layer_is_measured_by_its_instantiated_gradient():
