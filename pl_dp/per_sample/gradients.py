@@ -82,25 +82,45 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in output if isinstance(t, torch.Tensor)] if isinstance(output, (tuple, list)) else []
 
 
+class _Unchangeable(torch.autograd.Function):
+    """The identity on a hooked call's output, as a view made inside a custom ``autograd.Function``, which autograd
+    forbids changing in place. A change in place after the call would take a part of the output's gradient past a hook
+    on the output's own node, through the base of an output that is itself a view (``nn.Linear`` returns one on
+    contiguous ``[B, T, d]`` inputs — on a transposed input only when B = 1 or T = 1, so the part missed would depend on
+    the batch; found by review). Opacus' full backward hooks refused such changes the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class HooksOutputGradients:
     """Mixin for Opacus' hook modules of one process (per-example gradients, and the norms of ghost clipping and
     book-keeping): each hooked call's output gradient reaches Opacus' backward hook through a tensor hook on the
-    call's first output, which its forward hook registers, instead of a full backward hook on the layer (whose hook
-    Opacus reads the first output's gradient of too). The gradient is the same one — with respect to the output as
-    the layer returned it, whatever the forward does to that tensor in place afterwards — and the hook fires once per
-    backward through the call, as a full backward hook does; but a full backward hook wraps every call's inputs and
-    outputs in autograd nodes of its own and runs Python around them, about 0.3 ms a layer and pass on a CPU — as
-    much as the digits MLP's whole forward."""
+    call's first output, made unchangeable in place (:class:`_Unchangeable`) by its forward hook, instead of a full
+    backward hook on the layer (whose hook Opacus reads the first output's gradient of too). The gradient is the same
+    one, and the hook fires once per backward through the call, as a full backward hook's does; but a full backward
+    hook wraps every call's inputs and outputs in autograd nodes of its own and runs Python around them, about 0.3 ms a
+    layer and pass on a CPU — as much as the digits MLP's whole forward. As under a full backward hook, neither the
+    output nor (in the call) an input may be changed in place: the recorded input would not be what the layer computed
+    with, and Opacus computes the per-example gradient from it (a ``LayerScale`` multiplying its input in place, found
+    by review)."""
 
     hooks_enabled: bool
     _module: nn.Module
     GRAD_SAMPLERS: dict[type, Any]
+    #: per hooked module, each of its running calls' tensor inputs and their versions (a call may be nested in itself)
+    _input_versions: dict[nn.Module, list[list[tuple[torch.Tensor, int]]]]
 
     def add_hooks(
         self, *, loss_reduction: str = "mean", batch_first: bool = True, force_functorch: bool = False
     ) -> None:
         """Opacus' ``add_hooks`` (the same modules, and ``prepare_layer`` for those without a sampler), with the
-        output's tensor hook in place of the full backward hook."""
+        output's tensor hook (and a check of its inputs' versions) in place of the full backward hook."""
         if hasattr(self._module, "autograd_grad_sample_hooks"):
             raise ValueError("Trying to add hooks twice to the same model")
         handles: list[Any] = []
@@ -112,18 +132,45 @@ class HooksOutputGradients:
             if force_functorch or self._get_module_type(module) not in self.GRAD_SAMPLERS:  # type: ignore[attr-defined]
                 prepare_layer(module, batch_first=batch_first)
             record = partial(self._record_call, loss_reduction=loss_reduction, batch_first=batch_first)
+            handles.append(module.register_forward_pre_hook(self._note_inputs))
             handles.append(module.register_forward_hook(record))
         self.enable_hooks()  # type: ignore[attr-defined]
 
+    def enable_hooks(self) -> None:
+        """Opacus' switch, which each pass turns on at its start: what a call that raised left noted is dropped."""
+        self._input_versions = {}
+        super().enable_hooks()  # type: ignore[misc]
+
+    def _note_inputs(self, module: nn.Module, args: tuple) -> None:
+        if self.hooks_enabled and torch.is_grad_enabled():
+            versions = [(a, a._version) for a in args if isinstance(a, torch.Tensor)]
+            self._input_versions.setdefault(module, []).append(versions)
+
     def _record_call(
         self, module: nn.Module, forward_input: Any, forward_output: Any, *, loss_reduction: str, batch_first: bool
-    ) -> None:
+    ) -> Any:
+        if not (self.hooks_enabled and torch.is_grad_enabled()):
+            return None
+        noted = self._input_versions.get(module)
+        if noted and any(tensor._version != version for tensor, version in noted.pop()):
+            raise RuntimeError(
+                f"cannot record the per-example gradients of {type(module).__name__}: its forward changed its input in "
+                "place, so the input recorded for them is not the one the layer computed with. Change a copy of the "
+                "input (x = x * scale, not x.mul_(scale))."
+            )
         self.capture_activations_hook(module, forward_input, forward_output)  # type: ignore[attr-defined]
         outputs = output_tensors(forward_output)
-        if self.hooks_enabled and torch.is_grad_enabled() and outputs and outputs[0].requires_grad:
-            outputs[0].register_hook(
-                partial(self._output_gradient, module, loss_reduction=loss_reduction, batch_first=batch_first)
-            )
+        if not outputs or not outputs[0].requires_grad:
+            return None
+        watched = _Unchangeable.apply(outputs[0])
+        watched.register_hook(
+            partial(self._output_gradient, module, loss_reduction=loss_reduction, batch_first=batch_first)
+        )
+        if isinstance(forward_output, torch.Tensor):
+            return watched
+        rest = iter([watched, *outputs[1:]])
+        items = [next(rest) if isinstance(t, torch.Tensor) else t for t in forward_output]
+        return forward_output._make(items) if hasattr(forward_output, "_make") else type(forward_output)(items)
 
     def _output_gradient(
         self, module: nn.Module, grad: torch.Tensor, *, loss_reduction: str, batch_first: bool
@@ -177,7 +224,8 @@ class BroadcastLookups:
                 indices = indices.expand(size, *indices.shape[1:])
             return None if indices.is_contiguous() else (indices.contiguous(), *args[1:])
 
-        handles = [m.register_forward_pre_hook(expand) for m in self.embeddings]
+        # first: the hooks that record each call's inputs see the indices it computes with
+        handles = [m.register_forward_pre_hook(expand, prepend=True) for m in self.embeddings]
         try:
             yield
         finally:
