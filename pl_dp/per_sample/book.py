@@ -60,6 +60,7 @@ class KeepsBook:
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
         if self.keeps(module):
+            record_versions([backprops])  # it is the live gradient's alias: a later backward may change it in place
             self.book.append((module, activations, backprops))
         return activations, backprops
 
@@ -106,6 +107,19 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return rows.view(bits).sum(-1, dtype=bits)
 
 
+def refuse_changed_gradient(grad: torch.Tensor, layer: str) -> None:
+    """Raise if a kept output gradient (which :class:`KeepsBook` kept, its version recorded) was changed in place
+    after its norm was taken: autograd hands one gradient tensor to every branch of a sum, and a custom backward on
+    another branch that changes its incoming gradient in place changes the kept one, of which the sum would then be
+    made (1.36·C released under book-keeping; found by an independent review)."""
+    if getattr(grad, "_pl_dp_version", grad._version) != grad._version:
+        raise RuntimeError(
+            f"cannot clip {layer}: its output gradient was changed in place after its norm was taken (a custom "
+            "backward that changes the gradient it is given, on another branch), so the clipped sum would not be made "
+            "of the gradient the norm was taken of. Change a copy in that backward (g = g * scale, not g.mul_(scale))."
+        )
+
+
 def refuse_another_gradient(grad: torch.Tensor, first: torch.Tensor, layer: str) -> None:
     """Raise if the output gradient ``grad`` of a second backward is not the one whose :func:`fingerprint` the first
     took: a backward that changes what it reads (a custom ``autograd.Function`` that keeps a tensor on ``ctx`` and
@@ -129,6 +143,7 @@ def per_example_gradients(samplers: Mapping[type, Any], entry: Entry) -> dict[st
     module, activations, backprops = entry
     if reads_inputs(module):
         refuse_changed_inputs(activations, f"a {type(module).__name__}")
+    refuse_changed_gradient(backprops, f"a {type(module).__name__}")
     sampler = samplers.get(layer_type(module), ft_compute_per_sample_gradient)
     names = {id(p): name for name, p in module.named_parameters(recurse=False)}
     grads = {names[id(p)]: g for p, g in sampler(module, activations, backprops).items() if p.requires_grad}
@@ -151,6 +166,7 @@ def weighted_sum(samplers: Mapping[type, Any], entry: Entry, weights: torch.Tens
     module, activations, backprops = entry
     if reads_inputs(module):
         refuse_changed_inputs(activations, f"a {type(module).__name__}")
+    refuse_changed_gradient(backprops, f"a {type(module).__name__}")
     if backprops.shape[0] != len(weights):  # refused with the layer named after the first pass; never broadcast
         raise RuntimeError(f"a kept call of {type(module).__name__} has {backprops.shape[0]} rows, not one per example")
     transposed = transposed_linear(module)

@@ -232,6 +232,51 @@ def test_a_hooked_output_or_input_changed_in_place_is_refused_whatever_the_batch
         engine.clipped_sum((torch.randn(3, 4), torch.randint(0, 3, (3,))), ClipFunction("constant", 1.0))
 
 
+class _BoostsItsGradientInPlace(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient it is given in place: by 4 on rows flagged by a feature."""
+
+    @staticmethod
+    def forward(ctx, values, x):
+        ctx.boost = torch.where(x[:, :1] > 5, 4.0, 1.0)
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul_(ctx.boost), None
+
+
+class _SharesAGradient(nn.Module):
+    """A sum whose two branches autograd hands one gradient tensor: a linear layer's output, and a branch whose custom
+    backward changes that tensor in place after the layer's norm was taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.side, self.head = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        boosted = _BoostsItsGradientInPlace.apply(torch.tanh(self.side(x * 0.01)), x)
+        return self.head(torch.tanh(self.fc(x * 0.01) + boosted))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
+def test_a_kept_output_gradient_changed_in_place_by_a_later_backward_is_refused_or_clipped(mode):
+    """Independent review: book-keeping took a layer's norm from its output gradient in the hook, and its sum from the
+    same tensor after a custom backward on a sibling branch had multiplied it in place — one record moved the release
+    by 1.36·C. It is refused now; ghost clipping (whose second backward is checked against the first) and per-example
+    gradients (which sum the rows they measure) clip it at C."""
+    torch.manual_seed(0)
+    engine = get_per_sample_mode(mode).build(_SharesAGradient(), cross_entropy, None)
+    x, y, clip = torch.randn(6, 4) * 0.01, torch.randint(0, 3, (6,)), ClipFunction("constant", 1e-3)
+    x[0, 0] = 10.0
+    if mode == "bk":
+        with pytest.raises(RuntimeError, match="output gradient was changed in place after its norm was taken"):
+            engine.clipped_sum((x, y), clip)
+        return
+    with_it, without = engine.clipped_sum((x, y), clip)[0], engine.clipped_sum((x[1:], y[1:]), clip)[0]
+    moved = torch.sqrt(sum((a - b).double().square().sum() for a, b in zip(with_it, without)))
+    assert moved <= 1e-3 * (1 + 1e-5), float(moved / 1e-3)
+
+
 def test_a_narrow_linear_layer_is_measured_by_its_instantiated_gradient():
     """2T² > p·d: the per-example gradient is formed (p·d per example, not T² per example) — same norm."""
     layer = nn.Linear(3, 2)
