@@ -458,8 +458,9 @@ class _NormsOnly:
         self.edges += [get_gradient_edge(t) for t in inputs or output_tensors(output) if t.requires_grad]
 
     def _call(self, module: nn.Module, inputs: list[torch.Tensor], output: Any) -> None:
-        """Record where a hooked call's part of the graph begins (its output: forward hooks see it before a full
-        backward hook wraps it) and ends (the nodes its inputs come from)."""
+        """Record where a hooked call's part of the graph begins (its output as the forward hooks before this one
+        left it: in one process the unchangeable view of :class:`~pl_dp.per_sample.gradients.HooksOutputGradients`;
+        sharded, before a full backward hook wraps it) and ends (the nodes its inputs come from)."""
         starts = [t.grad_fn for t in output_tensors(output) if t.grad_fn is not None]
         self.calls.append((module, starts, {a.grad_fn for a in inputs if a.grad_fn is not None}))
 
